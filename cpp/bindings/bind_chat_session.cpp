@@ -1,0 +1,78 @@
+#include "bindings.h"
+#include "kvchat/chat_session.h"
+
+namespace kvchat {
+
+void bind_chat_session(py::module_& m) {
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<Message>(m, "Message")
+      .def(py::init<std::string, std::string>(), py::arg("role"), py::arg("content"))
+      .def_readonly("role", &Message::role)
+      .def_readonly("content", &Message::content);
+
+  py::class_<TurnRecord>(m, "TurnRecord")
+      .def(py::init<>())
+      .def_readwrite("prompt_tokens", &TurnRecord::prompt_tokens)
+      .def_readwrite("reused_tokens", &TurnRecord::reused_tokens)
+      .def_readwrite("prefilled_tokens", &TurnRecord::prefilled_tokens)
+      .def_readwrite("generated_tokens", &TurnRecord::generated_tokens)
+      .def_readwrite("checkpoint_restored", &TurnRecord::checkpoint_restored)
+      .def_readwrite("prefill_ms", &TurnRecord::prefill_ms)
+      .def_readwrite("total_ms", &TurnRecord::total_ms)
+      .def_readwrite("reason", &TurnRecord::reason)
+      .def_readwrite("output_ids", &TurnRecord::output_ids);
+
+  py::class_<SessionCounters>(m, "SessionCounters")
+      .def_readonly("requests", &SessionCounters::requests)
+      .def_readonly("reused_tokens", &SessionCounters::reused_tokens)
+      .def_readonly("prefilled_tokens", &SessionCounters::prefilled_tokens)
+      .def_readonly("generated_tokens", &SessionCounters::generated_tokens)
+      .def_readonly("invalidations", &SessionCounters::invalidations);
+
+  py::class_<CacheInfo>(m, "CacheInfo")
+      .def_readonly("cached_tokens", &CacheInfo::cached_tokens)
+      .def_readonly("trusted_tokens", &CacheInfo::trusted_tokens)
+      .def_readonly("num_layers", &CacheInfo::num_layers)
+      .def_readonly("nbytes", &CacheInfo::nbytes)
+      .def_readonly("dtype", &CacheInfo::dtype)
+      .def_readonly("device", &CacheInfo::device)
+      .def_readonly("last_check", &CacheInfo::last_check);
+
+  py::class_<ChatSession, std::shared_ptr<ChatSession>>(m, "ChatSession")
+      .def(py::init<std::string, int64_t>(), py::arg("session_id"), py::arg("num_layers") = 0)
+      .def_property_readonly("id", &ChatSession::id)
+      .def("add_message", &ChatSession::add_message, py::arg("role"), py::arg("content"))
+      .def("set_messages", &ChatSession::set_messages, py::arg("messages"))
+      .def("clear_messages", &ChatSession::clear_messages)
+      .def("messages", &ChatSession::messages)
+      .def_property_readonly("system_prompt", &ChatSession::system_prompt)
+      .def(
+          "plan",
+          [](const ChatSession& s, const at::Tensor& prompt_ids) {
+            auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
+            py::gil_scoped_release release;
+            return s.plan(data, n);
+          },
+          py::arg("prompt_ids"))
+      .def("layers_for", &ChatSession::layers_for, py::arg("plan"), no_gil())
+      .def(
+          "commit",
+          [](ChatSession& s, const at::Tensor& token_ids, std::vector<LayerStatePtr> layers,
+             int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule) {
+            auto [data, n] = token_ids_view(token_ids, "token_ids");
+            py::gil_scoped_release release;
+            s.commit(data, n, std::move(layers), new_from, markers, rule);
+          },
+          py::arg("token_ids"), py::arg("layers"), py::arg("new_from"), py::arg("markers"),
+          py::arg("rule") = RepetitionRule{})
+      .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
+      .def_property_readonly("resident", &ChatSession::resident)
+      .def("cache_info", &ChatSession::cache_info, no_gil())
+      .def("cached_ids", &ChatSession::cached_ids)
+      .def("record_turn", &ChatSession::record_turn, py::arg("turn"))
+      .def("last_turn", &ChatSession::last_turn)
+      .def("counters", &ChatSession::counters);
+}
+
+}  // namespace kvchat

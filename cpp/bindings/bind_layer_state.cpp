@@ -1,0 +1,30 @@
+#include "bindings.h"
+#include "kvchat/layer_state.h"
+
+namespace kvchat {
+
+void bind_layer_state(py::module_& m) {
+  py::enum_<LayerKind>(m, "LayerKind")
+      .value("attention", LayerKind::kAttention)
+      .value("sliding_window", LayerKind::kSlidingWindow)
+      .value("recurrent", LayerKind::kRecurrent);
+
+  py::class_<LayerState, LayerStatePtr>(m, "LayerState")
+      .def_property_readonly("kind", &LayerState::kind)
+      .def_property_readonly("num_tokens", &LayerState::num_tokens)
+      .def("can_crop_to", &LayerState::can_crop_to, py::arg("n"))
+      .def("cropped", &LayerState::cropped, py::arg("n"))
+      .def("tensors", &LayerState::tensors)
+      .def("nbytes", [](const LayerState& s) {
+        StorageBytes seen;
+        s.collect_storage(&seen);
+        return total_bytes(seen);
+      });
+
+  py::class_<AttentionState, LayerState, std::shared_ptr<AttentionState>>(m, "AttentionState")
+      .def(py::init<at::Tensor, at::Tensor>(), py::arg("keys"), py::arg("values"))
+      .def_property_readonly("keys", &AttentionState::keys)
+      .def_property_readonly("values", &AttentionState::values);
+}
+
+}  // namespace kvchat

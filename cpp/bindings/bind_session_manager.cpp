@@ -1,0 +1,52 @@
+#include "bindings.h"
+#include "kvchat/session_manager.h"
+
+namespace kvchat {
+
+void bind_session_manager(py::module_& m) {
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<ManagerStats>(m, "ManagerStats")
+      .def_readonly("totals", &ManagerStats::totals)
+      .def_readonly("evictions", &ManagerStats::evictions)
+      .def_readonly("resident_bytes", &ManagerStats::resident_bytes)
+      .def_readonly("sessions", &ManagerStats::sessions)
+      .def_readonly("resident_sessions", &ManagerStats::resident_sessions)
+      .def_property_readonly("hit_rate", &ManagerStats::hit_rate);
+
+  // A context manager: `with manager.acquire(id) as session: ...`
+  py::class_<SessionLease>(m, "SessionLease")
+      .def_property_readonly("session", &SessionLease::session)
+      .def("release", &SessionLease::release, no_gil())
+      .def_property_readonly("active", &SessionLease::active)
+      .def("__enter__", &SessionLease::session)
+      .def(
+          "__exit__",
+          [](SessionLease& lease, const py::args&) {
+            py::gil_scoped_release release;
+            lease.release();
+          });
+
+  py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
+      .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers) {
+             return std::make_shared<SessionManager>(
+                 ManagerLimits{max_sessions, max_cache_bytes, num_layers});
+           }),
+           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0,
+           py::arg("num_layers") = 0)
+      .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
+           no_gil())
+      .def("find", &SessionManager::find, py::arg("session_id"))
+      .def("__contains__", &SessionManager::contains, py::arg("session_id"))
+      .def("session_ids", &SessionManager::session_ids)
+      .def("clear", &SessionManager::clear, py::arg("session_id"), no_gil())
+      .def("remove", &SessionManager::remove, py::arg("session_id"), no_gil())
+      .def("stats", &SessionManager::stats, no_gil())
+      .def("enforce_limits", &SessionManager::enforce_limits, no_gil())
+      .def_property_readonly("max_sessions",
+                             [](const SessionManager& s) { return s.limits().max_sessions; })
+      .def_property_readonly("max_cache_bytes",
+                             [](const SessionManager& s) { return s.limits().max_cache_bytes; });
+}
+
+}  // namespace kvchat

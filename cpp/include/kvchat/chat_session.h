@@ -1,0 +1,111 @@
+// One conversation: its cached token ids, one state per model layer, its
+// message history and its counters.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvchat/layer_state.h"
+#include "kvchat/prefix.h"
+#include "kvchat/turn_checks.h"
+
+namespace kvchat {
+
+struct Message {
+  std::string role;
+  std::string content;
+};
+
+// What one turn did; the Python adapter fills the timings.
+struct TurnRecord {
+  int64_t prompt_tokens = 0;
+  int64_t reused_tokens = 0;
+  int64_t prefilled_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t checkpoint_restored = -1;  // token position of a restored checkpoint, or -1
+  double prefill_ms = 0.0;           // time to first token
+  double total_ms = 0.0;
+  std::string reason;  // to_string(ReuseReason)
+  std::vector<int64_t> output_ids;
+};
+
+struct SessionCounters {
+  int64_t requests = 0;
+  int64_t reused_tokens = 0;
+  int64_t prefilled_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t invalidations = 0;  // turns whose reuse a check capped
+  void add(const TurnRecord& turn);
+  SessionCounters& operator+=(const SessionCounters& other);
+};
+
+struct CacheInfo {
+  int64_t cached_tokens = 0;
+  int64_t trusted_tokens = 0;  // reuse is capped here by checks
+  int64_t num_layers = 0;
+  int64_t nbytes = 0;
+  std::string dtype;   // empty when nothing is cached
+  std::string device;  // empty when nothing is cached
+  std::string last_check;  // why trust was capped, empty when clean
+};
+
+class ChatSession {
+ public:
+  // num_layers: what every commit must provide (0 accepts any count).
+  ChatSession(std::string id, int64_t num_layers);
+
+  const std::string& id() const { return id_; }
+
+  // --- message history (the system prompt is kept apart) ---
+  // A "system" message replaces the system prompt; others are appended.
+  void add_message(const std::string& role, const std::string& content);
+  // Replaces the whole history (the system prompt too, when messages has one).
+  void set_messages(const std::vector<Message>& messages);
+  // Drops the history but keeps the system prompt.
+  void clear_messages();
+  std::vector<Message> messages() const;
+  std::optional<std::string> system_prompt() const;
+
+  // --- cache ---
+  ReusePlan plan(const int64_t* prompt, int64_t prompt_tokens) const;
+  // The layer states cropped to plan.kept_tokens (views, no copies).
+  std::vector<LayerStatePtr> layers_for(const ReusePlan& plan) const;
+  // Stores the cache after a turn. ids[0:n) are the tokens the layers hold;
+  // tokens from `new_from` on are new this turn and are the only ones checked.
+  // Validates everything before changing anything.
+  void commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
+              const TurnMarkers& markers, const RepetitionRule& rule);
+  // Drops the tensors and cached ids; keeps messages and counters.
+  void invalidate_cache();
+  bool resident() const;
+  CacheInfo cache_info() const;
+  std::vector<int64_t> cached_ids() const;
+  void collect_storage(StorageBytes* seen) const;
+
+  // --- counters ---
+  void record_turn(const TurnRecord& turn);
+  std::optional<TurnRecord> last_turn() const;
+  SessionCounters counters() const;
+
+  // Held for a whole turn so that two calls on one session run one at a time.
+  std::mutex& turn_mutex() { return turn_mutex_; }
+
+ private:
+  const std::string id_;
+  const int64_t num_layers_;
+  mutable std::mutex mutex_;  // guards everything below
+  std::mutex turn_mutex_;
+  std::optional<std::string> system_prompt_;
+  std::vector<Message> messages_;
+  std::vector<int64_t> cached_ids_;
+  std::vector<LayerStatePtr> layers_;
+  int64_t trusted_tokens_ = 0;
+  std::string last_check_;
+  SessionCounters counters_;
+  std::optional<TurnRecord> last_turn_;
+};
+
+}  // namespace kvchat

@@ -1,0 +1,105 @@
+// Sessions by id, with LRU eviction by count and by bytes. Thread-safe; a
+// session in use (leased) is never evicted.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvchat/chat_session.h"
+
+namespace kvchat {
+
+// Thrown for a session id the manager does not hold (Python: KeyError).
+class UnknownSessionError : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+// Thrown when a session is in use and the caller asked not to wait.
+class SessionBusyError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ManagerLimits {
+  int64_t max_sessions = 16;    // sessions that may hold a cache at once
+  int64_t max_cache_bytes = 0;  // resident bytes; 0 means no limit
+  int64_t num_layers = 0;       // layers every commit must provide (0: any)
+};
+
+struct ManagerStats {
+  SessionCounters totals;
+  int64_t evictions = 0;
+  int64_t resident_bytes = 0;
+  int64_t sessions = 0;
+  int64_t resident_sessions = 0;
+  double hit_rate() const;  // reused / (reused + prefilled)
+};
+
+class SessionManager;
+
+// Exclusive use of one session for one turn. Releasing it (or destroying it)
+// lets the manager evict again.
+class SessionLease {
+ public:
+  SessionLease(std::shared_ptr<SessionManager> manager, std::shared_ptr<ChatSession> session,
+               std::unique_lock<std::mutex> turn_lock);
+  ~SessionLease();
+  SessionLease(const SessionLease&) = delete;
+  SessionLease& operator=(const SessionLease&) = delete;
+
+  const std::shared_ptr<ChatSession>& session() const;  // throws once released
+  void release();  // idempotent
+  bool active() const { return session_ != nullptr; }
+
+ private:
+  std::shared_ptr<SessionManager> manager_;
+  std::shared_ptr<ChatSession> session_;
+  std::unique_lock<std::mutex> turn_lock_;
+};
+
+class SessionManager : public std::enable_shared_from_this<SessionManager> {
+ public:
+  explicit SessionManager(ManagerLimits limits);
+
+  // Gets or creates the session and takes it for one turn. With wait=false a
+  // session already in use raises SessionBusyError instead of blocking.
+  std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true);
+
+  std::shared_ptr<ChatSession> find(const std::string& id) const;  // UnknownSessionError
+  bool contains(const std::string& id) const;
+  std::vector<std::string> session_ids() const;  // least recently used first
+  // Drops the session's cache and history (keeps its system prompt).
+  void clear(const std::string& id);
+  // Forgets the session entirely.
+  void remove(const std::string& id);
+  ManagerStats stats() const;
+  const ManagerLimits& limits() const { return limits_; }
+  // Evicts least-recently-used idle sessions until the limits hold.
+  void enforce_limits();
+
+ private:
+  friend class SessionLease;
+  struct Entry {
+    std::shared_ptr<ChatSession> session;
+    int64_t in_use = 0;
+    uint64_t last_used = 0;
+  };
+  void release(const std::string& id);
+  void enforce_limits_locked();
+  int64_t resident_bytes_locked() const;
+
+  const ManagerLimits limits_;
+  mutable std::mutex mutex_;  // guards entries_, clock_, counters below
+  std::unordered_map<std::string, Entry> entries_;
+  uint64_t clock_ = 0;
+  int64_t evictions_ = 0;
+  SessionCounters removed_totals_;  // counters of sessions already removed
+};
+
+}  // namespace kvchat

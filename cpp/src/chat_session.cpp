@@ -1,0 +1,186 @@
+#include "kvchat/chat_session.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace kvchat {
+
+void SessionCounters::add(const TurnRecord& turn) {
+  requests += 1;
+  reused_tokens += turn.reused_tokens;
+  prefilled_tokens += turn.prefilled_tokens;
+  generated_tokens += turn.generated_tokens;
+  if (turn.reason == to_string(ReuseReason::kInvalidated)) invalidations += 1;
+}
+
+SessionCounters& SessionCounters::operator+=(const SessionCounters& other) {
+  requests += other.requests;
+  reused_tokens += other.reused_tokens;
+  prefilled_tokens += other.prefilled_tokens;
+  generated_tokens += other.generated_tokens;
+  invalidations += other.invalidations;
+  return *this;
+}
+
+ChatSession::ChatSession(std::string id, int64_t num_layers)
+    : id_(std::move(id)), num_layers_(num_layers) {
+  TORCH_CHECK_VALUE(!id_.empty(), "session_id must be a non-empty string");
+  TORCH_CHECK_VALUE(num_layers_ >= 0, "num_layers must be >= 0, got ", num_layers_);
+}
+
+void ChatSession::add_message(const std::string& role, const std::string& content) {
+  TORCH_CHECK_VALUE(!role.empty(), "message role must be a non-empty string");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (role == "system") {
+    system_prompt_ = content;
+  } else {
+    messages_.push_back({role, content});
+  }
+}
+
+void ChatSession::set_messages(const std::vector<Message>& messages) {
+  for (size_t i = 0; i < messages.size(); ++i) {
+    TORCH_CHECK_VALUE(!messages[i].role.empty(), "messages[", i, "] has an empty role");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  system_prompt_.reset();
+  messages_.clear();
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (i == 0 && messages[i].role == "system") {
+      system_prompt_ = messages[i].content;
+    } else {
+      messages_.push_back(messages[i]);
+    }
+  }
+}
+
+void ChatSession::clear_messages() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  messages_.clear();
+}
+
+std::vector<Message> ChatSession::messages() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Message> all;
+  if (system_prompt_) all.push_back({"system", *system_prompt_});
+  all.insert(all.end(), messages_.begin(), messages_.end());
+  return all;
+}
+
+std::optional<std::string> ChatSession::system_prompt() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return system_prompt_;
+}
+
+ReusePlan ChatSession::plan(const int64_t* prompt, int64_t prompt_tokens) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return plan_reuse(cached_ids_, prompt, prompt_tokens, trusted_tokens_, layers_);
+}
+
+std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (plan.kept_tokens == 0) return {};
+  const auto cached = static_cast<int64_t>(cached_ids_.size());
+  TORCH_CHECK_INDEX(plan.kept_tokens <= cached && plan.cached_tokens == cached,
+                    "plan keeps ", plan.kept_tokens, " of ", plan.cached_tokens,
+                    " tokens but the session now holds ", cached, "; plan again");
+  std::vector<LayerStatePtr> out;
+  out.reserve(layers_.size());
+  for (const auto& layer : layers_) out.push_back(layer->cropped(plan.kept_tokens));
+  return out;
+}
+
+void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
+                         int64_t new_from, const TurnMarkers& markers,
+                         const RepetitionRule& rule) {
+  TORCH_CHECK_VALUE(n > 0, "token_ids must not be empty");
+  TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(layers.size()) == num_layers_,
+                    "layers has ", layers.size(), " entries but the model has ", num_layers_,
+                    " layers");
+  TORCH_CHECK_VALUE(!layers.empty(), "layers must not be empty");
+  TORCH_CHECK_INDEX(new_from >= 0 && new_from <= n, "new_from must be in [0, ", n, "], got ",
+                    new_from);
+  check_layers_consistent(layers, n);
+
+  // Checks inspect only the region that is new this turn.
+  int64_t trusted = n;
+  std::ostringstream why;
+  const int64_t loop_start = find_repetition_loop(ids, new_from, n, rule);
+  if (loop_start >= 0) {
+    trusted = std::min(trusted, last_turn_boundary(ids, n, loop_start, markers));
+    why << "degenerate repetition from token " << loop_start << "; ";
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (!layers[i]->finite_from(new_from)) {
+      trusted = std::min(trusted, last_turn_boundary(ids, n, new_from, markers));
+      why << "non-finite values in layer " << i << " after token " << new_from << "; ";
+      break;
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_.assign(ids, ids + n);
+  layers_ = std::move(layers);
+  trusted_tokens_ = trusted;
+  last_check_ = why.str();
+}
+
+void ChatSession::invalidate_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_.clear();
+  cached_ids_.shrink_to_fit();
+  layers_.clear();
+  trusted_tokens_ = 0;
+  last_check_.clear();
+}
+
+bool ChatSession::resident() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !layers_.empty();
+}
+
+CacheInfo ChatSession::cache_info() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CacheInfo info;
+  info.cached_tokens = static_cast<int64_t>(cached_ids_.size());
+  info.trusted_tokens = trusted_tokens_;
+  info.num_layers = static_cast<int64_t>(layers_.size());
+  StorageBytes seen;
+  for (const auto& layer : layers_) layer->collect_storage(&seen);
+  info.nbytes = total_bytes(seen);
+  if (!layers_.empty()) {
+    info.dtype = c10::toString(layers_.front()->dtype());
+    info.device = layers_.front()->device().str();
+  }
+  info.last_check = last_check_;
+  return info;
+}
+
+std::vector<int64_t> ChatSession::cached_ids() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cached_ids_;
+}
+
+void ChatSession::collect_storage(StorageBytes* seen) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& layer : layers_) layer->collect_storage(seen);
+}
+
+void ChatSession::record_turn(const TurnRecord& turn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.add(turn);
+  last_turn_ = turn;
+}
+
+std::optional<TurnRecord> ChatSession::last_turn() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_turn_;
+}
+
+SessionCounters ChatSession::counters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counters_;
+}
+
+}  // namespace kvchat

@@ -1,0 +1,130 @@
+#include "kvchat/chat_session.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace kvchat {
+namespace {
+
+using testing::attention_layers;
+using testing::iota_ids;
+
+const TurnMarkers kMarkers{{2}, {}};
+const RepetitionRule kRule{8, 64};
+
+TEST(ChatSession, SystemPromptIsKeptApartFromHistory) {
+  ChatSession s("alice", 0);
+  s.add_message("system", "be brief");
+  s.add_message("user", "hi");
+  s.add_message("assistant", "hello");
+  EXPECT_EQ(s.messages().size(), 3u);
+  s.clear_messages();
+  auto kept = s.messages();
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0].role, "system");
+  EXPECT_EQ(*s.system_prompt(), "be brief");
+}
+
+TEST(ChatSession, SetMessagesTakesALeadingSystemMessage) {
+  ChatSession s("alice", 0);
+  s.set_messages({{"system", "sys"}, {"user", "u1"}, {"system", "late"}});
+  EXPECT_EQ(*s.system_prompt(), "sys");
+  EXPECT_EQ(s.messages().size(), 3u);
+  EXPECT_THROW(s.set_messages({{"", "x"}}), c10::ValueError);
+}
+
+TEST(ChatSession, CommitThenPlanExtends) {
+  ChatSession s("alice", 2);
+  auto ids = iota_ids(10);
+  s.commit(ids.data(), 10, attention_layers(2, 10), 0, kMarkers, kRule);
+  auto prompt = iota_ids(15);
+  auto plan = s.plan(prompt.data(), 15);
+  EXPECT_EQ(plan.reason, ReuseReason::kExtend);
+  auto layers = s.layers_for(plan);
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0]->num_tokens(), 10);
+  EXPECT_EQ(s.cache_info().cached_tokens, 10);
+  EXPECT_EQ(s.cache_info().dtype, "Float");
+}
+
+TEST(ChatSession, CommitValidatesBeforeChangingAnything) {
+  ChatSession s("alice", 2);
+  auto ids = iota_ids(10);
+  s.commit(ids.data(), 10, attention_layers(2, 10), 0, kMarkers, kRule);
+  auto longer = iota_ids(12);
+  // Wrong layer count, wrong token count, bad new_from: each rejected, cache unchanged.
+  EXPECT_THROW(s.commit(longer.data(), 12, attention_layers(3, 12), 0, kMarkers, kRule),
+               c10::ValueError);
+  EXPECT_THROW(s.commit(longer.data(), 12, attention_layers(2, 11), 0, kMarkers, kRule),
+               c10::ValueError);
+  EXPECT_THROW(s.commit(longer.data(), 12, attention_layers(2, 12), 13, kMarkers, kRule),
+               c10::IndexError);
+  EXPECT_EQ(s.cache_info().cached_tokens, 10);
+  EXPECT_EQ(s.cached_ids(), ids);
+}
+
+TEST(ChatSession, StalePlanIsRejected) {
+  ChatSession s("alice", 1);
+  auto ids = iota_ids(10);
+  s.commit(ids.data(), 10, attention_layers(1, 10), 0, kMarkers, kRule);
+  auto plan = s.plan(ids.data(), 10);
+  s.invalidate_cache();
+  EXPECT_THROW(s.layers_for(plan), c10::IndexError);
+}
+
+TEST(ChatSession, DegenerateReplyCapsTrustAtItsTurnBoundaryOnce) {
+  ChatSession s("alice", 1);
+  // Prompt of 10 ids ending in an end-of-turn (2), then a reply stuck in a loop.
+  std::vector<int64_t> ids = iota_ids(9);
+  ids.push_back(2);
+  for (int i = 0; i < 70; ++i) ids.push_back(42);
+  const auto n = static_cast<int64_t>(ids.size());
+  s.commit(ids.data(), n, attention_layers(1, n), 10, kMarkers, kRule);
+  EXPECT_EQ(s.cache_info().trusted_tokens, 10);
+  EXPECT_NE(s.cache_info().last_check.find("repetition"), std::string::npos);
+
+  std::vector<int64_t> next = ids;
+  next.push_back(2);
+  next.push_back(77);
+  auto plan = s.plan(next.data(), static_cast<int64_t>(next.size()));
+  EXPECT_EQ(plan.reason, ReuseReason::kInvalidated);
+  EXPECT_EQ(plan.kept_tokens, 10);
+
+  // The next commit re-checks only its new region: a clean one restores trust.
+  std::vector<int64_t> clean = iota_ids(30);
+  s.commit(clean.data(), 30, attention_layers(1, 30), 10, kMarkers, kRule);
+  EXPECT_EQ(s.cache_info().trusted_tokens, 30);
+  EXPECT_TRUE(s.cache_info().last_check.empty());
+}
+
+TEST(ChatSession, NonFiniteKvInTheNewRegionIsNotTrusted) {
+  ChatSession s("alice", 1);
+  auto ids = iota_ids(8);
+  ids[3] = 2;  // a turn boundary at 4
+  auto keys = at::zeros({1, 1, 8, 2});
+  keys[0][0][6][0] = std::numeric_limits<float>::infinity();
+  std::vector<LayerStatePtr> layers = {
+      std::make_shared<AttentionState>(keys, at::zeros({1, 1, 8, 2}))};
+  s.commit(ids.data(), 8, layers, 5, kMarkers, kRule);
+  EXPECT_EQ(s.cache_info().trusted_tokens, 4);
+}
+
+TEST(ChatSession, InvalidateKeepsMessagesAndCounters) {
+  ChatSession s("alice", 1);
+  s.add_message("user", "hi");
+  auto ids = iota_ids(4);
+  s.commit(ids.data(), 4, attention_layers(1, 4), 0, kMarkers, kRule);
+  TurnRecord turn;
+  turn.prefilled_tokens = 4;
+  s.record_turn(turn);
+  s.invalidate_cache();
+  EXPECT_FALSE(s.resident());
+  EXPECT_EQ(s.messages().size(), 1u);
+  EXPECT_EQ(s.counters().prefilled_tokens, 4);
+  EXPECT_EQ(s.cache_info().nbytes, 0);
+}
+
+}  // namespace
+}  // namespace kvchat

@@ -1,0 +1,70 @@
+#include "kvchat/layer_state.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace kvchat {
+namespace {
+
+TEST(AttentionState, CropIsAViewOfTheSameStorage) {
+  auto layer = testing::attention_layer(10);
+  auto cropped = layer->cropped(4);
+  EXPECT_EQ(cropped->num_tokens(), 4);
+  auto k = cropped->tensors()[0];
+  EXPECT_EQ(k.data_ptr(), layer->keys().data_ptr());
+  EXPECT_EQ(k.size(2), 4);
+  EXPECT_FLOAT_EQ(k[0][0][3][0].item<float>(), 3.0f);
+}
+
+TEST(AttentionState, CanCropToAnyLengthWithinIt) {
+  auto layer = testing::attention_layer(5);
+  EXPECT_TRUE(layer->can_crop_to(0));
+  EXPECT_TRUE(layer->can_crop_to(5));
+  EXPECT_FALSE(layer->can_crop_to(6));
+  EXPECT_FALSE(layer->can_crop_to(-1));
+  EXPECT_THROW(layer->cropped(6), c10::IndexError);
+}
+
+TEST(AttentionState, RejectsMalformedTensors) {
+  auto ok = at::zeros({1, 2, 3, 4});
+  EXPECT_THROW(AttentionState(at::zeros({2, 3, 4}), ok), c10::ValueError);
+  EXPECT_THROW(AttentionState(ok, at::zeros({1, 2, 5, 4})), c10::ValueError);
+  EXPECT_THROW(AttentionState(ok, at::zeros({1, 2, 3, 4}, at::kDouble)), c10::ValueError);
+  EXPECT_THROW(AttentionState(at::zeros({2, 2, 3, 4}), at::zeros({2, 2, 3, 4})), c10::ValueError);
+  EXPECT_THROW(AttentionState(at::zeros({1, 2, 3, 4}, at::kLong), at::zeros({1, 2, 3, 4}, at::kLong)),
+               c10::ValueError);
+}
+
+TEST(AttentionState, FiniteFromLooksOnlyAtTheTail) {
+  auto keys = at::zeros({1, 1, 6, 2});
+  keys[0][0][1][0] = std::numeric_limits<float>::quiet_NaN();
+  AttentionState layer(keys, at::zeros({1, 1, 6, 2}));
+  EXPECT_FALSE(layer.finite_from(0));
+  EXPECT_TRUE(layer.finite_from(2));
+  EXPECT_TRUE(layer.finite_from(6));
+}
+
+TEST(StorageBytes, SharedStorageCountsOnce) {
+  auto layer = testing::attention_layer(8);
+  StorageBytes seen;
+  layer->collect_storage(&seen);
+  layer->cropped(3)->collect_storage(&seen);
+  const int64_t one_copy = 2 * 8 * 2 * 4 * static_cast<int64_t>(sizeof(float));
+  EXPECT_EQ(total_bytes(seen), one_copy);
+}
+
+TEST(CheckLayersConsistent, NamesTheOffendingLayer) {
+  std::vector<LayerStatePtr> layers = {testing::attention_layer(4), testing::attention_layer(3)};
+  try {
+    check_layers_consistent(layers, 4);
+    FAIL() << "expected ValueError";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("layer 1 holds 3 tokens"),
+              std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace kvchat
