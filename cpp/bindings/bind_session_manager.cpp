@@ -20,20 +20,17 @@ void bind_session_manager(py::module_& m) {
       .def("release", &SessionLease::release, no_gil())
       .def_property_readonly("active", &SessionLease::active)
       .def("__enter__", &SessionLease::session)
-      .def(
-          "__exit__",
-          [](SessionLease& lease, const py::args&) {
-            py::gil_scoped_release release;
-            lease.release();
-          });
+      .def("__exit__", [](SessionLease& lease, const py::args&) {
+        py::gil_scoped_release release;
+        lease.release();
+      });
 
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers) {
              return std::make_shared<SessionManager>(
                  ManagerLimits{max_sessions, max_cache_bytes, num_layers});
            }),
-           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0,
-           py::arg("num_layers") = 0)
+           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0)
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"))

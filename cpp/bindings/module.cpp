@@ -25,8 +25,7 @@ PYBIND11_MODULE(_C, m) {
   // Python sees ValueError/IndexError/TypeError without the C++ backtrace.
   static py::exception<kvchat::UnknownSessionError> unknown_session(m, "UnknownSessionError",
                                                                     PyExc_KeyError);
-  static py::exception<kvchat::SessionBusyError> session_busy(m, "SessionBusy",
-                                                              PyExc_RuntimeError);
+  static py::exception<kvchat::SessionBusyError> session_busy(m, "SessionBusy", PyExc_RuntimeError);
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -82,8 +82,8 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
   std::lock_guard<std::mutex> lock(mutex_);
   if (plan.kept_tokens == 0) return {};
   const auto cached = static_cast<int64_t>(cached_ids_.size());
-  TORCH_CHECK_INDEX(plan.kept_tokens <= cached && plan.cached_tokens == cached,
-                    "plan keeps ", plan.kept_tokens, " of ", plan.cached_tokens,
+  TORCH_CHECK_INDEX(plan.kept_tokens <= cached && plan.cached_tokens == cached, "plan keeps ",
+                    plan.kept_tokens, " of ", plan.cached_tokens,
                     " tokens but the session now holds ", cached, "; plan again");
   std::vector<LayerStatePtr> out;
   out.reserve(layers_.size());
@@ -92,8 +92,7 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
 }
 
 void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
-                         int64_t new_from, const TurnMarkers& markers,
-                         const RepetitionRule& rule) {
+                         int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule) {
   TORCH_CHECK_VALUE(n > 0, "token_ids must not be empty");
   TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(layers.size()) == num_layers_,
                     "layers has ", layers.size(), " entries but the model has ", num_layers_,

@@ -28,7 +28,9 @@ double ManagerStats::hit_rate() const {
 SessionLease::SessionLease(std::shared_ptr<SessionManager> manager,
                            std::shared_ptr<ChatSession> session,
                            std::unique_lock<std::mutex> turn_lock)
-    : manager_(std::move(manager)), session_(std::move(session)), turn_lock_(std::move(turn_lock)) {}
+    : manager_(std::move(manager)),
+      session_(std::move(session)),
+      turn_lock_(std::move(turn_lock)) {}
 
 SessionLease::~SessionLease() { release(); }
 
@@ -85,7 +87,6 @@ void SessionManager::release(const std::string& id) {
   it->second.in_use -= 1;
   enforce_limits_locked();
 }
-
 
 std::shared_ptr<ChatSession> SessionManager::find(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -38,8 +38,8 @@ bool is_boundary(const int64_t* ids, int64_t n, int64_t pos, const TurnMarkers& 
 
 }  // namespace
 
-std::vector<int64_t> find_turn_boundaries(const int64_t* ids, int64_t n, int64_t begin,
-                                          int64_t end, const TurnMarkers& markers) {
+std::vector<int64_t> find_turn_boundaries(const int64_t* ids, int64_t n, int64_t begin, int64_t end,
+                                          const TurnMarkers& markers) {
   TORCH_CHECK_INDEX(begin >= 0 && begin <= end && end <= n, "boundary range [", begin, ", ", end,
                     "] is outside the ", n, " token ids");
   std::vector<int64_t> found;
@@ -49,8 +49,7 @@ std::vector<int64_t> find_turn_boundaries(const int64_t* ids, int64_t n, int64_t
   return found;
 }
 
-int64_t last_turn_boundary(const int64_t* ids, int64_t n, int64_t pos,
-                           const TurnMarkers& markers) {
+int64_t last_turn_boundary(const int64_t* ids, int64_t n, int64_t pos, const TurnMarkers& markers) {
   TORCH_CHECK_INDEX(pos >= 0 && pos <= n, "position ", pos, " is outside the ", n, " token ids");
   for (int64_t p = pos; p > 0; --p) {
     if (is_boundary(ids, n, p, markers)) return p;

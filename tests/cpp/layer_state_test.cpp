@@ -33,8 +33,9 @@ TEST(AttentionState, RejectsMalformedTensors) {
   EXPECT_THROW(AttentionState(ok, at::zeros({1, 2, 5, 4})), c10::ValueError);
   EXPECT_THROW(AttentionState(ok, at::zeros({1, 2, 3, 4}, at::kDouble)), c10::ValueError);
   EXPECT_THROW(AttentionState(at::zeros({2, 2, 3, 4}), at::zeros({2, 2, 3, 4})), c10::ValueError);
-  EXPECT_THROW(AttentionState(at::zeros({1, 2, 3, 4}, at::kLong), at::zeros({1, 2, 3, 4}, at::kLong)),
-               c10::ValueError);
+  EXPECT_THROW(
+      AttentionState(at::zeros({1, 2, 3, 4}, at::kLong), at::zeros({1, 2, 3, 4}, at::kLong)),
+      c10::ValueError);
 }
 
 TEST(AttentionState, FiniteFromLooksOnlyAtTheTail) {

@@ -14,7 +14,8 @@ namespace kvchat::testing {
 // An attention layer of `tokens` positions whose values encode their position.
 inline std::shared_ptr<AttentionState> attention_layer(int64_t tokens, int64_t heads = 2,
                                                        int64_t head_dim = 4) {
-  auto keys = at::arange(tokens, at::kFloat).view({1, 1, tokens, 1}).expand({1, heads, tokens, head_dim});
+  auto keys =
+      at::arange(tokens, at::kFloat).view({1, 1, tokens, 1}).expand({1, heads, tokens, head_dim});
   return std::make_shared<AttentionState>(keys.contiguous(), keys.contiguous() + 0.5);
 }
 

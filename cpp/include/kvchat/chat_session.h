@@ -47,8 +47,8 @@ struct CacheInfo {
   int64_t trusted_tokens = 0;  // reuse is capped here by checks
   int64_t num_layers = 0;
   int64_t nbytes = 0;
-  std::string dtype;   // empty when nothing is cached
-  std::string device;  // empty when nothing is cached
+  std::string dtype;       // empty when nothing is cached
+  std::string device;      // empty when nothing is cached
   std::string last_check;  // why trust was capped, empty when clean
 };
 

@@ -24,12 +24,12 @@ enum class ReuseReason {
 std::string to_string(ReuseReason reason);
 
 struct ReusePlan {
-  int64_t cached_tokens = 0;   // tokens the session held
-  int64_t prompt_tokens = 0;   // tokens of the new prompt
-  int64_t common_prefix = 0;   // LCP of cached ids and prompt
-  int64_t kept_tokens = 0;     // tokens reused; always < prompt_tokens
+  int64_t cached_tokens = 0;  // tokens the session held
+  int64_t prompt_tokens = 0;  // tokens of the new prompt
+  int64_t common_prefix = 0;  // LCP of cached ids and prompt
+  int64_t kept_tokens = 0;    // tokens reused; always < prompt_tokens
   ReuseReason reason = ReuseReason::kNoCache;
-  std::string detail;          // one human-readable sentence
+  std::string detail;  // one human-readable sentence
   int64_t new_tokens() const { return prompt_tokens - kept_tokens; }
 };
 

@@ -54,7 +54,7 @@ class SessionLease {
   SessionLease& operator=(const SessionLease&) = delete;
 
   const std::shared_ptr<ChatSession>& session() const;  // throws once released
-  void release();  // idempotent
+  void release();                                       // idempotent
   bool active() const { return session_ != nullptr; }
 
  private:

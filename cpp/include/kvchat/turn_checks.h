@@ -19,8 +19,8 @@ void check_markers(const TurnMarkers& markers);
 
 // Positions in [begin, end] that sit on a turn boundary: just after an
 // end-of-turn id, or at the start of a role header. Sorted, unique.
-std::vector<int64_t> find_turn_boundaries(const int64_t* ids, int64_t n, int64_t begin,
-                                          int64_t end, const TurnMarkers& markers);
+std::vector<int64_t> find_turn_boundaries(const int64_t* ids, int64_t n, int64_t begin, int64_t end,
+                                          const TurnMarkers& markers);
 
 // The last boundary at or before `pos` (0 when there is none).
 int64_t last_turn_boundary(const int64_t* ids, int64_t n, int64_t pos, const TurnMarkers& markers);

@@ -1,0 +1,64 @@
+# Two commands matter: `make demo` and `make test`. Both install what is
+# missing on a fresh machine (torch from the local CPU wheel, GoogleTest from
+# Debian, Python packages from PyPI), build, then run.
+
+PY ?= python3
+TORCH_VERSION ?= 2.13.0
+BUILD := build
+CPP_BUILD := $(BUILD)/cpp
+GENERATOR := $(if $(shell command -v ninja),-G Ninja,)
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+# Order matters: torch first, so nothing below can pull a CUDA build of it.
+PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
+	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5"
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: help deps build demo test test-cpp test-python lint format clean
+
+help:
+	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
+	@echo "make test   - build and run the GoogleTest and pytest suites"
+	@echo "make lint   - ruff and clang-format checks"
+
+$(BUILD)/.deps: pyproject.toml Makefile
+	@mkdir -p $(BUILD)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q $(PY_DEPS)
+	@dpkg -s libgtest-dev >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgtest-dev cmake)
+	@touch $@
+
+deps: $(BUILD)/.deps
+
+build: deps
+	$(PY) -m pip install -q --no-build-isolation --no-deps .
+
+demo: build
+	$(PY) -m kvchat.demo
+
+test-cpp: deps
+	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DKVCHAT_BUILD_TESTS=ON \
+		-DPython_EXECUTABLE="$$(command -v $(PY))" > /dev/null
+	cmake --build $(CPP_BUILD) --target kvchat_tests
+	ctest --test-dir $(CPP_BUILD) --output-on-failure
+
+# Runs from the repo root against the installed package (python/ is not on sys.path).
+test-python: build
+	$(PY) -m pytest tests/python
+
+test: test-cpp test-python
+
+lint: deps
+	$(PY) -m ruff format --check python tests benchmarks
+	$(PY) -m ruff check python tests benchmarks
+	@if command -v clang-format >/dev/null; then \
+		clang-format --dry-run --Werror cpp/include/kvchat/*.h cpp/src/*.cpp cpp/bindings/*.cpp cpp/bindings/*.h tests/cpp/*.cpp tests/cpp/*.h; \
+	else echo "clang-format not installed: apt-get install clang-format"; fi
+
+format: deps
+	$(PY) -m ruff format python tests benchmarks
+	$(PY) -m ruff check --fix python tests benchmarks
+	@command -v clang-format >/dev/null && clang-format -i cpp/include/kvchat/*.h cpp/src/*.cpp cpp/bindings/*.cpp cpp/bindings/*.h tests/cpp/*.cpp tests/cpp/*.h || true
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,109 @@
+"""Plain, immutable views of the core's counters for Python users."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from . import _C
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """What the last turn of a session did."""
+
+    prompt_tokens: int
+    reused_tokens: int  # taken from the cache
+    prefilled_tokens: int  # run through the model before the first new token
+    generated_tokens: int
+    checkpoint_restored: int | None  # token position of a restored checkpoint
+    prefill_ms: float  # time to first token
+    total_ms: float
+    reason: str  # why this much was reused: no_cache, extend, prompt_cached, ...
+    output_ids: tuple[int, ...]  # the generated token ids
+
+    @classmethod
+    def from_core(cls, record: _C.TurnRecord) -> TurnReport:
+        return cls(
+            prompt_tokens=record.prompt_tokens,
+            reused_tokens=record.reused_tokens,
+            prefilled_tokens=record.prefilled_tokens,
+            generated_tokens=record.generated_tokens,
+            checkpoint_restored=(
+                None if record.checkpoint_restored < 0 else record.checkpoint_restored
+            ),
+            prefill_ms=record.prefill_ms,
+            total_ms=record.total_ms,
+            reason=record.reason,
+            output_ids=tuple(record.output_ids),
+        )
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """Totals over all sessions, removed ones included."""
+
+    requests: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    hit_rate: float  # reused / (reused + prefilled)
+    invalidations: int  # turns whose reuse a corruption or repetition check capped
+    evictions: int
+    resident_bytes: int  # distinct tensor storage held by all sessions
+    sessions: int
+    resident_sessions: int
+
+    @classmethod
+    def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:
+        t = stats.totals
+        return cls(
+            requests=t.requests,
+            reused_tokens=t.reused_tokens,
+            prefilled_tokens=t.prefilled_tokens,
+            generated_tokens=t.generated_tokens,
+            hit_rate=stats.hit_rate,
+            invalidations=t.invalidations,
+            evictions=stats.evictions,
+            resident_bytes=stats.resident_bytes,
+            sessions=stats.sessions,
+            resident_sessions=stats.resident_sessions,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One session's cache and history at a glance."""
+
+    session_id: str
+    resident: bool
+    cached_tokens: int
+    trusted_tokens: int  # reuse is capped here after a failed check
+    nbytes: int
+    dtype: str | None
+    device: str | None
+    system_prompt: str | None
+    messages: int  # history length, system prompt excluded
+    requests: int
+    last_check: str  # why trust was capped; empty when clean
+
+    @classmethod
+    def from_core(cls, session: _C.ChatSession) -> SessionInfo:
+        info = session.cache_info()
+        messages = session.messages()
+        system = session.system_prompt
+        return cls(
+            session_id=session.id,
+            resident=session.resident,
+            cached_tokens=info.cached_tokens,
+            trusted_tokens=info.trusted_tokens,
+            nbytes=info.nbytes,
+            dtype=info.dtype or None,
+            device=info.device or None,
+            system_prompt=system,
+            messages=len(messages) - (system is not None),
+            requests=session.counters().requests,
+            last_check=info.last_check,
+        )

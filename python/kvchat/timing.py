@@ -1,0 +1,33 @@
+"""Time to first token, measured inside model.generate."""
+
+from __future__ import annotations
+
+import time
+
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+class FirstTokenTimer(LogitsProcessor):
+    """Notes when the first logits arrive, i.e. when prefill has finished."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.first_at: float | None = None
+
+    def __call__(self, input_ids, scores):
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        return scores
+
+    def restart(self) -> None:
+        self.started, self.first_at = time.perf_counter(), None
+
+    @property
+    def prefill_ms(self) -> float:
+        """Milliseconds from restart() to the first logits (or to now)."""
+        return ((self.first_at or time.perf_counter()) - self.started) * 1e3
+
+    def attach(self, generate_kwargs: dict) -> dict:
+        """generate kwargs with this timer appended to the caller's processors."""
+        processors = LogitsProcessorList([*(generate_kwargs.get("logits_processor") or []), self])
+        return {**generate_kwargs, "logits_processor": processors}

@@ -1,0 +1,169 @@
+"""Embedded tiny models and tokenizer for demos and tests.
+
+No model hub is needed: the tokenizer is a small byte-level BPE shipped with
+the package (regenerate it with ``python -m kvchat.tiny``), and models are built
+from configs with random weights and a fixed seed.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILE = "tiny_tokenizer.json"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen and many others use it.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3-style: earlier assistant turns lose their <think>...</think> block,
+# so history is rewritten between turns.
+THINK_DROPPING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """\
+You are a helpful assistant. Answer briefly and precisely.
+Hello! How are you today? I am fine, thank you for asking.
+Can you help me plan a trip to the mountains next weekend?
+Sure. Pack warm clothes, water, a map and something to eat.
+What is the capital of France? The capital of France is Paris.
+Please summarise the conversation so far in two sentences.
+Tell me a short story about a robot who learns to paint.
+The robot studied colours every morning and painted the sea at night.
+How do I sort a list in Python? Use sorted(items) or items.sort().
+Explain what a key-value cache does in a transformer model.
+It stores the keys and values of earlier tokens so they are not computed again.
+Why is the second turn of a chat slower than it should be?
+Because the whole conversation is read again unless the cache is kept.
+Thank you, that was very useful. Could you give one more example?
+Here is another example with numbers: 1, 2, 3, 10, 42, 100, 2024.
+<think>The user wants a list, so I should answer with a list.</think>
+Write a haiku about autumn leaves falling on a quiet river.
+What time is it in Tokyo when it is noon in London?
+It is nine in the evening in Tokyo during winter.
+"""
+
+
+def train_tiny_tokenizer(vocab_size: int = 1024):
+    """Trains the byte-level BPE shipped as ``tiny_tokenizer.json``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    return tokenizer
+
+
+def tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
+    """The shipped tiny tokenizer as a transformers tokenizer with a chat template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    text = resources.files("kvchat").joinpath("data", TOKENIZER_FILE).read_text("utf-8")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(text),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template,
+    )
+
+
+# Shapes per family; "small" is the demo's size, heavy enough that prefill
+# time is visible on a CPU.
+_SIZES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+}
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_config(family: str = "llama", size: str = "tiny", tokenizer=None, **overrides):
+    """A transformers config for a tiny random model of ``family``."""
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if size not in _SIZES:
+        raise ValueError(f"size must be one of {tuple(_SIZES)}, got {size!r}")
+    tokenizer = tokenizer or tiny_tokenizer()
+    fields = dict(
+        _SIZES[size],
+        vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3":
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    fields.update(overrides)
+    return AutoConfig.for_model(family, **fields)
+
+
+def tiny_model(
+    family: str = "llama",
+    size: str = "tiny",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer=None,
+    **overrides,
+):
+    """A tiny causal LM with random weights drawn from ``seed``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, size, tokenizer, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to(dtype).eval()
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    return model
+
+
+def _write_tokenizer() -> Path:
+    path = Path(__file__).parent / "data" / TOKENIZER_FILE
+    path.parent.mkdir(exist_ok=True)
+    data = json.loads(train_tiny_tokenizer().to_str())
+    path.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")), "utf-8")
+    return path
+
+
+if __name__ == "__main__":
+    print(f"wrote {_write_tokenizer()}")

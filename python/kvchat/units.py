@@ -1,0 +1,38 @@
+"""Byte sizes given as ints or human strings such as "2GiB" or "512 MB"."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str | None, name: str = "max_cache_bytes") -> int | None:
+    """Returns a byte count, or None for no limit; raises ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name} must be an int, a string such as '2GiB', or None; got {value!r}")
+    if isinstance(value, int):
+        count = value
+    else:
+        match = _PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            raise ValueError(f"{name} must look like '2GiB', '512MB' or '1000000', got {value!r}")
+        count = int(float(match.group(1)) * _UNITS[unit])
+    if count <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return count

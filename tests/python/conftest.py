@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny float64 models (exactness needs float64, see DESIGN.md)
+and a reference that runs plain model.generate on the full conversation."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from kvchat.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@functools.cache
+def _model(family: str, seed: int = 0):
+    return tiny_model(family, dtype=torch.float64, seed=seed)
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def family_model(request):
+    return _model(request.param)
+
+
+@pytest.fixture
+def llama():
+    return _model("llama")

@@ -1,0 +1,36 @@
+"""Helpers shared by the tests: the reference path and the conversation."""
+
+from __future__ import annotations
+
+from kvchat.prompting import render_prompt
+
+MAX_NEW = 12
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
+
+
+def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW):
+    """Plain generate on the full conversation, no cache: (reply text, prompt ids, output ids)."""
+    prompt = render_prompt(tokenizer, messages)
+    out = model.generate(prompt.unsqueeze(0), max_new_tokens=max_new_tokens, do_sample=False)
+    output_ids = out[0, prompt.numel() :]
+    return (
+        tokenizer.decode(output_ids, skip_special_tokens=True),
+        prompt,
+        tuple(output_ids.tolist()),
+    )
+
+
+def user_message(turn: int) -> dict:
+    topics = [
+        "the weather",
+        "a trip to Paris",
+        "sorting lists in Python",
+        "a robot who paints",
+        "haiku about autumn",
+        "the capital of France",
+        "time in Tokyo",
+        "key-value caches",
+        "a short story",
+        "one more example",
+    ]
+    return {"role": "user", "content": f"Turn {turn}: tell me about {topics[turn % len(topics)]}."}
