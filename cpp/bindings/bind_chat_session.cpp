@@ -11,6 +11,11 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("role", &Message::role)
       .def_readonly("content", &Message::content);
 
+  py::class_<Checkpoint>(m, "Checkpoint")
+      .def(py::init<int64_t, std::vector<LayerStatePtr>>(), py::arg("position"), py::arg("states"))
+      .def_readonly("position", &Checkpoint::position)
+      .def_readonly("states", &Checkpoint::states);
+
   py::class_<TurnRecord>(m, "TurnRecord")
       .def(py::init<>())
       .def_readwrite("prompt_tokens", &TurnRecord::prompt_tokens)
@@ -28,7 +33,9 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("reused_tokens", &SessionCounters::reused_tokens)
       .def_readonly("prefilled_tokens", &SessionCounters::prefilled_tokens)
       .def_readonly("generated_tokens", &SessionCounters::generated_tokens)
-      .def_readonly("invalidations", &SessionCounters::invalidations);
+      .def_readonly("invalidations", &SessionCounters::invalidations)
+      .def_readonly("checkpoint_restores", &SessionCounters::checkpoint_restores)
+      .def_readonly("checkpoints_taken", &SessionCounters::checkpoints_taken);
 
   py::class_<CacheInfo>(m, "CacheInfo")
       .def_readonly("cached_tokens", &CacheInfo::cached_tokens)
@@ -37,10 +44,20 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("nbytes", &CacheInfo::nbytes)
       .def_readonly("dtype", &CacheInfo::dtype)
       .def_readonly("device", &CacheInfo::device)
-      .def_readonly("last_check", &CacheInfo::last_check);
+      .def_readonly("last_check", &CacheInfo::last_check)
+      .def_readonly("checkpoints", &CacheInfo::checkpoints)
+      .def_readonly("checkpoint_bytes", &CacheInfo::checkpoint_bytes)
+      .def_readonly("checkpoint_positions", &CacheInfo::checkpoint_positions);
 
   py::class_<ChatSession, std::shared_ptr<ChatSession>>(m, "ChatSession")
-      .def(py::init<std::string, int64_t>(), py::arg("session_id"), py::arg("num_layers") = 0)
+      .def(py::init([](std::string id, int64_t num_layers, int64_t max_checkpoints,
+                       int64_t max_checkpoint_bytes) {
+             return std::make_shared<ChatSession>(
+                 std::move(id), num_layers,
+                 CheckpointPolicy{max_checkpoints, max_checkpoint_bytes});
+           }),
+           py::arg("session_id"), py::arg("num_layers") = 0, py::arg("max_checkpoints") = 8,
+           py::arg("max_checkpoint_bytes") = 0)
       .def_property_readonly("id", &ChatSession::id)
       .def("add_message", &ChatSession::add_message, py::arg("role"), py::arg("content"))
       .def("set_messages", &ChatSession::set_messages, py::arg("messages"))
@@ -59,13 +76,14 @@ void bind_chat_session(py::module_& m) {
       .def(
           "commit",
           [](ChatSession& s, const at::Tensor& token_ids, std::vector<LayerStatePtr> layers,
-             int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule) {
+             int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
+             std::vector<Checkpoint> checkpoints) {
             auto [data, n] = token_ids_view(token_ids, "token_ids");
             py::gil_scoped_release release;
-            s.commit(data, n, std::move(layers), new_from, markers, rule);
+            s.commit(data, n, std::move(layers), new_from, markers, rule, std::move(checkpoints));
           },
           py::arg("token_ids"), py::arg("layers"), py::arg("new_from"), py::arg("markers"),
-          py::arg("rule") = RepetitionRule{})
+          py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
       .def_property_readonly("resident", &ChatSession::resident)
       .def("cache_info", &ChatSession::cache_info, no_gil())

@@ -25,6 +25,16 @@ void bind_layer_state(py::module_& m) {
       .def(py::init<at::Tensor, at::Tensor>(), py::arg("keys"), py::arg("values"))
       .def_property_readonly("keys", &AttentionState::keys)
       .def_property_readonly("values", &AttentionState::values);
+
+  py::class_<SlidingWindowState, LayerState, std::shared_ptr<SlidingWindowState>>(
+      m, "SlidingWindowState")
+      .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::arg("keys"), py::arg("values"),
+           py::arg("total_tokens"))
+      .def_property_readonly("held_tokens", &SlidingWindowState::held_tokens);
+
+  py::class_<RecurrentState, LayerState, std::shared_ptr<RecurrentState>>(m, "RecurrentState")
+      .def(py::init<std::vector<at::Tensor>, int64_t>(), py::arg("tensors"),
+           py::arg("total_tokens"));
 }
 
 }  // namespace kvchat

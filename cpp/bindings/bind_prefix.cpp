@@ -16,6 +16,7 @@ void bind_prefix(py::module_& m) {
       .def_readonly("prompt_tokens", &ReusePlan::prompt_tokens)
       .def_readonly("common_prefix", &ReusePlan::common_prefix)
       .def_readonly("kept_tokens", &ReusePlan::kept_tokens)
+      .def_readonly("checkpoint_position", &ReusePlan::checkpoint_position)
       .def_readonly("reason", &ReusePlan::reason)
       .def_readonly("detail", &ReusePlan::detail)
       .def_property_readonly("new_tokens", &ReusePlan::new_tokens)

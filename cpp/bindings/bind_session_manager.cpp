@@ -26,11 +26,14 @@ void bind_session_manager(py::module_& m) {
       });
 
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
-      .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers) {
+      .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
+                       int64_t max_checkpoints, int64_t max_checkpoint_bytes) {
              return std::make_shared<SessionManager>(
-                 ManagerLimits{max_sessions, max_cache_bytes, num_layers});
+                 ManagerLimits{max_sessions, max_cache_bytes, num_layers,
+                               CheckpointPolicy{max_checkpoints, max_checkpoint_bytes}});
            }),
-           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0)
+           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
+           py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0)
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"))

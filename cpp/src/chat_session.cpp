@@ -12,6 +12,7 @@ void SessionCounters::add(const TurnRecord& turn) {
   prefilled_tokens += turn.prefilled_tokens;
   generated_tokens += turn.generated_tokens;
   if (turn.reason == to_string(ReuseReason::kInvalidated)) invalidations += 1;
+  if (turn.checkpoint_restored >= 0) checkpoint_restores += 1;
 }
 
 SessionCounters& SessionCounters::operator+=(const SessionCounters& other) {
@@ -20,13 +21,19 @@ SessionCounters& SessionCounters::operator+=(const SessionCounters& other) {
   prefilled_tokens += other.prefilled_tokens;
   generated_tokens += other.generated_tokens;
   invalidations += other.invalidations;
+  checkpoint_restores += other.checkpoint_restores;
+  checkpoints_taken += other.checkpoints_taken;
   return *this;
 }
 
-ChatSession::ChatSession(std::string id, int64_t num_layers)
-    : id_(std::move(id)), num_layers_(num_layers) {
+ChatSession::ChatSession(std::string id, int64_t num_layers, CheckpointPolicy policy)
+    : id_(std::move(id)), num_layers_(num_layers), policy_(policy) {
   TORCH_CHECK_VALUE(!id_.empty(), "session_id must be a non-empty string");
   TORCH_CHECK_VALUE(num_layers_ >= 0, "num_layers must be >= 0, got ", num_layers_);
+  TORCH_CHECK_VALUE(policy_.max_count >= 0, "max_checkpoints must be >= 0, got ",
+                    policy_.max_count);
+  TORCH_CHECK_VALUE(policy_.max_bytes >= 0, "max_checkpoint_bytes must be >= 0, got ",
+                    policy_.max_bytes);
 }
 
 void ChatSession::add_message(const std::string& role, const std::string& content) {
@@ -75,7 +82,7 @@ std::optional<std::string> ChatSession::system_prompt() const {
 
 ReusePlan ChatSession::plan(const int64_t* prompt, int64_t prompt_tokens) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return plan_reuse(cached_ids_, prompt, prompt_tokens, trusted_tokens_, layers_);
+  return plan_reuse(cached_ids_, prompt, prompt_tokens, trusted_tokens_, layers_, checkpoints_);
 }
 
 std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const {
@@ -85,14 +92,25 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
   TORCH_CHECK_INDEX(plan.kept_tokens <= cached && plan.cached_tokens == cached, "plan keeps ",
                     plan.kept_tokens, " of ", plan.cached_tokens,
                     " tokens but the session now holds ", cached, "; plan again");
+  const Checkpoint* checkpoint = nullptr;
+  for (const auto& cp : checkpoints_) {
+    if (cp.position == plan.checkpoint_position) checkpoint = &cp;
+  }
+  TORCH_CHECK_INDEX(plan.checkpoint_position < 0 || checkpoint != nullptr,
+                    "plan restores a checkpoint at ", plan.checkpoint_position,
+                    " that the session no longer holds; plan again");
   std::vector<LayerStatePtr> out;
   out.reserve(layers_.size());
-  for (const auto& layer : layers_) out.push_back(layer->cropped(plan.kept_tokens));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const bool from_checkpoint = checkpoint && checkpoint->states[i];
+    out.push_back(from_checkpoint ? checkpoint->states[i] : layers_[i]->cropped(plan.kept_tokens));
+  }
   return out;
 }
 
 void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
-                         int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule) {
+                         int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
+                         std::vector<Checkpoint> checkpoints) {
   TORCH_CHECK_VALUE(n > 0, "token_ids must not be empty");
   TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(layers.size()) == num_layers_,
                     "layers has ", layers.size(), " entries but the model has ", num_layers_,
@@ -101,6 +119,7 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
   TORCH_CHECK_INDEX(new_from >= 0 && new_from <= n, "new_from must be in [0, ", n, "], got ",
                     new_from);
   check_layers_consistent(layers, n);
+  for (const auto& cp : checkpoints) check_checkpoint(cp, static_cast<int64_t>(layers.size()), n);
 
   // Checks inspect only the region that is new this turn.
   int64_t trusted = n;
@@ -119,6 +138,13 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
   }
 
   std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Checkpoint> still_valid;
+  for (auto& cp : checkpoints_) {
+    // Only positions inside the unchanged prefix describe the new ids.
+    if (cp.position <= new_from) still_valid.push_back(std::move(cp));
+  }
+  counters_.checkpoints_taken += static_cast<int64_t>(checkpoints.size());
+  checkpoints_ = merge_checkpoints(std::move(still_valid), std::move(checkpoints), policy_);
   cached_ids_.assign(ids, ids + n);
   layers_ = std::move(layers);
   trusted_tokens_ = trusted;
@@ -130,6 +156,7 @@ void ChatSession::invalidate_cache() {
   cached_ids_.clear();
   cached_ids_.shrink_to_fit();
   layers_.clear();
+  checkpoints_.clear();
   trusted_tokens_ = 0;
   last_check_.clear();
 }
@@ -146,8 +173,11 @@ CacheInfo ChatSession::cache_info() const {
   info.trusted_tokens = trusted_tokens_;
   info.num_layers = static_cast<int64_t>(layers_.size());
   StorageBytes seen;
-  for (const auto& layer : layers_) layer->collect_storage(&seen);
+  collect_storage_locked(&seen);
+  for (const auto& cp : checkpoints_) info.checkpoint_positions.push_back(cp.position);
   info.nbytes = total_bytes(seen);
+  info.checkpoints = static_cast<int64_t>(checkpoints_.size());
+  info.checkpoint_bytes = checkpoint_bytes(checkpoints_);
   if (!layers_.empty()) {
     info.dtype = c10::toString(layers_.front()->dtype());
     info.device = layers_.front()->device().str();
@@ -163,7 +193,12 @@ std::vector<int64_t> ChatSession::cached_ids() const {
 
 void ChatSession::collect_storage(StorageBytes* seen) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  collect_storage_locked(seen);
+}
+
+void ChatSession::collect_storage_locked(StorageBytes* seen) const {
   for (const auto& layer : layers_) layer->collect_storage(seen);
+  collect_checkpoint_storage(checkpoints_, seen);
 }
 
 void ChatSession::record_turn(const TurnRecord& turn) {

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace kvchat {
 
 std::string to_string(LayerKind kind) {
@@ -69,13 +71,68 @@ bool AttentionState::finite_from(int64_t begin) const {
          values_.narrow(2, begin, len).isfinite().all().item<bool>();
 }
 
+SlidingWindowState::SlidingWindowState(at::Tensor keys, at::Tensor values, int64_t total_tokens)
+    : attention_(std::move(keys), std::move(values)), total_tokens_(total_tokens) {
+  TORCH_CHECK_VALUE(total_tokens_ >= attention_.num_tokens(), "total_tokens (", total_tokens_,
+                    ") must be >= the tokens held in keys (", attention_.num_tokens(), ")");
+}
+
+bool SlidingWindowState::can_crop_to(int64_t n) const {
+  // Exact only while nothing has slid out of the window.
+  const bool nothing_dropped = held_tokens() == total_tokens_;
+  return n == total_tokens_ || (nothing_dropped && n >= 0 && n <= total_tokens_);
+}
+
+LayerStatePtr SlidingWindowState::cropped(int64_t n) const {
+  TORCH_CHECK_INDEX(can_crop_to(n), "cannot crop a sliding-window layer holding ", held_tokens(),
+                    " of ", total_tokens_, " tokens to ", n);
+  auto view = attention_.cropped(n - (total_tokens_ - held_tokens()));
+  auto tensors = view->tensors();
+  return std::make_shared<SlidingWindowState>(tensors[0], tensors[1], n);
+}
+
+bool SlidingWindowState::finite_from(int64_t begin) const {
+  return attention_.finite_from(begin - (total_tokens_ - held_tokens()));
+}
+
+RecurrentState::RecurrentState(std::vector<at::Tensor> tensors, int64_t total_tokens)
+    : tensors_(std::move(tensors)), total_tokens_(total_tokens) {
+  TORCH_CHECK_VALUE(!tensors_.empty(), "a recurrent state needs at least one tensor");
+  TORCH_CHECK_VALUE(total_tokens_ >= 0, "total_tokens must be >= 0, got ", total_tokens_);
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors_[i].defined(), "recurrent tensors[", i, "] is undefined");
+    TORCH_CHECK_VALUE(tensors_[i].dim() >= 1 && tensors_[i].size(0) == 1, "recurrent tensors[", i,
+                      "] must hold one conversation (batch 1), got shape ", tensors_[i].sizes());
+    TORCH_CHECK_VALUE(tensors_[i].device() == tensors_[0].device(), "recurrent tensors[", i,
+                      "] is on ", tensors_[i].device(), " but tensors[0] is on ",
+                      tensors_[0].device());
+  }
+}
+
+LayerStatePtr RecurrentState::cropped(int64_t n) const {
+  TORCH_CHECK_INDEX(can_crop_to(n), "a recurrent layer of ", total_tokens_,
+                    " tokens cannot crop to ", n, "; restore a checkpoint instead");
+  return std::make_shared<RecurrentState>(tensors_, total_tokens_);
+}
+
+bool RecurrentState::finite_from(int64_t /*begin*/) const {
+  // The whole state summarises every token, new ones included.
+  return std::all_of(tensors_.begin(), tensors_.end(),
+                     [](const at::Tensor& t) { return t.isfinite().all().item<bool>(); });
+}
+
 void check_layers_consistent(const std::vector<LayerStatePtr>& layers, int64_t expected_tokens) {
+  const LayerState* first_kv = nullptr;
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK_VALUE(layers[i] != nullptr, "layer ", i, " is missing");
     TORCH_CHECK_VALUE(layers[i]->num_tokens() == expected_tokens, "layer ", i, " holds ",
                       layers[i]->num_tokens(), " tokens but token_ids has ", expected_tokens);
-    TORCH_CHECK_VALUE(layers[i]->dtype() == layers[0]->dtype(), "layer ", i, " dtype ",
-                      layers[i]->dtype(), " differs from layer 0 dtype ", layers[0]->dtype());
+    // Recurrent states may legitimately be kept in a wider dtype than the KV.
+    const bool kv = layers[i]->kind() != LayerKind::kRecurrent;
+    TORCH_CHECK_VALUE(!kv || !first_kv || layers[i]->dtype() == first_kv->dtype(), "layer ", i,
+                      " dtype ", layers[i]->dtype(), " differs from the first KV layer's dtype ",
+                      first_kv ? first_kv->dtype() : layers[i]->dtype());
+    if (kv && !first_kv) first_kv = layers[i].get();
     TORCH_CHECK_VALUE(layers[i]->device() == layers[0]->device(), "layer ", i, " device ",
                       layers[i]->device(), " differs from layer 0 device ", layers[0]->device());
   }

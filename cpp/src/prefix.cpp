@@ -31,16 +31,26 @@ std::string to_string(ReuseReason reason) {
 
 namespace {
 
-bool all_layers_can_crop_to(const std::vector<LayerStatePtr>& layers, int64_t p) {
-  return std::all_of(layers.begin(), layers.end(),
-                     [p](const LayerStatePtr& layer) { return layer->can_crop_to(p); });
+// The largest position <= limit every layer can return to: by cropping, or
+// from a checkpoint. 0 (start over) always works. Returns the checkpoint used.
+std::pair<int64_t, const Checkpoint*> best_restore_point(const std::vector<LayerStatePtr>& layers,
+                                                         const std::vector<Checkpoint>& checkpoints,
+                                                         int64_t limit) {
+  if (restorable(layers, limit, nullptr)) return {limit, nullptr};
+  for (auto it = checkpoints.rbegin(); it != checkpoints.rend(); ++it) {
+    if (it->position <= limit && restorable(layers, it->position, &*it)) {
+      return {it->position, &*it};
+    }
+  }
+  return {0, nullptr};
 }
 
 }  // namespace
 
 ReusePlan plan_reuse(const std::vector<int64_t>& cached_ids, const int64_t* prompt,
                      int64_t prompt_tokens, int64_t trusted_tokens,
-                     const std::vector<LayerStatePtr>& layers) {
+                     const std::vector<LayerStatePtr>& layers,
+                     const std::vector<Checkpoint>& checkpoints) {
   TORCH_CHECK_VALUE(prompt_tokens > 0, "prompt_ids must not be empty");
   ReusePlan plan;
   plan.cached_tokens = static_cast<int64_t>(cached_ids.size());
@@ -58,13 +68,17 @@ ReusePlan plan_reuse(const std::vector<int64_t>& cached_ids, const int64_t* prom
   std::ostringstream why;
   bool capped = limit < token_limit;
   if (capped) why << "checks trust only the first " << trusted_tokens << " cached tokens; ";
-  if (!all_layers_can_crop_to(layers, limit)) {
-    // Without a checkpoint, a layer that cannot crop to `limit` can only start over.
-    why << "a layer cannot be brought back to token " << limit << "; ";
-    limit = 0;
-    capped = true;
+  const auto [point, checkpoint] = best_restore_point(layers, checkpoints, limit);
+  if (checkpoint != nullptr) {
+    plan.checkpoint_position = point;
+    why << "restored the checkpoint at token " << point << "; ";
+  } else if (point < limit) {
+    why << "no layer state or checkpoint reaches token " << limit << "; ";
   }
-  plan.kept_tokens = limit;
+  // Falling back to a checkpoint at a message boundary is the normal hybrid
+  // path, not a failed check; only a fall to nothing counts as invalidation.
+  capped = capped || (point == 0 && limit > 0);
+  plan.kept_tokens = point;
 
   if (capped) {
     plan.reason = ReuseReason::kInvalidated;

@@ -62,7 +62,8 @@ std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, boo
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& entry = entries_[id];
-    if (!entry.session) entry.session = std::make_shared<ChatSession>(id, limits_.num_layers);
+    if (!entry.session)
+      entry.session = std::make_shared<ChatSession>(id, limits_.num_layers, limits_.checkpoints);
     entry.in_use += 1;
     entry.last_used = ++clock_;
     session = entry.session;

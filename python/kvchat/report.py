@@ -48,6 +48,8 @@ class ManagerStats:
     generated_tokens: int
     hit_rate: float  # reused / (reused + prefilled)
     invalidations: int  # turns whose reuse a corruption or repetition check capped
+    checkpoint_restores: int  # turns that restored non-croppable layers from a checkpoint
+    checkpoints_taken: int
     evictions: int
     resident_bytes: int  # distinct tensor storage held by all sessions
     sessions: int
@@ -63,6 +65,8 @@ class ManagerStats:
             generated_tokens=t.generated_tokens,
             hit_rate=stats.hit_rate,
             invalidations=t.invalidations,
+            checkpoint_restores=t.checkpoint_restores,
+            checkpoints_taken=t.checkpoints_taken,
             evictions=stats.evictions,
             resident_bytes=stats.resident_bytes,
             sessions=stats.sessions,
@@ -81,7 +85,9 @@ class SessionInfo:
     resident: bool
     cached_tokens: int
     trusted_tokens: int  # reuse is capped here after a failed check
-    nbytes: int
+    nbytes: int  # layer states and checkpoints, shared storage counted once
+    checkpoints: int
+    checkpoint_bytes: int
     dtype: str | None
     device: str | None
     system_prompt: str | None
@@ -100,6 +106,8 @@ class SessionInfo:
             cached_tokens=info.cached_tokens,
             trusted_tokens=info.trusted_tokens,
             nbytes=info.nbytes,
+            checkpoints=info.checkpoints,
+            checkpoint_bytes=info.checkpoint_bytes,
             dtype=info.dtype or None,
             device=info.device or None,
             system_prompt=system,

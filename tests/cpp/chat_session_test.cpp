@@ -128,3 +128,62 @@ TEST(ChatSession, InvalidateKeepsMessagesAndCounters) {
 
 }  // namespace
 }  // namespace kvchat
+
+namespace kvchat {
+namespace {
+
+std::vector<LayerStatePtr> hybrid_layers(int64_t tokens) {
+  return {testing::attention_layer(tokens), testing::recurrent_layer(tokens)};
+}
+
+TEST(ChatSession, HybridRestoresACheckpointAndDropsStaleOnes) {
+  ChatSession s("h", 2, CheckpointPolicy{8, 0});
+  auto ids = testing::iota_ids(30);
+  s.commit(ids.data(), 30, hybrid_layers(30), 0, kMarkers, kRule,
+           {{10, {nullptr, testing::recurrent_layer(10)}},
+            {25, {nullptr, testing::recurrent_layer(25)}}});
+  auto prompt = testing::iota_ids(40);
+  prompt[27] = 1;
+  auto plan = s.plan(prompt.data(), 40);
+  ASSERT_EQ(plan.kept_tokens, 25);
+  auto layers = s.layers_for(plan);
+  EXPECT_EQ(layers[0]->num_tokens(), 25);  // attention cropped
+  EXPECT_EQ(layers[1]->num_tokens(), 25);  // recurrent from the checkpoint
+  EXPECT_FLOAT_EQ(layers[1]->tensors()[0].view(-1)[0].item<float>(), 25.0f);
+
+  // Next commit keeps 25 tokens: checkpoints beyond 25 would describe old ids.
+  s.commit(prompt.data(), 40, hybrid_layers(40), 25, kMarkers, kRule,
+           {{39, {nullptr, testing::recurrent_layer(39)}}});
+  EXPECT_EQ(s.cache_info().checkpoint_positions, (std::vector<int64_t>{10, 25, 39}));
+  EXPECT_GT(s.cache_info().checkpoint_bytes, 0);
+}
+
+TEST(ChatSession, CheckpointMemoryStaysBoundedOverManyTurns) {
+  const int64_t one = checkpoint_bytes({{1, {nullptr, testing::recurrent_layer(1)}}});
+  ChatSession s("h", 2, CheckpointPolicy{4, one * 3});
+  int64_t n = 0;
+  for (int turn = 0; turn < 30; ++turn) {
+    const int64_t kept = n;
+    n += 10;
+    auto ids = testing::iota_ids(n);
+    s.commit(ids.data(), n, hybrid_layers(n), kept, kMarkers, kRule,
+             {{n - 4, {nullptr, testing::recurrent_layer(n - 4)}},
+              {n - 1, {nullptr, testing::recurrent_layer(n - 1)}}});
+    EXPECT_LE(s.cache_info().checkpoints, 4);
+    EXPECT_LE(s.cache_info().checkpoint_bytes, one * 3);
+  }
+  EXPECT_EQ(s.cache_info().checkpoint_positions.back(), n - 1);
+  EXPECT_EQ(s.counters().checkpoints_taken, 60);
+}
+
+TEST(ChatSession, BadCheckpointsChangeNothing) {
+  ChatSession s("h", 2);
+  auto ids = testing::iota_ids(10);
+  EXPECT_THROW(s.commit(ids.data(), 10, hybrid_layers(10), 0, kMarkers, kRule,
+                        {{12, {nullptr, testing::recurrent_layer(12)}}}),
+               c10::IndexError);
+  EXPECT_FALSE(s.resident());
+}
+
+}  // namespace
+}  // namespace kvchat

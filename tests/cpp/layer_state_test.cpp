@@ -69,3 +69,48 @@ TEST(CheckLayersConsistent, NamesTheOffendingLayer) {
 
 }  // namespace
 }  // namespace kvchat
+
+namespace kvchat {
+namespace {
+
+TEST(SlidingWindowState, CropsOnlyWhileNothingHasSlidOut) {
+  auto kv = at::zeros({1, 2, 6, 4});
+  SlidingWindowState young(kv, kv, 6);  // holds all 6 tokens
+  EXPECT_TRUE(young.can_crop_to(3));
+  EXPECT_EQ(young.cropped(3)->num_tokens(), 3);
+  SlidingWindowState full(kv, kv, 20);  // holds the last 6 of 20
+  EXPECT_TRUE(full.can_crop_to(20));
+  EXPECT_FALSE(full.can_crop_to(19));
+  EXPECT_FALSE(full.can_crop_to(3));
+  EXPECT_THROW(full.cropped(19), c10::IndexError);
+  EXPECT_THROW(SlidingWindowState(kv, kv, 5), c10::ValueError);
+}
+
+TEST(SlidingWindowState, FiniteFromMapsPositionsIntoTheHeldTail) {
+  auto keys = at::zeros({1, 1, 4, 2});
+  keys[0][0][0][0] = std::numeric_limits<float>::quiet_NaN();  // position 16 of 20
+  SlidingWindowState layer(keys, at::zeros({1, 1, 4, 2}), 20);
+  EXPECT_FALSE(layer.finite_from(16));
+  EXPECT_TRUE(layer.finite_from(17));
+}
+
+TEST(RecurrentState, NeverCropsBackward) {
+  auto layer = testing::recurrent_layer(10);
+  EXPECT_TRUE(layer->can_crop_to(10));
+  EXPECT_FALSE(layer->can_crop_to(9));
+  EXPECT_FALSE(layer->can_crop_to(0));
+  EXPECT_THROW(layer->cropped(4), c10::IndexError);
+  EXPECT_EQ(layer->kind(), LayerKind::kRecurrent);
+  EXPECT_THROW(RecurrentState({}, 3), c10::ValueError);
+  EXPECT_THROW(RecurrentState({at::zeros({2, 3})}, 3), c10::ValueError);
+}
+
+TEST(CheckLayersConsistent, RecurrentStatesMayUseAWiderDtype) {
+  std::vector<LayerStatePtr> layers = {
+      testing::attention_layer(4),
+      std::make_shared<RecurrentState>(std::vector<at::Tensor>{at::zeros({1, 2}, at::kDouble)}, 4)};
+  EXPECT_NO_THROW(check_layers_consistent(layers, 4));
+}
+
+}  // namespace
+}  // namespace kvchat

@@ -91,3 +91,39 @@ TEST(PlanReuse, EmptyPromptIsAValueError) {
 
 }  // namespace
 }  // namespace kvchat
+
+namespace kvchat {
+namespace {
+
+TEST(PlanReuse, HybridRestoresTheLatestCheckpointAtOrBeforeTheLcp) {
+  std::vector<LayerStatePtr> layers = {testing::attention_layer(20), testing::recurrent_layer(20)};
+  std::vector<Checkpoint> checkpoints = {{5, {nullptr, testing::recurrent_layer(5)}},
+                                         {12, {nullptr, testing::recurrent_layer(12)}}};
+  auto cached = testing::iota_ids(20);
+  auto prompt = testing::iota_ids(30);
+  prompt[15] = 1;  // diverges inside the last reply
+  auto plan = plan_reuse(cached, prompt.data(), 30, 20, layers, checkpoints);
+  EXPECT_EQ(plan.kept_tokens, 12);
+  EXPECT_EQ(plan.checkpoint_position, 12);
+  EXPECT_EQ(plan.reason, ReuseReason::kDiverged);
+
+  // Extending the whole cache needs no checkpoint: the live state is at 20.
+  auto extend = plan_reuse(cached, testing::iota_ids(30).data(), 30, 20, layers, checkpoints);
+  EXPECT_EQ(extend.kept_tokens, 20);
+  EXPECT_EQ(extend.checkpoint_position, -1);
+  EXPECT_EQ(extend.reason, ReuseReason::kExtend);
+}
+
+TEST(PlanReuse, HybridWithoutAUsableCheckpointStartsOver) {
+  std::vector<LayerStatePtr> layers = {testing::attention_layer(20), testing::recurrent_layer(20)};
+  auto cached = testing::iota_ids(20);
+  auto prompt = testing::iota_ids(20);  // a regenerate: needs the state at 19
+  auto plan = plan_reuse(cached, prompt.data(), 20, 20, layers, {});
+  EXPECT_EQ(plan.kept_tokens, 0);
+  EXPECT_EQ(plan.reason, ReuseReason::kInvalidated);
+  std::vector<Checkpoint> at_19 = {{19, {nullptr, testing::recurrent_layer(19)}}};
+  EXPECT_EQ(plan_reuse(cached, prompt.data(), 20, 20, layers, at_19).kept_tokens, 19);
+}
+
+}  // namespace
+}  // namespace kvchat

@@ -32,3 +32,13 @@ inline std::vector<int64_t> iota_ids(int64_t n, int64_t start = 100) {
 }
 
 }  // namespace kvchat::testing
+
+namespace kvchat::testing {
+
+// A recurrent layer after `tokens` tokens; its value records the position.
+inline std::shared_ptr<RecurrentState> recurrent_layer(int64_t tokens) {
+  return std::make_shared<RecurrentState>(
+      std::vector<at::Tensor>{at::full({1, 3, 4}, static_cast<double>(tokens))}, tokens);
+}
+
+}  // namespace kvchat::testing

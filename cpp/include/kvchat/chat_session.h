@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvchat/checkpoint.h"
 #include "kvchat/layer_state.h"
 #include "kvchat/prefix.h"
 #include "kvchat/turn_checks.h"
@@ -38,6 +39,8 @@ struct SessionCounters {
   int64_t prefilled_tokens = 0;
   int64_t generated_tokens = 0;
   int64_t invalidations = 0;  // turns whose reuse a check capped
+  int64_t checkpoint_restores = 0;
+  int64_t checkpoints_taken = 0;
   void add(const TurnRecord& turn);
   SessionCounters& operator+=(const SessionCounters& other);
 };
@@ -50,12 +53,15 @@ struct CacheInfo {
   std::string dtype;       // empty when nothing is cached
   std::string device;      // empty when nothing is cached
   std::string last_check;  // why trust was capped, empty when clean
+  int64_t checkpoints = 0;
+  int64_t checkpoint_bytes = 0;
+  std::vector<int64_t> checkpoint_positions;
 };
 
 class ChatSession {
  public:
   // num_layers: what every commit must provide (0 accepts any count).
-  ChatSession(std::string id, int64_t num_layers);
+  ChatSession(std::string id, int64_t num_layers, CheckpointPolicy policy = {});
 
   const std::string& id() const { return id_; }
 
@@ -71,13 +77,16 @@ class ChatSession {
 
   // --- cache ---
   ReusePlan plan(const int64_t* prompt, int64_t prompt_tokens) const;
-  // The layer states cropped to plan.kept_tokens (views, no copies).
+  // The layer states at plan.kept_tokens: attention cropped (views, no
+  // copies), everything else from the plan's checkpoint.
   std::vector<LayerStatePtr> layers_for(const ReusePlan& plan) const;
   // Stores the cache after a turn. ids[0:n) are the tokens the layers hold;
   // tokens from `new_from` on are new this turn and are the only ones checked.
-  // Validates everything before changing anything.
+  // Checkpoints at or before new_from stay valid and are kept; `checkpoints`
+  // adds new ones. Validates everything before changing anything.
   void commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
-              const TurnMarkers& markers, const RepetitionRule& rule);
+              const TurnMarkers& markers, const RepetitionRule& rule,
+              std::vector<Checkpoint> checkpoints = {});
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
   bool resident() const;
@@ -94,14 +103,18 @@ class ChatSession {
   std::mutex& turn_mutex() { return turn_mutex_; }
 
  private:
+  void collect_storage_locked(StorageBytes* seen) const;
+
   const std::string id_;
   const int64_t num_layers_;
+  const CheckpointPolicy policy_;
   mutable std::mutex mutex_;  // guards everything below
   std::mutex turn_mutex_;
   std::optional<std::string> system_prompt_;
   std::vector<Message> messages_;
   std::vector<int64_t> cached_ids_;
   std::vector<LayerStatePtr> layers_;
+  std::vector<Checkpoint> checkpoints_;  // sorted by position
   int64_t trusted_tokens_ = 0;
   std::string last_check_;
   SessionCounters counters_;

@@ -67,6 +67,41 @@ class AttentionState final : public LayerState {
   at::Tensor values_;
 };
 
+// Sliding-window attention: holds only the last keys.size(2) of num_tokens()
+// tokens. Once it has dropped a token it cannot crop; a checkpoint must serve.
+class SlidingWindowState final : public LayerState {
+ public:
+  SlidingWindowState(at::Tensor keys, at::Tensor values, int64_t total_tokens);
+  LayerKind kind() const override { return LayerKind::kSlidingWindow; }
+  int64_t num_tokens() const override { return total_tokens_; }
+  int64_t held_tokens() const { return attention_.num_tokens(); }
+  bool can_crop_to(int64_t n) const override;
+  LayerStatePtr cropped(int64_t n) const override;
+  std::vector<at::Tensor> tensors() const override { return attention_.tensors(); }
+  bool finite_from(int64_t begin) const override;
+
+ private:
+  AttentionState attention_;  // the held tail, validated like full attention
+  int64_t total_tokens_;
+};
+
+// Recurrent, conv or linear-attention state: a fixed-size summary of every
+// token so far. It cannot crop at all; it is restored from checkpoints.
+class RecurrentState final : public LayerState {
+ public:
+  RecurrentState(std::vector<at::Tensor> tensors, int64_t total_tokens);
+  LayerKind kind() const override { return LayerKind::kRecurrent; }
+  int64_t num_tokens() const override { return total_tokens_; }
+  bool can_crop_to(int64_t n) const override { return n == total_tokens_; }
+  LayerStatePtr cropped(int64_t n) const override;
+  std::vector<at::Tensor> tensors() const override { return tensors_; }
+  bool finite_from(int64_t begin) const override;
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  int64_t total_tokens_;
+};
+
 // Checks that all layers agree on token count, dtype and device; names the
 // first offending layer in a ValueError.
 void check_layers_consistent(const std::vector<LayerStatePtr>& layers, int64_t expected_tokens);

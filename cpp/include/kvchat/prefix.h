@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kvchat/checkpoint.h"
 #include "kvchat/layer_state.h"
 
 namespace kvchat {
@@ -24,10 +25,11 @@ enum class ReuseReason {
 std::string to_string(ReuseReason reason);
 
 struct ReusePlan {
-  int64_t cached_tokens = 0;  // tokens the session held
-  int64_t prompt_tokens = 0;  // tokens of the new prompt
-  int64_t common_prefix = 0;  // LCP of cached ids and prompt
-  int64_t kept_tokens = 0;    // tokens reused; always < prompt_tokens
+  int64_t cached_tokens = 0;         // tokens the session held
+  int64_t prompt_tokens = 0;         // tokens of the new prompt
+  int64_t common_prefix = 0;         // LCP of cached ids and prompt
+  int64_t kept_tokens = 0;           // tokens reused; always < prompt_tokens
+  int64_t checkpoint_position = -1;  // checkpoint restored at kept_tokens, or -1
   ReuseReason reason = ReuseReason::kNoCache;
   std::string detail;  // one human-readable sentence
   int64_t new_tokens() const { return prompt_tokens - kept_tokens; }
@@ -37,9 +39,11 @@ struct ReusePlan {
 //  - at most the LCP and at most prompt_tokens - 1 (the model must always run
 //    the last prompt token, or generation would sample from stale logits);
 //  - at most `trusted_tokens` (where checks stopped trusting the cache);
-//  - a point every layer can be brought back to.
+//  - a point every layer can be brought back to, by cropping or from one of
+//    `checkpoints` (sorted by position).
 ReusePlan plan_reuse(const std::vector<int64_t>& cached_ids, const int64_t* prompt,
                      int64_t prompt_tokens, int64_t trusted_tokens,
-                     const std::vector<LayerStatePtr>& layers);
+                     const std::vector<LayerStatePtr>& layers,
+                     const std::vector<Checkpoint>& checkpoints = {});
 
 }  // namespace kvchat

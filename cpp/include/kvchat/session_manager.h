@@ -27,9 +27,10 @@ class SessionBusyError : public std::runtime_error {
 };
 
 struct ManagerLimits {
-  int64_t max_sessions = 16;    // sessions that may hold a cache at once
-  int64_t max_cache_bytes = 0;  // resident bytes; 0 means no limit
-  int64_t num_layers = 0;       // layers every commit must provide (0: any)
+  int64_t max_sessions = 16;     // sessions that may hold a cache at once
+  int64_t max_cache_bytes = 0;   // resident bytes; 0 means no limit
+  int64_t num_layers = 0;        // layers every commit must provide (0: any)
+  CheckpointPolicy checkpoints;  // per session; checkpoint bytes count toward max_cache_bytes
 };
 
 struct ManagerStats {

@@ -1,0 +1,43 @@
+// Checkpoints: the state of every layer at one token position, so layers that
+// cannot crop (recurrent, conv, slid windows) can be brought back there.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvchat/layer_state.h"
+
+namespace kvchat {
+
+struct Checkpoint {
+  int64_t position = 0;
+  // One entry per layer; nullptr where the layer's live state can simply be
+  // cropped back to `position` (attention), so nothing is duplicated.
+  std::vector<LayerStatePtr> states;
+};
+
+// How many checkpoints a session keeps. When over either bound, the lowest
+// positions go first: a chat mostly extends its latest turn.
+struct CheckpointPolicy {
+  int64_t max_count = 8;
+  int64_t max_bytes = 0;  // 0: no byte bound
+};
+
+// Validates a checkpoint against the layer count; names what is wrong.
+void check_checkpoint(const Checkpoint& checkpoint, int64_t num_layers, int64_t max_position);
+
+// Whether every layer can be brought back to `position`, by cropping its live
+// state or from `checkpoint` (which may be null).
+bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
+                const Checkpoint* checkpoint);
+
+// Merges `added` into `kept` (same position: added wins), sorts by position
+// and drops the lowest positions until `policy` holds.
+std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
+                                          std::vector<Checkpoint> added,
+                                          const CheckpointPolicy& policy);
+
+void collect_checkpoint_storage(const std::vector<Checkpoint>& checkpoints, StorageBytes* seen);
+int64_t checkpoint_bytes(const std::vector<Checkpoint>& checkpoints);
+
+}  // namespace kvchat
