@@ -19,12 +19,9 @@ class FirstTokenTimer(LogitsProcessor):
             self.first_at = time.perf_counter()
         return scores
 
-    def restart(self) -> None:
-        self.started, self.first_at = time.perf_counter(), None
-
     @property
     def prefill_ms(self) -> float:
-        """Milliseconds from restart() to the first logits (or to now)."""
+        """Milliseconds from construction to the first logits (or to now)."""
         return ((self.first_at or time.perf_counter()) - self.started) * 1e3
 
     def attach(self, generate_kwargs: dict) -> dict:
