@@ -7,13 +7,22 @@ void bind_layer_state(py::module_& m) {
   py::enum_<LayerKind>(m, "LayerKind")
       .value("attention", LayerKind::kAttention)
       .value("sliding_window", LayerKind::kSlidingWindow)
-      .value("recurrent", LayerKind::kRecurrent);
+      .value("recurrent", LayerKind::kRecurrent)
+      .value("hybrid", LayerKind::kHybrid);
 
   py::class_<LayerState, LayerStatePtr>(m, "LayerState")
       .def_property_readonly("kind", &LayerState::kind)
       .def_property_readonly("num_tokens", &LayerState::num_tokens)
       .def("can_crop_to", &LayerState::can_crop_to, py::arg("n"))
       .def("cropped", &LayerState::cropped, py::arg("n"))
+      .def("snapshot", &LayerState::snapshot)
+      .def(
+          "can_restore",
+          [](const LayerState& s, int64_t n, const LayerStatePtr& snapshot) {
+            return s.can_restore(n, snapshot.get());
+          },
+          py::arg("n"), py::arg("snapshot") = nullptr)
+      .def("restored", &LayerState::restored, py::arg("n"), py::arg("snapshot") = nullptr)
       .def("tensors", &LayerState::tensors)
       .def("nbytes", [](const LayerState& s) {
         StorageBytes seen;
@@ -31,6 +40,11 @@ void bind_layer_state(py::module_& m) {
       .def(py::init<at::Tensor, at::Tensor, int64_t>(), py::arg("keys"), py::arg("values"),
            py::arg("total_tokens"))
       .def_property_readonly("held_tokens", &SlidingWindowState::held_tokens);
+
+  py::class_<HybridState, LayerState, std::shared_ptr<HybridState>>(m, "HybridState")
+      .def(py::init<LayerStatePtr, LayerStatePtr>(), py::arg("attention"), py::arg("recurrent"))
+      .def_property_readonly("attention", &HybridState::attention)
+      .def_property_readonly("recurrent", &HybridState::recurrent);
 
   py::class_<RecurrentState, LayerState, std::shared_ptr<RecurrentState>>(m, "RecurrentState")
       .def(py::init<std::vector<at::Tensor>, int64_t>(), py::arg("tensors"),

@@ -101,9 +101,10 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
                     " that the session no longer holds; plan again");
   std::vector<LayerStatePtr> out;
   out.reserve(layers_.size());
+  static const LayerStatePtr kNone;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    const bool from_checkpoint = checkpoint && checkpoint->states[i];
-    out.push_back(from_checkpoint ? checkpoint->states[i] : layers_[i]->cropped(plan.kept_tokens));
+    out.push_back(
+        layers_[i]->restored(plan.kept_tokens, checkpoint ? checkpoint->states[i] : kNone));
   }
   return out;
 }

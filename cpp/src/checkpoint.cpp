@@ -24,10 +24,12 @@ void check_checkpoint(const Checkpoint& checkpoint, int64_t num_layers, int64_t 
 
 bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
                 const Checkpoint* checkpoint) {
+  const bool usable = checkpoint != nullptr && checkpoint->position == position;
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i]->can_crop_to(position)) continue;
-    if (checkpoint == nullptr || checkpoint->position != position) return false;
-    if (i >= checkpoint->states.size() || !checkpoint->states[i]) return false;
+    const bool has_state = usable && i < checkpoint->states.size();
+    if (!layers[i]->can_restore(position, has_state ? checkpoint->states[i].get() : nullptr)) {
+      return false;
+    }
   }
   return true;
 }

@@ -14,6 +14,8 @@ std::string to_string(LayerKind kind) {
       return "sliding_window";
     case LayerKind::kRecurrent:
       return "recurrent";
+    case LayerKind::kHybrid:
+      return "hybrid";
   }
   return "unknown";
 }
@@ -32,6 +34,19 @@ int64_t total_bytes(const StorageBytes& seen) {
 
 void LayerState::collect_storage(StorageBytes* seen) const {
   for (const auto& t : tensors()) add_storage(t, seen);
+}
+
+bool LayerState::can_restore(int64_t n, const LayerState* snapshot) const {
+  if (can_crop_to(n)) return true;
+  return snapshot != nullptr && snapshot->kind() == kind() && snapshot->num_tokens() == n;
+}
+
+LayerStatePtr LayerState::restored(int64_t n, const LayerStatePtr& snapshot) const {
+  if (can_crop_to(n)) return cropped(n);
+  TORCH_CHECK_INDEX(can_restore(n, snapshot.get()), "a ", to_string(kind()), " layer of ",
+                    num_tokens(), " tokens cannot return to token ", n, " without a snapshot ",
+                    "taken there");
+  return snapshot;
 }
 
 AttentionState::AttentionState(at::Tensor keys, at::Tensor values)
@@ -91,6 +106,13 @@ LayerStatePtr SlidingWindowState::cropped(int64_t n) const {
   return std::make_shared<SlidingWindowState>(tensors[0], tensors[1], n);
 }
 
+LayerStatePtr SlidingWindowState::snapshot() const {
+  // A clone, so the snapshot does not pin the larger buffer the window views.
+  return std::make_shared<SlidingWindowState>(
+      attention_.keys().clone(at::MemoryFormat::Contiguous),
+      attention_.values().clone(at::MemoryFormat::Contiguous), total_tokens_);
+}
+
 bool SlidingWindowState::finite_from(int64_t begin) const {
   return attention_.finite_from(begin - (total_tokens_ - held_tokens()));
 }
@@ -115,16 +137,87 @@ LayerStatePtr RecurrentState::cropped(int64_t n) const {
   return std::make_shared<RecurrentState>(tensors_, total_tokens_);
 }
 
+LayerStatePtr RecurrentState::snapshot() const {
+  std::vector<at::Tensor> copies;
+  copies.reserve(tensors_.size());
+  for (const auto& t : tensors_) copies.push_back(t.clone(at::MemoryFormat::Contiguous));
+  return std::make_shared<RecurrentState>(std::move(copies), total_tokens_);
+}
+
 bool RecurrentState::finite_from(int64_t /*begin*/) const {
   // The whole state summarises every token, new ones included.
   return std::all_of(tensors_.begin(), tensors_.end(),
                      [](const at::Tensor& t) { return t.isfinite().all().item<bool>(); });
 }
 
+HybridState::HybridState(LayerStatePtr attention, LayerStatePtr recurrent)
+    : attention_(std::move(attention)), recurrent_(std::move(recurrent)) {
+  TORCH_CHECK_VALUE(recurrent_ && recurrent_->kind() == LayerKind::kRecurrent,
+                    "a hybrid layer's recurrent part must be a RecurrentState, got ",
+                    recurrent_ ? to_string(recurrent_->kind()) : "None");
+  if (!attention_) return;
+  TORCH_CHECK_VALUE(
+      attention_->kind() == LayerKind::kAttention ||
+          attention_->kind() == LayerKind::kSlidingWindow,
+      "a hybrid layer's attention part must be an attention or sliding-window state, got ",
+      to_string(attention_->kind()));
+  TORCH_CHECK_VALUE(attention_->num_tokens() == recurrent_->num_tokens(),
+                    "a hybrid layer's attention holds ", attention_->num_tokens(),
+                    " tokens but its recurrent part ", recurrent_->num_tokens());
+}
+
+bool HybridState::can_crop_to(int64_t n) const {
+  return attention_ && attention_->can_crop_to(n) && recurrent_->can_crop_to(n);
+}
+
+LayerStatePtr HybridState::cropped(int64_t n) const {
+  TORCH_CHECK_INDEX(can_crop_to(n), "a hybrid layer of ", num_tokens(), " tokens cannot crop to ",
+                    n, "; restore a checkpoint instead");
+  return std::make_shared<HybridState>(attention_->cropped(n), recurrent_->cropped(n));
+}
+
+LayerStatePtr HybridState::snapshot() const {
+  return std::make_shared<HybridState>(attention_ ? attention_->snapshot() : nullptr,
+                                       recurrent_->snapshot());
+}
+
+bool HybridState::can_restore(int64_t n, const LayerState* snapshot) const {
+  if (can_crop_to(n)) return true;
+  const auto* hybrid = dynamic_cast<const HybridState*>(snapshot);
+  return attention_ && hybrid && hybrid->num_tokens() == n &&
+         attention_->can_restore(n, hybrid->attention_.get());
+}
+
+LayerStatePtr HybridState::restored(int64_t n, const LayerStatePtr& snapshot) const {
+  if (can_crop_to(n)) return cropped(n);
+  TORCH_CHECK_INDEX(can_restore(n, snapshot.get()), "a hybrid layer of ", num_tokens(),
+                    " tokens cannot return to token ", n, " without a snapshot taken there");
+  const auto& hybrid = static_cast<const HybridState&>(*snapshot);
+  // The live KV crops (a view); only the recurrent part comes from the snapshot.
+  return std::make_shared<HybridState>(attention_->restored(n, hybrid.attention_),
+                                       hybrid.recurrent_);
+}
+
+std::vector<at::Tensor> HybridState::tensors() const {
+  std::vector<at::Tensor> all;
+  if (attention_) all = attention_->tensors();
+  const auto rest = recurrent_->tensors();
+  all.insert(all.end(), rest.begin(), rest.end());
+  return all;
+}
+
+bool HybridState::finite_from(int64_t begin) const {
+  return (!attention_ || attention_->finite_from(begin)) && recurrent_->finite_from(begin);
+}
+
 void check_layers_consistent(const std::vector<LayerStatePtr>& layers, int64_t expected_tokens) {
   const LayerState* first_kv = nullptr;
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK_VALUE(layers[i] != nullptr, "layer ", i, " is missing");
+    const auto* hybrid = dynamic_cast<const HybridState*>(layers[i].get());
+    TORCH_CHECK_VALUE(!hybrid || hybrid->attention(), "layer ", i,
+                      " is a hybrid snapshot without its attention part; a session needs the "
+                      "live state");
     TORCH_CHECK_VALUE(layers[i]->num_tokens() == expected_tokens, "layer ", i, " holds ",
                       layers[i]->num_tokens(), " tokens but token_ids has ", expected_tokens);
     // Recurrent states may legitimately be kept in a wider dtype than the KV.

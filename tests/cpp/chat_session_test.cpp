@@ -158,6 +158,23 @@ TEST(ChatSession, HybridRestoresACheckpointAndDropsStaleOnes) {
   EXPECT_GT(s.cache_info().checkpoint_bytes, 0);
 }
 
+TEST(ChatSession, HybridLayersRestoreThroughTheirSnapshots) {
+  auto live = [](int64_t n) -> LayerStatePtr {
+    return std::make_shared<HybridState>(testing::attention_layer(n), testing::recurrent_layer(n));
+  };
+  ChatSession s("falcon", 1);
+  auto ids = testing::iota_ids(20);
+  s.commit(ids.data(), 20, {live(20)}, 0, kMarkers, kRule, {{12, {live(12)->snapshot()}}});
+  auto prompt = testing::iota_ids(30);
+  prompt[15] = 1;
+  auto plan = s.plan(prompt.data(), 30);
+  ASSERT_EQ(plan.kept_tokens, 12);
+  EXPECT_EQ(plan.checkpoint_position, 12);
+  auto layer = std::static_pointer_cast<HybridState>(s.layers_for(plan)[0]);
+  EXPECT_EQ(layer->attention()->num_tokens(), 12);
+  EXPECT_FLOAT_EQ(layer->recurrent()->tensors()[0].view(-1)[0].item<float>(), 12.0f);
+}
+
 TEST(ChatSession, CheckpointMemoryStaysBoundedOverManyTurns) {
   const int64_t one = checkpoint_bytes({{1, {nullptr, testing::recurrent_layer(1)}}});
   ChatSession s("h", 2, CheckpointPolicy{4, one * 3});

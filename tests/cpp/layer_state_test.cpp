@@ -105,6 +105,79 @@ TEST(RecurrentState, NeverCropsBackward) {
   EXPECT_THROW(RecurrentState({at::zeros({2, 3})}, 3), c10::ValueError);
 }
 
+TEST(LayerSnapshot, AttentionNeedsNoneAndOthersOwnTheirMemory) {
+  EXPECT_EQ(testing::attention_layer(5)->snapshot(), nullptr);
+
+  auto recurrent = testing::recurrent_layer(7);
+  auto snap = recurrent->snapshot();
+  ASSERT_NE(snap, nullptr);
+  EXPECT_EQ(snap->num_tokens(), 7);
+  // The model writes recurrent tensors in place; the snapshot must not see it.
+  recurrent->tensors()[0].fill_(-1.0);
+  EXPECT_FLOAT_EQ(snap->tensors()[0].view(-1)[0].item<float>(), 7.0f);
+
+  auto buffer = at::zeros({1, 2, 40, 4});
+  SlidingWindowState window(buffer.narrow(2, 30, 10), buffer.narrow(2, 30, 10), 50);
+  auto compact = window.snapshot();
+  EXPECT_EQ(compact->num_tokens(), 50);
+  StorageBytes seen;
+  compact->collect_storage(&seen);
+  EXPECT_EQ(total_bytes(seen), 2 * 10 * 2 * 4 * 4);  // the window only, not the buffer
+}
+
+TEST(LayerSnapshot, RestoredCropsWhenItCanAndOtherwiseNeedsASnapshotFromThatToken) {
+  auto attention = testing::attention_layer(9);
+  EXPECT_TRUE(attention->can_restore(4, nullptr));
+  EXPECT_EQ(attention->restored(4, nullptr)->num_tokens(), 4);
+
+  auto recurrent = testing::recurrent_layer(9);
+  LayerStatePtr at4 = testing::recurrent_layer(4);
+  LayerStatePtr at5 = testing::recurrent_layer(5);
+  EXPECT_FALSE(recurrent->can_restore(4, nullptr));
+  EXPECT_FALSE(recurrent->can_restore(4, at5.get()));
+  EXPECT_FALSE(recurrent->can_restore(4, attention.get()));  // wrong kind
+  EXPECT_TRUE(recurrent->can_restore(4, at4.get()));
+  EXPECT_EQ(recurrent->restored(4, at4), at4);
+  EXPECT_THROW(recurrent->restored(4, at5), c10::IndexError);
+}
+
+TEST(HybridState, CropsItsKvAndTakesOnlyTheRecurrentPartFromTheSnapshot) {
+  HybridState live(testing::attention_layer(12), testing::recurrent_layer(12));
+  EXPECT_EQ(live.kind(), LayerKind::kHybrid);
+  EXPECT_TRUE(live.can_crop_to(12));
+  EXPECT_FALSE(live.can_crop_to(8));
+  EXPECT_EQ(live.tensors().size(), 3u);  // keys, values, one recurrent tensor
+
+  // A snapshot of a hybrid with full attention holds no KV at all.
+  HybridState at8(testing::attention_layer(8), testing::recurrent_layer(8));
+  auto snap = at8.snapshot();
+  const auto& snap_hybrid = static_cast<const HybridState&>(*snap);
+  EXPECT_EQ(snap_hybrid.attention(), nullptr);
+  EXPECT_EQ(snap->tensors().size(), 1u);
+
+  ASSERT_TRUE(live.can_restore(8, snap.get()));
+  EXPECT_FALSE(live.can_restore(7, snap.get()));
+  auto back = std::static_pointer_cast<HybridState>(live.restored(8, snap));
+  EXPECT_EQ(back->num_tokens(), 8);
+  // KV is a view of the live storage; the recurrent part is the snapshot's.
+  EXPECT_EQ(back->attention()->tensors()[0].data_ptr(), live.attention()->tensors()[0].data_ptr());
+  EXPECT_EQ(back->recurrent(), snap_hybrid.recurrent());
+}
+
+TEST(HybridState, RejectsMismatchedParts) {
+  EXPECT_THROW(HybridState(testing::attention_layer(4), testing::recurrent_layer(5)),
+               c10::ValueError);
+  EXPECT_THROW(HybridState(testing::attention_layer(4), testing::attention_layer(4)),
+               c10::ValueError);
+  EXPECT_THROW(HybridState(testing::recurrent_layer(4), testing::recurrent_layer(4)),
+               c10::ValueError);
+  EXPECT_THROW(HybridState(nullptr, nullptr), c10::ValueError);
+  // A snapshot lacks the KV, so it can never be a session's live state.
+  std::vector<LayerStatePtr> layers = {
+      std::make_shared<HybridState>(nullptr, testing::recurrent_layer(4))};
+  EXPECT_THROW(check_layers_consistent(layers, 4), c10::ValueError);
+}
+
 TEST(CheckLayersConsistent, RecurrentStatesMayUseAWiderDtype) {
   std::vector<LayerStatePtr> layers = {
       testing::attention_layer(4),

@@ -12,7 +12,7 @@
 
 namespace kvchat {
 
-enum class LayerKind { kAttention, kSlidingWindow, kRecurrent };
+enum class LayerKind { kAttention, kSlidingWindow, kRecurrent, kHybrid };
 
 std::string to_string(LayerKind kind);
 
@@ -39,6 +39,14 @@ class LayerState {
   virtual bool can_crop_to(int64_t n) const = 0;
   // The state after the first n tokens; throws if !can_crop_to(n).
   virtual LayerStatePtr cropped(int64_t n) const = 0;
+  // A copy of what cropping could not give back later, owning its memory;
+  // nullptr when cropping this state always returns here (full attention).
+  virtual LayerStatePtr snapshot() const = 0;
+  // Whether restored(n, snapshot) works; snapshot may be null.
+  virtual bool can_restore(int64_t n, const LayerState* snapshot) const;
+  // The state after n tokens: cropped where it can be, otherwise taken from
+  // `snapshot`, which snapshot() made at token n.
+  virtual LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const;
   // The tensors, in the order the Python adapter expects for this kind.
   virtual std::vector<at::Tensor> tensors() const = 0;
   // True when no NaN/Inf was written for positions >= begin.
@@ -57,6 +65,7 @@ class AttentionState final : public LayerState {
   int64_t num_tokens() const override { return keys_.size(2); }
   bool can_crop_to(int64_t n) const override { return n >= 0 && n <= num_tokens(); }
   LayerStatePtr cropped(int64_t n) const override;
+  LayerStatePtr snapshot() const override { return nullptr; }
   std::vector<at::Tensor> tensors() const override { return {keys_, values_}; }
   bool finite_from(int64_t begin) const override;
   const at::Tensor& keys() const { return keys_; }
@@ -77,6 +86,8 @@ class SlidingWindowState final : public LayerState {
   int64_t held_tokens() const { return attention_.num_tokens(); }
   bool can_crop_to(int64_t n) const override;
   LayerStatePtr cropped(int64_t n) const override;
+  // A compact copy of the held window (at most window - 1 tokens).
+  LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return attention_.tensors(); }
   bool finite_from(int64_t begin) const override;
 
@@ -94,12 +105,39 @@ class RecurrentState final : public LayerState {
   int64_t num_tokens() const override { return total_tokens_; }
   bool can_crop_to(int64_t n) const override { return n == total_tokens_; }
   LayerStatePtr cropped(int64_t n) const override;
+  // Clones: the model updates these tensors in place on the next forward.
+  LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return tensors_; }
   bool finite_from(int64_t begin) const override;
 
  private:
   std::vector<at::Tensor> tensors_;
   int64_t total_tokens_;
+};
+
+// A layer holding attention KV beside a recurrent state (FalconH1's attention
+// plus Mamba2). The KV crops; the recurrent part comes from checkpoints. Its
+// snapshot keeps only what cannot crop, so attention may be null there.
+class HybridState final : public LayerState {
+ public:
+  // attention: an attention or sliding-window state, or null in a snapshot;
+  // recurrent: a recurrent state over the same tokens.
+  HybridState(LayerStatePtr attention, LayerStatePtr recurrent);
+  LayerKind kind() const override { return LayerKind::kHybrid; }
+  int64_t num_tokens() const override { return recurrent_->num_tokens(); }
+  bool can_crop_to(int64_t n) const override;
+  LayerStatePtr cropped(int64_t n) const override;
+  LayerStatePtr snapshot() const override;
+  bool can_restore(int64_t n, const LayerState* snapshot) const override;
+  LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const override;
+  std::vector<at::Tensor> tensors() const override;
+  bool finite_from(int64_t begin) const override;
+  const LayerStatePtr& attention() const { return attention_; }
+  const LayerStatePtr& recurrent() const { return recurrent_; }
+
+ private:
+  LayerStatePtr attention_;
+  LayerStatePtr recurrent_;
 };
 
 // Checks that all layers agree on token count, dtype and device; names the
