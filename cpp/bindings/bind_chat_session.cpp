@@ -16,6 +16,15 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("position", &Checkpoint::position)
       .def_readonly("states", &Checkpoint::states);
 
+  m.def(
+      "checkpoint_positions",
+      [](const at::Tensor& prompt_ids, int64_t begin, const TurnMarkers& markers) {
+        auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
+        py::gil_scoped_release release;
+        return checkpoint_positions(data, n, begin, markers);
+      },
+      py::arg("prompt_ids"), py::arg("begin"), py::arg("markers"));
+
   py::class_<TurnRecord>(m, "TurnRecord")
       .def(py::init<>())
       .def_readwrite("prompt_tokens", &TurnRecord::prompt_tokens)
@@ -77,17 +86,20 @@ void bind_chat_session(py::module_& m) {
           "commit",
           [](ChatSession& s, const at::Tensor& token_ids, std::vector<LayerStatePtr> layers,
              int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
-             std::vector<Checkpoint> checkpoints) {
+             std::vector<Checkpoint> checkpoints, std::string text) {
             auto [data, n] = token_ids_view(token_ids, "token_ids");
             py::gil_scoped_release release;
-            s.commit(data, n, std::move(layers), new_from, markers, rule, std::move(checkpoints));
+            s.commit(data, n, std::move(layers), new_from, markers, rule, std::move(checkpoints),
+                     std::move(text));
           },
           py::arg("token_ids"), py::arg("layers"), py::arg("new_from"), py::arg("markers"),
-          py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{})
+          py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{},
+          py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
       .def_property_readonly("resident", &ChatSession::resident)
       .def("cache_info", &ChatSession::cache_info, no_gil())
       .def("cached_ids", &ChatSession::cached_ids)
+      .def("cached_text", &ChatSession::cached_text)
       .def("record_turn", &ChatSession::record_turn, py::arg("turn"))
       .def("last_turn", &ChatSession::last_turn)
       .def("counters", &ChatSession::counters);

@@ -10,6 +10,7 @@ void bind_session_manager(py::module_& m) {
       .def_readonly("totals", &ManagerStats::totals)
       .def_readonly("evictions", &ManagerStats::evictions)
       .def_readonly("resident_bytes", &ManagerStats::resident_bytes)
+      .def_readonly("checkpoint_bytes", &ManagerStats::checkpoint_bytes)
       .def_readonly("sessions", &ManagerStats::sessions)
       .def_readonly("resident_sessions", &ManagerStats::resident_sessions)
       .def_property_readonly("hit_rate", &ManagerStats::hit_rate);

@@ -111,7 +111,7 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
 
 void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
                          int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
-                         std::vector<Checkpoint> checkpoints) {
+                         std::vector<Checkpoint> checkpoints, std::string text) {
   TORCH_CHECK_VALUE(n > 0, "token_ids must not be empty");
   TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(layers.size()) == num_layers_,
                     "layers has ", layers.size(), " entries but the model has ", num_layers_,
@@ -147,6 +147,7 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
   counters_.checkpoints_taken += static_cast<int64_t>(checkpoints.size());
   checkpoints_ = merge_checkpoints(std::move(still_valid), std::move(checkpoints), policy_);
   cached_ids_.assign(ids, ids + n);
+  cached_text_ = std::move(text);
   layers_ = std::move(layers);
   trusted_tokens_ = trusted;
   last_check_ = why.str();
@@ -156,6 +157,7 @@ void ChatSession::invalidate_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
   cached_ids_.clear();
   cached_ids_.shrink_to_fit();
+  cached_text_.clear();
   layers_.clear();
   checkpoints_.clear();
   trusted_tokens_ = 0;
@@ -178,7 +180,7 @@ CacheInfo ChatSession::cache_info() const {
   for (const auto& cp : checkpoints_) info.checkpoint_positions.push_back(cp.position);
   info.nbytes = total_bytes(seen);
   info.checkpoints = static_cast<int64_t>(checkpoints_.size());
-  info.checkpoint_bytes = checkpoint_bytes(checkpoints_);
+  info.checkpoint_bytes = kvchat::checkpoint_bytes(checkpoints_);
   if (!layers_.empty()) {
     info.dtype = c10::toString(layers_.front()->dtype());
     info.device = layers_.front()->device().str();
@@ -190,6 +192,16 @@ CacheInfo ChatSession::cache_info() const {
 std::vector<int64_t> ChatSession::cached_ids() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return cached_ids_;
+}
+
+std::string ChatSession::cached_text() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cached_text_;
+}
+
+int64_t ChatSession::checkpoint_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return kvchat::checkpoint_bytes(checkpoints_);
 }
 
 void ChatSession::collect_storage(StorageBytes* seen) const {

@@ -34,6 +34,17 @@ bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
   return true;
 }
 
+std::vector<int64_t> checkpoint_positions(const int64_t* ids, int64_t n, int64_t begin,
+                                          const TurnMarkers& markers) {
+  TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
+  TORCH_CHECK_INDEX(begin >= 0 && begin < n, "begin must be in [0, ", n - 1, "], got ", begin);
+  std::vector<int64_t> positions;
+  if (begin + 1 > n - 1) return positions;
+  for (int64_t p : find_turn_boundaries(ids, n, begin + 1, n - 1, markers)) positions.push_back(p);
+  if (positions.empty() || positions.back() != n - 1) positions.push_back(n - 1);
+  return positions;
+}
+
 void collect_checkpoint_storage(const std::vector<Checkpoint>& checkpoints, StorageBytes* seen) {
   for (const auto& cp : checkpoints) {
     for (const auto& state : cp.states) {
@@ -61,8 +72,23 @@ std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
     return count > policy.max_count ||
            (policy.max_bytes > 0 && count > 0 && checkpoint_bytes(merged) > policy.max_bytes);
   };
-  // Sorted by position, so the front is the lowest.
-  while (!merged.empty() && over()) merged.erase(merged.begin());
+  while (!merged.empty() && over()) {
+    if (merged.size() == 1) {
+      merged.clear();  // even one is over the byte bound
+      break;
+    }
+    // Without checkpoint i, a restore falls back to the one below it, so its
+    // loss costs the gap below it in re-prefilled tokens. Drop the cheapest
+    // (ties: the lower); never the highest while others remain.
+    auto cost = [&](size_t i) {
+      return merged[i].position - (i == 0 ? 0 : merged[i - 1].position);
+    };
+    size_t drop = 0;
+    for (size_t i = 1; i + 1 < merged.size(); ++i) {
+      if (cost(i) < cost(drop)) drop = i;
+    }
+    merged.erase(merged.begin() + static_cast<std::ptrdiff_t>(drop));
+  }
   return merged;
 }
 

@@ -137,6 +137,7 @@ ManagerStats SessionManager::stats() const {
   out.totals = removed_totals_;
   for (const auto& [id, entry] : entries_) {
     out.totals += entry.session->counters();
+    out.checkpoint_bytes += entry.session->checkpoint_bytes();
     if (entry.session->resident()) out.resident_sessions += 1;
   }
   out.evictions = evictions_;

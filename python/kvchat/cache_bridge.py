@@ -1,9 +1,14 @@
 """Converts between the core's layer states and transformers' DynamicCache.
 
-Tensors move by reference both ways: the cache gets the session's views, and
-the session keeps the tensors generation produced. transformers'
-DynamicLayer.update concatenates into new tensors, so it never writes into a
-view another session or a later turn still holds.
+Attention KV moves by reference both ways: the cache gets the session's views,
+and the session keeps the tensors generation produced. DynamicLayer.update
+concatenates into new tensors, so it never writes into a view another session
+or a later turn still holds.
+
+Recurrent, conv and linear-attention tensors are different: the model updates
+them in place (``copy_``). So the bridge copies them into each cache it
+builds, and snapshots clone them (in the core), while the session keeps the
+tensors of a finished turn by reference.
 """
 
 from __future__ import annotations
@@ -11,11 +16,65 @@ from __future__ import annotations
 import logging
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
 
 from . import _C
 
 logger = logging.getLogger("kvchat")
+
+# Which parts each supported layer class has. Exact classes only: a subclass
+# may keep state kvchat would not carry over, so it gets no reuse instead.
+_PARTS = {
+    DynamicLayer: ("attention",),
+    DynamicSlidingWindowLayer: ("sliding",),
+    LinearAttentionLayer: ("recurrent",),
+    LinearAttentionAndFullAttentionLayer: ("attention", "recurrent"),
+    LinearAttentionAndSlidingWindowAttentionLayer: ("sliding", "recurrent"),
+}
+
+
+def _read_attention(layer, sliding: bool):
+    if sliding:
+        return _C.SlidingWindowState(layer.keys, layer.values, int(layer.cumulative_length))
+    return _C.AttentionState(layer.keys, layer.values)
+
+
+def _write_attention(layer, state) -> None:
+    keys, values = state.tensors()
+    # Two positional arguments select the attention half of a hybrid layer.
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    if isinstance(state, _C.SlidingWindowState):
+        layer.cumulative_length = state.num_tokens
+
+
+def _recurrent_slots(layer) -> tuple[tuple[str, int], ...]:
+    """The (kind, state index) of each initialised recurrent tensor, in order."""
+    slots = []
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            slots.append(("conv", i))
+        if layer.is_recurrent_states_initialized[i]:
+            slots.append(("recurrent", i))
+    return tuple(slots)
+
+
+def _write_recurrent(layer, state, slots) -> None:
+    tensors = state.tensors()
+    if len(tensors) != len(slots):
+        raise ValueError(f"a recurrent state of {len(tensors)} tensors for slots {slots}")
+    for (kind, index), tensor in zip(slots, tensors, strict=True):
+        # lazy_initialization allocates the layer's own buffer; copying into it
+        # keeps the session's tensor safe from the model's in-place updates.
+        layer.lazy_initialization(**{f"{kind}_states": tensor, "state_idx": index})
+        getattr(layer, f"{kind}_states")[index].copy_(tensor)
+        layer.has_previous_state[index] = True
 
 
 class CacheBridge:
@@ -26,21 +85,29 @@ class CacheBridge:
         probe = DynamicCache(config=model.config)
         self.layer_classes = [type(layer).__name__ for layer in probe.layers]
         self.num_layers = len(probe.layers)
-        # Exact type: a subclass may keep state we would not carry over.
-        unsupported = sorted({n for n in self.layer_classes if n != DynamicLayer.__name__})
-        self.supported = self.num_layers > 0 and not unsupported
+        self._parts = [_PARTS.get(type(layer)) for layer in probe.layers]
+        unsupported = sorted(
+            {type(layer).__name__ for layer in probe.layers if type(layer) not in _PARTS}
+        )
+        # The token count comes from an attention part; without one it is unknown.
+        has_attention = any(p and p[0] != "recurrent" for p in self._parts)
+        self.supported = self.num_layers > 0 and not unsupported and has_attention
+        # Anything but full attention cannot crop back, so needs checkpoints.
+        self.needs_checkpoints = any(p != ("attention",) for p in self._parts)
+        # Recurrent tensor layouts, learned from the first cache the model fills.
+        self._slots: list[tuple | None] = [None] * self.num_layers
         if not self.supported:
             logger.warning(
-                "kvchat: cache layers %s are not supported yet; every turn will prefill the "
+                "kvchat: cache layers %s are not supported; every turn will prefill the "
                 "whole prompt (correct, but without reuse)",
-                unsupported or ["<none>"],
+                unsupported or ["<no attention layer>"],
             )
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self._config)
 
     def to_cache(self, states: list[_C.LayerState]) -> DynamicCache:
-        """A cache holding ``states`` (views, no copies); empty when states is empty."""
+        """A cache holding ``states``; empty when states is empty."""
         cache = self.new_cache()
         if not states:
             return cache
@@ -48,16 +115,44 @@ class CacheBridge:
             raise ValueError(
                 f"states has {len(states)} layers but the model's cache has {len(cache.layers)}"
             )
-        for layer, state in zip(cache.layers, states, strict=True):
-            keys, values = state.tensors()
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+        for index, (layer, state) in enumerate(zip(cache.layers, states, strict=True)):
+            parts = self._parts[index]
+            if isinstance(state, _C.HybridState):
+                _write_attention(layer, state.attention)
+                _write_recurrent(layer, state.recurrent, self._slots[index])
+            elif parts == ("recurrent",):
+                _write_recurrent(layer, state, self._slots[index])
+            else:
+                _write_attention(layer, state)
         return cache
 
-    def from_cache(self, cache: DynamicCache) -> list[_C.LayerState]:
-        """The cache's tensors as core layer states (by reference)."""
+    def from_cache(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState]:
+        """The cache's tensors as core layer states (by reference), after ``tokens`` tokens."""
         if len(cache.layers) != self.num_layers:
             raise ValueError(
                 f"cache has {len(cache.layers)} layers but the model has {self.num_layers}"
             )
-        return [_C.AttentionState(layer.keys, layer.values) for layer in cache.layers]
+        return [self._read(i, layer, tokens) for i, layer in enumerate(cache.layers)]
+
+    def snapshot(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState | None]:
+        """Owned copies of what cannot be cropped back to ``tokens`` later."""
+        return [state.snapshot() for state in self.from_cache(cache, tokens)]
+
+    def _read(self, index: int, layer, tokens: int) -> _C.LayerState:
+        parts = self._parts[index]
+        attention = None
+        if parts[0] != "recurrent":
+            attention = _read_attention(layer, sliding=parts[0] == "sliding")
+            if "recurrent" not in parts:
+                return attention
+        slots = _recurrent_slots(layer)
+        if self._slots[index] is None:
+            self._slots[index] = slots
+        elif self._slots[index] != slots:
+            raise RuntimeError(
+                f"layer {index} ({self.layer_classes[index]}) changed its recurrent tensors "
+                f"from {self._slots[index]} to {slots}"
+            )
+        tensors = [getattr(layer, f"{kind}_states")[i] for kind, i in slots]
+        recurrent = _C.RecurrentState(tensors, tokens)
+        return recurrent if attention is None else _C.HybridState(attention, recurrent)

@@ -13,7 +13,14 @@ from transformers import TextIteratorStreamer
 
 from . import _C
 from .cache_bridge import CacheBridge
-from .prompting import render_prompt, require_chat_template, turn_markers, validate_messages
+from .prefill import ChunkedPrefill
+from .prompting import (
+    render_text,
+    require_chat_template,
+    tokenize_text,
+    turn_markers,
+    validate_messages,
+)
 from .report import ManagerStats, SessionInfo, TurnReport
 from .timing import FirstTokenTimer
 from .units import parse_bytes
@@ -35,6 +42,9 @@ def _positive_int(value, name: str, allow_none: bool = False):
     return value
 
 
+MATCH_MODES = ("tokens", "text")
+
+
 class SessionManager:
     """Keeps one KV cache per conversation for a transformers causal LM.
 
@@ -49,20 +59,39 @@ class SessionManager:
         max_sessions: int = 16,
         max_cache_bytes: int | str | None = None,
         max_context_length: int | None = None,
+        match: str = "tokens",
+        max_checkpoints: int = 8,
+        max_checkpoint_bytes: int | str | None = None,
     ):
+        """
+        match: "tokens" (exact: the prompt is always a fresh tokenization) or
+            "text" (when the new prompt's text extends the cached text, only the
+            new suffix is tokenized, so re-tokenized replies still hit; the ids
+            can differ from a fresh tokenization).
+        max_checkpoints, max_checkpoint_bytes: per session, for models with
+            recurrent or sliding-window layers; the lowest positions go first.
+        """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
                 f"model must be a transformers causal LM with generate() and config, "
                 f"got {type(model).__name__}"
             )
         _positive_int(max_sessions, "max_sessions")
+        if match not in MATCH_MODES:
+            raise ValueError(f"match must be one of {MATCH_MODES}, got {match!r}")
+        if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int):
+            raise ValueError(f"max_checkpoints must be an int >= 0, got {max_checkpoints!r}")
         self._model = model
         self._tokenizer = tokenizer
+        self._match = match
         self._bridge = CacheBridge(model)
+        self._prefill = ChunkedPrefill(model, self._bridge)
         self._core = _C.SessionManager(
             max_sessions=max_sessions,
             max_cache_bytes=parse_bytes(max_cache_bytes) or 0,
             num_layers=self._bridge.num_layers,
+            max_checkpoints=max_checkpoints,
+            max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes) or 0,
         )
         self._markers = turn_markers(tokenizer, model.generation_config)
         self._rule = _C.RepetitionRule()
@@ -81,10 +110,10 @@ class SessionManager:
         **generate_kwargs,
     ) -> str:
         """Answers the whole conversation ``messages``; returns the reply text."""
-        prompt, messages = self._chat_prompt(session_id, messages)
+        text, messages = self._chat_text(session_id, messages)
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        output = self._turn(session_id, prompt.unsqueeze(0), kwargs, messages=messages)
-        return self._decode_reply(output, prompt.numel())
+        _, reply = self._turn(session_id, kwargs, text=text, messages=messages)
+        return reply
 
     def stream_chat(
         self,
@@ -96,7 +125,7 @@ class SessionManager:
     ) -> Iterator[str]:
         """Like chat(), but yields text pieces as they are generated."""
         # Validate now, so bad input raises here rather than at the first next().
-        prompt, messages = self._chat_prompt(session_id, messages)
+        text, messages = self._chat_text(session_id, messages)
         streamer = TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
         kwargs = dict(
             generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer
@@ -105,7 +134,7 @@ class SessionManager:
 
         def run():
             try:
-                self._turn(session_id, prompt.unsqueeze(0), kwargs, messages=messages)
+                self._turn(session_id, kwargs, text=text, messages=messages)
             except BaseException as error:  # re-raised in the consumer's thread
                 failure.append(error)
                 streamer.end()
@@ -146,7 +175,8 @@ class SessionManager:
                 input_ids.shape[0],
             )
             return self._model.generate(input_ids, **generate_kwargs)
-        return self._turn(session_id, input_ids.long(), generate_kwargs)
+        output, _ = self._turn(session_id, generate_kwargs, input_ids=input_ids.long())
+        return output
 
     # ------------------------------------------------------------ inspection
     def last_turn(self, session_id: str) -> TurnReport | None:
@@ -181,14 +211,25 @@ class SessionManager:
         return self._tokenizer
 
     # -------------------------------------------------------------- internals
-    def _chat_prompt(self, session_id, messages):
+    def _chat_text(self, session_id, messages):
         _check_session_id(session_id)
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
-        return render_prompt(self._tokenizer, messages), messages
+        return render_text(self._tokenizer, messages), messages
 
     def _decode_reply(self, sequences: torch.Tensor, prompt_tokens: int) -> str:
         return self._tokenizer.decode(sequences[0, prompt_tokens:], skip_special_tokens=True)
+
+    def _text_prompt(self, session, text: str, fresh: torch.Tensor) -> torch.Tensor:
+        """In text mode, the cached ids plus the new suffix's when the text extends
+        the cached text; otherwise ``fresh``, the prompt's own tokenization."""
+        if self._match == "text":
+            cached_text = session.cached_text()
+            if cached_text and text.startswith(cached_text):
+                suffix = tokenize_text(self._tokenizer, text[len(cached_text) :])
+                cached = torch.tensor(session.cached_ids(), dtype=torch.long)
+                return torch.cat([cached, suffix])
+        return fresh
 
     def _check_context(self, prompt_tokens: int, generate_kwargs: dict) -> None:
         if self._max_context is None:
@@ -202,52 +243,78 @@ class SessionManager:
                 f"max_context_length={self._max_context}"
             )
 
-    def _turn(self, session_id, input_ids, generate_kwargs, messages=None):
-        """One turn: plan, build the cache, generate, store the cache back."""
+    def _turn(self, session_id, generate_kwargs, *, input_ids=None, text=None, messages=None):
+        """One turn: plan, build the cache, prefill to checkpoints, generate, store.
+
+        Takes ``input_ids`` [1, tokens], or the prompt ``text`` of ``messages``.
+        Returns generate's output and, for messages, the reply text.
+        """
+        fresh = input_ids[0] if text is None else tokenize_text(self._tokenizer, text)
+        if fresh.numel() == 0:
+            raise ValueError("input_ids must hold at least one token")
+        # Checked before the session exists, so bad input leaves nothing behind.
+        self._check_context(fresh.numel(), generate_kwargs)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()
-        prompt = input_ids[0].to("cpu", torch.long).contiguous()
-        if prompt.numel() == 0:
-            raise ValueError("input_ids must hold at least one token")
-        self._check_context(prompt.numel(), generate_kwargs)
-        input_ids = input_ids.to(self._model.device)
-
         kwargs = timer.attach(generate_kwargs)
         # Beam search reorders and widens the cache; it runs without reuse.
         single = max(kwargs.get("num_beams") or 1, kwargs.get("num_return_sequences") or 1) == 1
         reuse = self._bridge.supported and single
         with self._core.acquire(session_id) as session:
+            # Text mode reads the session's cached text, so it matches under the lease.
+            prompt = fresh if text is None else self._text_prompt(session, text, fresh)
+            prompt = prompt.to("cpu", torch.long).contiguous()
+            self._check_context(prompt.numel(), generate_kwargs)
+            model_input = prompt.unsqueeze(0).to(self._model.device)
+
+            restored, checkpoints = -1, []
             if reuse:
                 plan = session.plan(prompt)
-                kept, reason = plan.kept_tokens, plan.reason.name
+                kept, reason, restored = (
+                    plan.kept_tokens,
+                    plan.reason.name,
+                    plan.checkpoint_position,
+                )
                 cache = self._bridge.to_cache(session.layers_for(plan))
+                if self._bridge.needs_checkpoints:
+                    positions = _C.checkpoint_positions(prompt, kept, self._markers)
+                    checkpoints = self._prefill.run(model_input, cache, kept, positions)
             else:
                 kept = 0
                 reason = "unsupported_layers" if single else "multiple_sequences"
                 cache = self._bridge.new_cache()
-            output = self._model.generate(input_ids, past_key_values=cache, **kwargs)
+            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            if reuse:
-                self._store(session, sequences[0], cache, kept)
+            reply = None
             if messages is not None:
                 reply = self._decode_reply(sequences, prompt.numel())
                 history = [*messages, {"role": "assistant", "content": reply}]
                 session.set_messages([_C.Message(m["role"], m["content"]) for m in history])
+            if reuse:
+                cached_text = text if self._match == "text" and text is not None else None
+                self._store(
+                    session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text
+                )
 
             record = _C.TurnRecord()
             record.prompt_tokens = prompt.numel()
             record.reused_tokens = kept
             record.prefilled_tokens = prompt.numel() - kept
+            record.checkpoint_restored = restored
             record.output_ids = sequences[0, prompt.numel() :].tolist()
             record.generated_tokens = len(record.output_ids)
             record.prefill_ms = timer.prefill_ms
             record.total_ms = (time.perf_counter() - timer.started) * 1e3
             record.reason = reason
             session.record_turn(record)
-        return output
+        return output, reply
 
-    def _store(self, session, sequence: torch.Tensor, cache, kept: int) -> None:
-        """Keeps the post-generation cache, which holds all but the last sampled token."""
+    def _store(self, session, sequence, prompt_tokens, cache, kept, checkpoints, prompt_text):
+        """Keeps the post-generation cache, which holds all but the last sampled token.
+
+        prompt_text: the prompt's text in text mode, else None; the text of the
+        cached ids is then stored for the next turn's prefix match.
+        """
         cached = cache.get_seq_length()
         if cached != sequence.numel() - 1:
             # Never store a cache whose ids we cannot name exactly.
@@ -259,4 +326,16 @@ class SessionManager:
             session.invalidate_cache()
             return
         ids = sequence[:cached].to("cpu", torch.long).contiguous()
-        session.commit(ids, self._bridge.from_cache(cache), kept, self._markers, self._rule)
+        text = ""
+        if prompt_text is not None:
+            generated = self._tokenizer.decode(ids[prompt_tokens:], skip_special_tokens=False)
+            text = prompt_text + generated
+        session.commit(
+            ids,
+            self._bridge.from_cache(cache, cached),
+            kept,
+            self._markers,
+            self._rule,
+            checkpoints,
+            text,
+        )

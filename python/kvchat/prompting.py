@@ -45,13 +45,22 @@ def require_chat_template(tokenizer) -> None:
         )
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids of the conversation plus the generation prompt, 1-D int64."""
+def render_text(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The conversation plus the generation prompt, as the chat template writes it."""
     require_chat_template(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of template text, 1-D int64."""
     # Templates write their own special tokens; adding BOS again would shift ids.
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids of the conversation plus the generation prompt, 1-D int64."""
+    return tokenize_text(tokenizer, render_text(tokenizer, messages))
 
 
 def _as_list(value) -> list[int]:

@@ -109,20 +109,80 @@ _SIZES = {
         num_key_value_heads=2,
     ),
 }
-FAMILIES = ("llama", "qwen2", "qwen3")
+# Families and their transformers model types. Hybrid ones mix layer kinds:
+# every other layer is recurrent (conv, DeltaNet or Mamba2), or sliding.
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",  # sliding-window attention with a few full layers
+    "lfm2": "lfm2",  # short conv + attention
+    "qwen3_5": "qwen3_5_text",  # gated DeltaNet + attention
+    "bamba": "bamba",  # Mamba2 + attention
+    "falcon_h1": "falcon_h1",  # Mamba2 beside attention in every layer
+}
+FAMILIES = tuple(MODEL_TYPES)
+TINY_SLIDING_WINDOW = 16
+
+
+def _alternating(layers: int, odd: str, even: str = "full_attention") -> list[str]:
+    return [odd if i % 2 == 0 else even for i in range(layers)]
+
+
+def _family_fields(family: str, shape: dict) -> dict:
+    """Config fields a family needs beyond the shared shape."""
+    layers, heads = shape["num_hidden_layers"], shape["num_attention_heads"]
+    head_dim = shape["hidden_size"] // heads
+    mamba = dict(
+        mamba_n_heads=heads,
+        mamba_d_head=head_dim,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+    )
+    if family == "qwen3":
+        return dict(head_dim=head_dim)
+    if family == "gemma3":
+        # Three sliding layers per full one, as Gemma 3 does (it uses five).
+        types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)]
+        return dict(head_dim=head_dim, sliding_window=TINY_SLIDING_WINDOW, layer_types=types)
+    if family == "lfm2":
+        return dict(
+            layer_types=_alternating(layers, "conv"),
+            block_ff_dim=shape["intermediate_size"],
+            conv_L_cache=3,
+        )
+    if family == "qwen3_5":
+        return dict(
+            head_dim=head_dim,
+            layer_types=_alternating(layers, "linear_attention"),
+            linear_num_key_heads=max(heads // 2, 1),
+            linear_num_value_heads=heads,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+        )
+    if family == "bamba":
+        return dict(mamba, attn_layer_indices=list(range(1, layers, 2)), mamba_expand=1)
+    if family == "falcon_h1":
+        return dict(mamba, head_dim=head_dim, mamba_d_ssm=heads * head_dim)
+    return {}
 
 
 def tiny_config(family: str = "llama", size: str = "tiny", tokenizer=None, **overrides):
     """A transformers config for a tiny random model of ``family``."""
     from transformers import AutoConfig
 
-    if family not in FAMILIES:
+    if family not in MODEL_TYPES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     if size not in _SIZES:
         raise ValueError(f"size must be one of {tuple(_SIZES)}, got {size!r}")
     tokenizer = tokenizer or tiny_tokenizer()
+    shape = dict(_SIZES[size])
+    if family not in ("llama", "qwen2", "qwen3"):
+        # Room for both layer kinds, twice.
+        shape["num_hidden_layers"] = max(shape["num_hidden_layers"], 4)
     fields = dict(
-        _SIZES[size],
+        shape,
         vocab_size=len(tokenizer),
         max_position_embeddings=8192,
         eos_token_id=tokenizer.eos_token_id,
@@ -130,10 +190,9 @@ def tiny_config(family: str = "llama", size: str = "tiny", tokenizer=None, **ove
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    if family == "qwen3":
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    fields.update(_family_fields(family, shape))
     fields.update(overrides)
-    return AutoConfig.for_model(family, **fields)
+    return AutoConfig.for_model(MODEL_TYPES[family], **fields)
 
 
 def tiny_model(

@@ -115,12 +115,14 @@ TEST(ChatSession, InvalidateKeepsMessagesAndCounters) {
   ChatSession s("alice", 1);
   s.add_message("user", "hi");
   auto ids = iota_ids(4);
-  s.commit(ids.data(), 4, attention_layers(1, 4), 0, kMarkers, kRule);
+  s.commit(ids.data(), 4, attention_layers(1, 4), 0, kMarkers, kRule, {}, "<s>hi");
+  EXPECT_EQ(s.cached_text(), "<s>hi");
   TurnRecord turn;
   turn.prefilled_tokens = 4;
   s.record_turn(turn);
   s.invalidate_cache();
   EXPECT_FALSE(s.resident());
+  EXPECT_EQ(s.cached_text(), "");  // text describes ids that are gone
   EXPECT_EQ(s.messages().size(), 1u);
   EXPECT_EQ(s.counters().prefilled_tokens, 4);
   EXPECT_EQ(s.cache_info().nbytes, 0);

@@ -32,6 +32,20 @@ TEST(Checkpoint, RestorableNeedsACheckpointForLayersThatCannotCrop) {
   EXPECT_FALSE(restorable(layers, 11, &cp));
 }
 
+TEST(CheckpointPositions, MessageEndsGenerationPromptAndLastPromptToken) {
+  // ids: <s>=1 sys 9 <e>=2 \n=5 <s>=1 user 9 9 <e>=2 \n=5 [<s>=1 asst=7 \n=5] (generation prompt)
+  const std::vector<int64_t> ids = {1, 9, 2, 5, 1, 9, 9, 2, 5, 1, 7, 5};
+  const TurnMarkers markers{{2}, {{1, 7, 5}}};
+  const auto n = static_cast<int64_t>(ids.size());
+  // After each <e>, the generation prompt's start (9), and n - 1 = 11.
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 0, markers), (std::vector<int64_t>{3, 8, 9, 11}));
+  // Only positions after the cached prefix are new.
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 8, markers), (std::vector<int64_t>{9, 11}));
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 10, markers), (std::vector<int64_t>{11}));
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, 11, markers).empty());
+  EXPECT_THROW(checkpoint_positions(ids.data(), n, 12, markers), c10::IndexError);
+}
+
 TEST(Checkpoint, CheckNamesTheProblem) {
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(5), 3, 10), c10::ValueError);
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(11), 2, 10), c10::IndexError);
@@ -40,12 +54,20 @@ TEST(Checkpoint, CheckNamesTheProblem) {
   EXPECT_NO_THROW(check_checkpoint(hybrid_checkpoint(5), 2, 10));
 }
 
-TEST(Checkpoint, MergeKeepsTheHighestPositionsWithinTheCount) {
-  std::vector<Checkpoint> kept = {hybrid_checkpoint(3), hybrid_checkpoint(9)};
-  std::vector<Checkpoint> added = {hybrid_checkpoint(15), hybrid_checkpoint(9),
-                                   hybrid_checkpoint(20)};
+TEST(Checkpoint, MergeThinsTheCheapestAndKeepsTheHighest) {
+  // A system prompt ending at 100, then a turn's cluster of message ends.
+  std::vector<Checkpoint> kept = {hybrid_checkpoint(100), hybrid_checkpoint(101)};
+  std::vector<Checkpoint> added = {hybrid_checkpoint(103), hybrid_checkpoint(101),
+                                   hybrid_checkpoint(150), hybrid_checkpoint(152)};
+  // Costs (gap below): 100, 1, 2, 47; 101 then 103 go, the system prompt stays.
   auto merged = merge_checkpoints(kept, added, CheckpointPolicy{3, 0});
-  EXPECT_EQ(positions(merged), (std::vector<int64_t>{9, 15, 20}));
+  EXPECT_EQ(positions(merged), (std::vector<int64_t>{100, 150, 152}));
+  // Costs 100 and 50: 150 goes; 152, the highest, never does.
+  merged = merge_checkpoints(merged, {}, CheckpointPolicy{2, 0});
+  EXPECT_EQ(positions(merged), (std::vector<int64_t>{100, 152}));
+  merged = merge_checkpoints(merged, {}, CheckpointPolicy{1, 0});
+  EXPECT_EQ(positions(merged), (std::vector<int64_t>{152}));
+  EXPECT_TRUE(merge_checkpoints(merged, {}, CheckpointPolicy{0, 0}).empty());
 }
 
 TEST(Checkpoint, MergeRespectsTheByteBound) {
@@ -53,8 +75,11 @@ TEST(Checkpoint, MergeRespectsTheByteBound) {
   std::vector<Checkpoint> added;
   for (int64_t p = 1; p <= 6; ++p) added.push_back(hybrid_checkpoint(p));
   auto merged = merge_checkpoints({}, added, CheckpointPolicy{100, one * 2});
-  EXPECT_EQ(positions(merged), (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(merged.size(), 2u);
+  EXPECT_EQ(merged.back().position, 6);
   EXPECT_LE(checkpoint_bytes(merged), one * 2);
+  // A bound below one checkpoint keeps none rather than break the bound.
+  EXPECT_TRUE(merge_checkpoints({}, added, CheckpointPolicy{100, one - 1}).empty());
 }
 
 }  // namespace

@@ -83,15 +83,19 @@ class ChatSession {
   // Stores the cache after a turn. ids[0:n) are the tokens the layers hold;
   // tokens from `new_from` on are new this turn and are the only ones checked.
   // Checkpoints at or before new_from stay valid and are kept; `checkpoints`
-  // adds new ones. Validates everything before changing anything.
+  // adds new ones. `text` is what the ids render to, for text-prefix
+  // matching (empty: unknown). Validates everything before changing anything.
   void commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
               const TurnMarkers& markers, const RepetitionRule& rule,
-              std::vector<Checkpoint> checkpoints = {});
+              std::vector<Checkpoint> checkpoints = {}, std::string text = {});
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
   bool resident() const;
   CacheInfo cache_info() const;
   std::vector<int64_t> cached_ids() const;
+  // The text committed with the cached ids; empty when unknown.
+  std::string cached_text() const;
+  int64_t checkpoint_bytes() const;
   void collect_storage(StorageBytes* seen) const;
 
   // --- counters ---
@@ -113,6 +117,7 @@ class ChatSession {
   std::optional<std::string> system_prompt_;
   std::vector<Message> messages_;
   std::vector<int64_t> cached_ids_;
+  std::string cached_text_;
   std::vector<LayerStatePtr> layers_;
   std::vector<Checkpoint> checkpoints_;  // sorted by position
   int64_t trusted_tokens_ = 0;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvchat/layer_state.h"
+#include "kvchat/turn_checks.h"
 
 namespace kvchat {
 
@@ -16,8 +17,11 @@ struct Checkpoint {
   std::vector<LayerStatePtr> states;
 };
 
-// How many checkpoints a session keeps. When over either bound, the lowest
-// positions go first: a chat mostly extends its latest turn.
+// How many checkpoints a session keeps. When over either bound, checkpoints
+// are thinned: the highest always stays (a regenerate or a re-tokenized reply
+// needs it), and the one closest to the checkpoint below it goes first, since
+// losing it costs only that gap in re-prefill. Survivors spread back over the
+// conversation, so an edit of an older message still finds one.
 struct CheckpointPolicy {
   int64_t max_count = 8;
   int64_t max_bytes = 0;  // 0: no byte bound
@@ -32,10 +36,17 @@ bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
                 const Checkpoint* checkpoint);
 
 // Merges `added` into `kept` (same position: added wins), sorts by position
-// and drops the lowest positions until `policy` holds.
+// and thins them (see CheckpointPolicy) until `policy` holds.
 std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
                                           std::vector<Checkpoint> added,
                                           const CheckpointPolicy& policy);
+
+// Where a turn whose prompt is ids[0:n) and whose cache ends at `begin`
+// snapshots its non-croppable layers: every message boundary in (begin, n-1]
+// (message ends, and the generation prompt's start), and n-1, the last point
+// before the final prompt token, so a regenerated turn reuses all but that.
+std::vector<int64_t> checkpoint_positions(const int64_t* ids, int64_t n, int64_t begin,
+                                          const TurnMarkers& markers);
 
 void collect_checkpoint_storage(const std::vector<Checkpoint>& checkpoints, StorageBytes* seen);
 int64_t checkpoint_bytes(const std::vector<Checkpoint>& checkpoints);

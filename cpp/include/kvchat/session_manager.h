@@ -37,6 +37,7 @@ struct ManagerStats {
   SessionCounters totals;
   int64_t evictions = 0;
   int64_t resident_bytes = 0;
+  int64_t checkpoint_bytes = 0;  // the part of resident_bytes held by checkpoints
   int64_t sessions = 0;
   int64_t resident_sessions = 0;
   double hit_rate() const;  // reused / (reused + prefilled)
