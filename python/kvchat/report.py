@@ -49,9 +49,10 @@ class ManagerStats:
     hit_rate: float  # reused / (reused + prefilled)
     invalidations: int  # turns whose reuse a corruption or repetition check capped
     checkpoint_restores: int  # turns that restored non-croppable layers from a checkpoint
-    checkpoints_taken: int
+    checkpoints_taken: int  # snapshots taken at message boundaries
     evictions: int
     resident_bytes: int  # distinct tensor storage held by all sessions
+    checkpoint_bytes: int  # the part of resident_bytes held by checkpoints
     sessions: int
     resident_sessions: int
 
@@ -69,6 +70,7 @@ class ManagerStats:
             checkpoints_taken=t.checkpoints_taken,
             evictions=stats.evictions,
             resident_bytes=stats.resident_bytes,
+            checkpoint_bytes=stats.checkpoint_bytes,
             sessions=stats.sessions,
             resident_sessions=stats.resident_sessions,
         )

@@ -28,3 +28,15 @@ def family_model(request):
 @pytest.fixture
 def llama():
     return _model("llama")
+
+
+# One family per layer mix: attention, sliding window, conv, DeltaNet, Mamba2
+# in its own layers (Bamba) and beside attention in every layer (FalconH1).
+REUSE_FAMILIES = ("llama", "gemma3", "lfm2", "qwen3_5", "bamba", "falcon_h1")
+CHECKPOINT_FAMILIES = REUSE_FAMILIES[1:]
+
+
+@pytest.fixture(params=REUSE_FAMILIES)
+def any_family(request):
+    """(family name, float64 model) for every layer mix kvchat supports."""
+    return request.param, _model(request.param)

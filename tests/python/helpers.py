@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from kvchat.prompting import render_prompt
 
 MAX_NEW = 12
@@ -34,3 +36,36 @@ def user_message(turn: int) -> dict:
         "one more example",
     ]
     return {"role": "user", "content": f"Turn {turn}: tell me about {topics[turn % len(topics)]}."}
+
+
+# A realistic system prompt (about 200 tokens): a normal conversation's new
+# tokens per turn are then a small share of its prompt, as in real chats.
+LONG_SYSTEM = {
+    "role": "system",
+    "content": (
+        "You are a helpful assistant for a small travel company. Answer briefly and "
+        "precisely, in plain words. When the user asks about a trip, give the capital, "
+        "the time, the weather and one thing to see. When the user asks about code, "
+        "answer with a short example in Python and explain it in two sentences. "
+        "Never invent prices. If you do not know, say so and suggest where to look. "
+        "Keep every answer under one hundred words. Use lists when the user asks for "
+        "a list, and full sentences otherwise. Be kind, be clear, and thank the user "
+        "when the conversation ends. Remember what the user said earlier in the "
+        "conversation and do not ask the same question twice. The user may change "
+        "the topic at any time; follow them. Summarise the conversation so far when "
+        "asked, in two sentences at most."
+    ),
+}
+
+
+def words_only(tokenizer) -> list[int]:
+    """Ids to suppress so that a random model writes whole words a fresh
+    tokenization gives back, as a real model's replies mostly are."""
+    keep = {tokenizer.eos_token_id}
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if re.fullmatch(r" [a-zA-Z]+", text) and tokenizer(text, add_special_tokens=False)[
+            "input_ids"
+        ] == [i]:
+            keep.add(i)
+    return [i for i in range(len(tokenizer)) if i not in keep]
