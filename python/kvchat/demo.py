@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from .manager import SessionManager
 from .prompting import render_prompt
+from .report import ManagerStats
 from .timing import FirstTokenTimer
 from .tiny import FAMILIES, tiny_model, tiny_tokenizer
 
@@ -45,6 +46,15 @@ class DemoRow:
     plain_ms: float
     kvchat_ms: float
     same_tokens: bool
+    checkpoint_restored: bool
+
+
+@dataclass
+class Replay:
+    family: str
+    layer_classes: list[str]
+    rows: list[DemoRow]
+    stats: ManagerStats
 
 
 def replay(
@@ -54,7 +64,7 @@ def replay(
     size: str = "small",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-) -> list[DemoRow]:
+) -> Replay:
     """Runs the replay; both paths see the same conversation every turn."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(family, size, dtype=dtype, tokenizer=tokenizer)
@@ -66,7 +76,8 @@ def replay(
 
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     rows = []
-    for turn in tqdm(range(turns), desc="replaying turns", unit="turn", disable=not progress):
+    label = f"replaying {family}"
+    for turn in tqdm(range(turns), desc=label, unit="turn", disable=not progress, leave=False):
         messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
         prompt = render_prompt(tokenizer, messages)
         timer = FirstTokenTimer()
@@ -83,11 +94,34 @@ def replay(
                 timer.prefill_ms,
                 report.prefill_ms,
                 report.output_ids == tuple(plain_ids.tolist()),
+                report.checkpoint_restored is not None,
             )
         )
         reply = tokenizer.decode(plain_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
-    return rows
+    layer_classes = manager._bridge.layer_classes
+    return Replay(family, layer_classes, rows, manager.stats())
+
+
+def format_family_summary(replays: list[Replay]) -> str:
+    """One line per family: reuse after the first turn, and TTFT over all turns."""
+    header = (
+        f"{'family':<10} {'cache layers':<46} {'reuse turn 2+':>13} {'restores':>8} "
+        f"{'TTFT plain/kvchat':>17} {'same tokens':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in replays:
+        later = r.rows[1:]
+        reused = sum(row.reused for row in later) / max(sum(row.prompt_tokens for row in later), 1)
+        plain = sum(row.plain_ms for row in r.rows)
+        fast = sum(row.kvchat_ms for row in r.rows)
+        kinds = ", ".join(sorted(set(r.layer_classes)))
+        same = all(row.same_tokens for row in r.rows)
+        lines.append(
+            f"{r.family:<10} {kinds:<46} {reused:>13.0%} {r.stats.checkpoint_restores:>8} "
+            f"{plain / fast:>16.1f}x {'yes' if same else 'NO':>11}"
+        )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[DemoRow]) -> str:
@@ -117,15 +151,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument(
+        "--family",
+        choices=[*FAMILIES, "all"],
+        default="llama",
+        help="model family; 'all' prints one summary line per family",
+    )
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     args = parser.parse_args(argv)
-    rows = replay(args.turns, args.max_new_tokens, args.family, args.size)
+    families = FAMILIES if args.family == "all" else [args.family]
+    replays = [replay(args.turns, args.max_new_tokens, f, args.size) for f in families]
     print(
         f"kvchat demo: tiny random {args.family} ({args.size}), float32, CPU, "
         f"{args.turns} turns, greedy, {args.max_new_tokens} new tokens per turn"
     )
-    print(format_table(rows))
+    if args.family == "all":
+        print(format_family_summary(replays))
+    else:
+        print(format_table(replays[0].rows))
 
 
 if __name__ == "__main__":

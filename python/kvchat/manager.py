@@ -79,7 +79,11 @@ class SessionManager:
         _positive_int(max_sessions, "max_sessions")
         if match not in MATCH_MODES:
             raise ValueError(f"match must be one of {MATCH_MODES}, got {match!r}")
-        if isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int):
+        if (
+            isinstance(max_checkpoints, bool)
+            or not isinstance(max_checkpoints, int)
+            or max_checkpoints < 0
+        ):
             raise ValueError(f"max_checkpoints must be an int >= 0, got {max_checkpoints!r}")
         self._model = model
         self._tokenizer = tokenizer
@@ -91,7 +95,7 @@ class SessionManager:
             max_cache_bytes=parse_bytes(max_cache_bytes) or 0,
             num_layers=self._bridge.num_layers,
             max_checkpoints=max_checkpoints,
-            max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes) or 0,
+            max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
         )
         self._markers = turn_markers(tokenizer, model.generation_config)
         self._rule = _C.RepetitionRule()

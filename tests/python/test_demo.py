@@ -1,0 +1,25 @@
+"""The demo behind `make demo`: a replay, and the table it prints."""
+
+from __future__ import annotations
+
+from kvchat import demo
+
+
+def test_replay_reuses_and_matches_plain_generate():
+    result = demo.replay(turns=3, max_new_tokens=4, family="lfm2", size="tiny", progress=False)
+    assert [row.turn for row in result.rows] == [1, 2, 3]
+    assert result.rows[0].reused == 0
+    assert all(row.reused > 0 for row in result.rows[1:])
+    # float32 may flip a near-tie in principle; these seeds do not, so a NO is a bug.
+    assert all(row.same_tokens for row in result.rows)
+    table = demo.format_table(result.rows)
+    assert "hit rate" in table and "NO" not in table
+    summary = demo.format_family_summary([result])
+    assert "lfm2" in summary and "LinearAttentionLayer" in summary
+
+
+def test_main_prints_the_table(capsys):
+    demo.main(["--turns", "2", "--max-new-tokens", "3", "--size", "tiny"])
+    out = capsys.readouterr().out
+    assert "kvchat demo: tiny random llama (tiny)" in out
+    assert "speedup" in out
