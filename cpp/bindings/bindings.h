@@ -10,6 +10,7 @@ namespace kvchat {
 
 namespace py = pybind11;
 
+void bind_kv_buffer(py::module_& m);
 void bind_layer_state(py::module_& m);
 void bind_prefix(py::module_& m);
 void bind_turn_checks(py::module_& m);

@@ -44,6 +44,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  kvchat::bind_kv_buffer(m);
   kvchat::bind_layer_state(m);
   kvchat::bind_prefix(m);
   kvchat::bind_turn_checks(m);

@@ -130,12 +130,16 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
     trusted = std::min(trusted, last_turn_boundary(ids, n, loop_start, markers));
     why << "degenerate repetition from token " << loop_start << "; ";
   }
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (!layers[i]->finite_from(new_from)) {
-      trusted = std::min(trusted, last_turn_boundary(ids, n, new_from, markers));
-      why << "non-finite values in layer " << i << " after token " << new_from << "; ";
-      break;
-    }
+  std::vector<at::Tensor> new_region;
+  for (const auto& layer : layers) {
+    const auto part = layer->tensors_from(new_from);
+    new_region.insert(new_region.end(), part.begin(), part.end());
+  }
+  if (!all_finite(new_region)) {
+    size_t bad = 0;  // rare path: name the first offending layer
+    while (bad + 1 < layers.size() && layers[bad]->finite_from(new_from)) ++bad;
+    trusted = std::min(trusted, last_turn_boundary(ids, n, new_from, markers));
+    why << "non-finite values in layer " << bad << " after token " << new_from << "; ";
   }
 
   std::lock_guard<std::mutex> lock(mutex_);

@@ -32,6 +32,19 @@ int64_t total_bytes(const StorageBytes& seen) {
   return total;
 }
 
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  // A sum is finite only if every element is (NaN and Inf propagate), and it
+  // reads a strided view in place. An overflowing sum of huge finite values
+  // would read as non-finite: that costs a re-prefill, never a wrong answer.
+  std::vector<at::Tensor> sums;
+  sums.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    if (t.numel() > 0) sums.push_back(t.sum(at::kDouble));
+  }
+  if (sums.empty()) return true;
+  return at::stack(sums).isfinite().all().item<bool>();
+}
+
 void LayerState::collect_storage(StorageBytes* seen) const {
   for (const auto& t : tensors()) add_storage(t, seen);
 }
@@ -71,19 +84,34 @@ AttentionState::AttentionState(at::Tensor keys, at::Tensor values)
                     "keys must be a floating-point tensor, got ", keys_.scalar_type());
 }
 
+std::shared_ptr<AttentionState> AttentionState::from_buffer(const KvBuffer& buffer) {
+  auto state = std::make_shared<AttentionState>(buffer.keys(), buffer.values());
+  state->key_arena_ = buffer.key_arena();
+  state->value_arena_ = buffer.value_arena();
+  return state;
+}
+
+KvBuffer AttentionState::buffer() const {
+  if (key_arena_ && value_arena_) return KvBuffer(key_arena_, value_arena_, num_tokens());
+  return KvBuffer(keys_, values_);
+}
+
 LayerStatePtr AttentionState::cropped(int64_t n) const {
   TORCH_CHECK_INDEX(can_crop_to(n), "cannot crop an attention layer of ", num_tokens(),
                     " tokens to ", n);
-  if (n == num_tokens()) return std::make_shared<AttentionState>(keys_, values_);
-  return std::make_shared<AttentionState>(keys_.narrow(2, 0, n), values_.narrow(2, 0, n));
+  auto out = n == num_tokens()
+                 ? std::make_shared<AttentionState>(keys_, values_)
+                 : std::make_shared<AttentionState>(keys_.narrow(2, 0, n), values_.narrow(2, 0, n));
+  out->key_arena_ = key_arena_;
+  out->value_arena_ = value_arena_;
+  return out;
 }
 
-bool AttentionState::finite_from(int64_t begin) const {
+std::vector<at::Tensor> AttentionState::tensors_from(int64_t begin) const {
   begin = std::max<int64_t>(begin, 0);
-  if (begin >= num_tokens()) return true;
+  if (begin >= num_tokens()) return {};
   const int64_t len = num_tokens() - begin;
-  return keys_.narrow(2, begin, len).isfinite().all().item<bool>() &&
-         values_.narrow(2, begin, len).isfinite().all().item<bool>();
+  return {keys_.narrow(2, begin, len), values_.narrow(2, begin, len)};
 }
 
 SlidingWindowState::SlidingWindowState(at::Tensor keys, at::Tensor values, int64_t total_tokens)
@@ -113,8 +141,8 @@ LayerStatePtr SlidingWindowState::snapshot() const {
       attention_.values().clone(at::MemoryFormat::Contiguous), total_tokens_);
 }
 
-bool SlidingWindowState::finite_from(int64_t begin) const {
-  return attention_.finite_from(begin - (total_tokens_ - held_tokens()));
+std::vector<at::Tensor> SlidingWindowState::tensors_from(int64_t begin) const {
+  return attention_.tensors_from(begin - (total_tokens_ - held_tokens()));
 }
 
 RecurrentState::RecurrentState(std::vector<at::Tensor> tensors, int64_t total_tokens)
@@ -144,10 +172,9 @@ LayerStatePtr RecurrentState::snapshot() const {
   return std::make_shared<RecurrentState>(std::move(copies), total_tokens_);
 }
 
-bool RecurrentState::finite_from(int64_t /*begin*/) const {
+std::vector<at::Tensor> RecurrentState::tensors_from(int64_t /*begin*/) const {
   // The whole state summarises every token, new ones included.
-  return std::all_of(tensors_.begin(), tensors_.end(),
-                     [](const at::Tensor& t) { return t.isfinite().all().item<bool>(); });
+  return tensors_;
 }
 
 HybridState::HybridState(LayerStatePtr attention, LayerStatePtr recurrent)
@@ -206,8 +233,11 @@ std::vector<at::Tensor> HybridState::tensors() const {
   return all;
 }
 
-bool HybridState::finite_from(int64_t begin) const {
-  return (!attention_ || attention_->finite_from(begin)) && recurrent_->finite_from(begin);
+std::vector<at::Tensor> HybridState::tensors_from(int64_t begin) const {
+  auto all = attention_ ? attention_->tensors_from(begin) : std::vector<at::Tensor>{};
+  const auto rest = recurrent_->tensors_from(begin);
+  all.insert(all.end(), rest.begin(), rest.end());
+  return all;
 }
 
 void check_layers_consistent(const std::vector<LayerStatePtr>& layers, int64_t expected_tokens) {

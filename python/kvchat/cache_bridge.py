@@ -5,6 +5,10 @@ and the session keeps the tensors generation produced. DynamicLayer.update
 concatenates into new tensors, so it never writes into a view another session
 or a later turn still holds.
 
+Full-attention layers are served by ``BufferedLayer``, which appends into the
+core's ``KvBuffer`` (in place, amortized) where ``DynamicLayer`` concatenates
+the whole layer on every decoded token.
+
 Recurrent, conv and linear-attention tensors are different: the model updates
 them in place (``copy_``). So the bridge copies them into each cache it
 builds, and snapshots clone them (in the core), while the session keeps the
@@ -39,7 +43,52 @@ _PARTS = {
 }
 
 
+class BufferedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in a kvchat ``KvBuffer``.
+
+    ``update`` appends in place and returns views, so decoding copies one
+    token per step instead of the whole layer. An append never writes where
+    another holder (an earlier turn, another session) can see: the buffer
+    copies first (see ``KvArena``). One conversation only: batch 1.
+    """
+
+    def __init__(self, buffer: _C.KvBuffer | None = None, reserve: int = 0):
+        super().__init__()
+        self.buffer = buffer
+        self._reserve = reserve
+        if buffer is not None:
+            keys, values = buffer.keys(), buffer.values()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.buffer is None:
+            capacity = max(self._reserve, key_states.shape[-2])
+            self.buffer = _C.KvBuffer.empty_like(key_states, value_states, capacity)
+        self.buffer.append(key_states, value_states)
+        self.keys, self.values = self.buffer.keys(), self.buffer.values()
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.buffer is None:
+            return
+        self.buffer.crop(self.buffer.length + tokens_to_remove)
+        self.keys, self.values = self.buffer.keys(), self.buffer.values()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("kvchat's BufferedLayer holds one conversation (batch 1)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("kvchat's BufferedLayer holds one conversation (batch 1)")
+
+
 def _read_attention(layer, sliding: bool):
+    if isinstance(layer, BufferedLayer) and layer.buffer is not None:
+        return _C.AttentionState.from_buffer(layer.buffer)
     if sliding:
         return _C.SlidingWindowState(layer.keys, layer.values, int(layer.cumulative_length))
     return _C.AttentionState(layer.keys, layer.values)
@@ -106,17 +155,24 @@ class CacheBridge:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self._config)
 
-    def to_cache(self, states: list[_C.LayerState]) -> DynamicCache:
-        """A cache holding ``states``; empty when states is empty."""
+    def to_cache(self, states: list[_C.LayerState], reserve: int = 0) -> DynamicCache:
+        """A cache holding ``states`` (empty: none), with room for ``reserve`` tokens
+        in its full-attention layers, which append in place."""
         cache = self.new_cache()
-        if not states:
-            return cache
-        if len(states) != len(cache.layers):
+        if states and len(states) != len(cache.layers):
             raise ValueError(
                 f"states has {len(states)} layers but the model's cache has {len(cache.layers)}"
             )
-        for index, (layer, state) in enumerate(zip(cache.layers, states, strict=True)):
+        for index, parts in enumerate(self._parts):
+            if parts == ("attention",):
+                buffer = states[index].buffer() if states else None
+                if buffer is not None and reserve:
+                    buffer.reserve(reserve)
+                cache.layers[index] = BufferedLayer(buffer, reserve)
+        for index, (layer, state) in enumerate(zip(cache.layers, states or [], strict=False)):
             parts = self._parts[index]
+            if parts == ("attention",):
+                continue
             if isinstance(state, _C.HybridState):
                 _write_attention(layer, state.attention)
                 _write_recurrent(layer, state.recurrent, self._slots[index])

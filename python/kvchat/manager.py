@@ -235,12 +235,16 @@ class SessionManager:
                 return torch.cat([cached, suffix])
         return fresh
 
-    def _check_context(self, prompt_tokens: int, generate_kwargs: dict) -> None:
-        if self._max_context is None:
-            return
+    def _max_new_tokens(self, generate_kwargs: dict) -> int:
         max_new = generate_kwargs.get("max_new_tokens")
         if max_new is None:
             max_new = self._model.generation_config.max_new_tokens or 0
+        return max_new
+
+    def _check_context(self, prompt_tokens: int, generate_kwargs: dict) -> None:
+        if self._max_context is None:
+            return
+        max_new = self._max_new_tokens(generate_kwargs)
         if prompt_tokens + max_new > self._max_context:
             raise ValueError(
                 f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new} exceeds "
@@ -279,7 +283,9 @@ class SessionManager:
                     plan.reason.name,
                     plan.checkpoint_position,
                 )
-                cache = self._bridge.to_cache(session.layers_for(plan))
+                # Room for the whole turn, so decoding never reallocates.
+                total = prompt.numel() + self._max_new_tokens(generate_kwargs)
+                cache = self._bridge.to_cache(session.layers_for(plan), reserve=total)
                 if self._bridge.needs_checkpoints:
                     positions = _C.checkpoint_positions(prompt, kept, self._markers)
                     checkpoints = self._prefill.run(model_input, cache, kept, positions)

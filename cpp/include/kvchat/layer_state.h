@@ -10,6 +10,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvchat/kv_buffer.h"
+
 namespace kvchat {
 
 enum class LayerKind { kAttention, kSlidingWindow, kRecurrent, kHybrid };
@@ -22,6 +24,10 @@ using StorageBytes = std::unordered_map<const void*, int64_t>;
 
 void add_storage(const at::Tensor& tensor, StorageBytes* seen);
 int64_t total_bytes(const StorageBytes& seen);
+
+// True when no tensor holds a NaN or Inf; one fused reduction and one sync for
+// all of them, since commit checks every layer each turn.
+bool all_finite(const std::vector<at::Tensor>& tensors);
 
 class LayerState;
 // Shared, never mutated after construction (pybind11 needs a non-const holder).
@@ -49,31 +55,42 @@ class LayerState {
   virtual LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const;
   // The tensors, in the order the Python adapter expects for this kind.
   virtual std::vector<at::Tensor> tensors() const = 0;
+  // The tensors (views) that hold positions >= begin: what a check of the
+  // region new this turn must look at.
+  virtual std::vector<at::Tensor> tensors_from(int64_t begin) const = 0;
   // True when no NaN/Inf was written for positions >= begin.
-  virtual bool finite_from(int64_t begin) const = 0;
+  bool finite_from(int64_t begin) const { return all_finite(tensors_from(begin)); }
   void collect_storage(StorageBytes* seen) const;
   at::ScalarType dtype() const { return tensors().front().scalar_type(); }
   at::Device device() const { return tensors().front().device(); }
 };
 
 // Full attention: keys and values shaped [batch, kv_heads, tokens, head_dim].
-// Crops to any length with a view.
+// Crops to any length with a view. When the tensors are views of KV buffer
+// arenas, the state remembers them, so the next turn can append in place.
 class AttentionState final : public LayerState {
  public:
   AttentionState(at::Tensor keys, at::Tensor values);
+  // The buffer's current keys and values, remembering its arenas.
+  static std::shared_ptr<AttentionState> from_buffer(const KvBuffer& buffer);
+  // A buffer that continues this state: in the remembered arenas when it
+  // still owns their tail, otherwise in fresh ones (copy-on-write).
+  KvBuffer buffer() const;
   LayerKind kind() const override { return LayerKind::kAttention; }
   int64_t num_tokens() const override { return keys_.size(2); }
   bool can_crop_to(int64_t n) const override { return n >= 0 && n <= num_tokens(); }
   LayerStatePtr cropped(int64_t n) const override;
   LayerStatePtr snapshot() const override { return nullptr; }
   std::vector<at::Tensor> tensors() const override { return {keys_, values_}; }
-  bool finite_from(int64_t begin) const override;
+  std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   const at::Tensor& keys() const { return keys_; }
   const at::Tensor& values() const { return values_; }
 
  private:
   at::Tensor keys_;
   at::Tensor values_;
+  KvArenaPtr key_arena_;    // null unless the tensors are views of an arena
+  KvArenaPtr value_arena_;  // null unless the tensors are views of an arena
 };
 
 // Sliding-window attention: holds only the last keys.size(2) of num_tokens()
@@ -89,7 +106,7 @@ class SlidingWindowState final : public LayerState {
   // A compact copy of the held window (at most window - 1 tokens).
   LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return attention_.tensors(); }
-  bool finite_from(int64_t begin) const override;
+  std::vector<at::Tensor> tensors_from(int64_t begin) const override;
 
  private:
   AttentionState attention_;  // the held tail, validated like full attention
@@ -108,7 +125,7 @@ class RecurrentState final : public LayerState {
   // Clones: the model updates these tensors in place on the next forward.
   LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return tensors_; }
-  bool finite_from(int64_t begin) const override;
+  std::vector<at::Tensor> tensors_from(int64_t begin) const override;
 
  private:
   std::vector<at::Tensor> tensors_;
@@ -131,7 +148,7 @@ class HybridState final : public LayerState {
   bool can_restore(int64_t n, const LayerState* snapshot) const override;
   LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const override;
   std::vector<at::Tensor> tensors() const override;
-  bool finite_from(int64_t begin) const override;
+  std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   const LayerStatePtr& attention() const { return attention_; }
   const LayerStatePtr& recurrent() const { return recurrent_; }
 
