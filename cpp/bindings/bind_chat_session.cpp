@@ -96,6 +96,7 @@ void bind_chat_session(py::module_& m) {
           py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{},
           py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
+      .def("release_layers", &ChatSession::release_layers, no_gil())
       .def_property_readonly("resident", &ChatSession::resident)
       .def("cache_info", &ChatSession::cache_info, no_gil())
       .def("cached_ids", &ChatSession::cached_ids)

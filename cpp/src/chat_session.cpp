@@ -168,6 +168,13 @@ void ChatSession::invalidate_cache() {
   last_check_.clear();
 }
 
+void ChatSession::release_layers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_.clear();
+  cached_text_.clear();
+  layers_.clear();
+}
+
 bool ChatSession::resident() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return !layers_.empty();

@@ -285,7 +285,12 @@ class SessionManager:
                 )
                 # Room for the whole turn, so decoding never reallocates.
                 total = prompt.numel() + self._max_new_tokens(generate_kwargs)
-                cache = self._bridge.to_cache(session.layers_for(plan), reserve=total)
+                states = session.layers_for(plan)
+                # The cache owns them now; if the buffer moves to a larger arena,
+                # the old one is freed layer by layer instead of held to the end.
+                session.release_layers()
+                cache = self._bridge.to_cache(states, reserve=total)
+                del states
                 if self._bridge.needs_checkpoints:
                     positions = _C.checkpoint_positions(prompt, kept, self._markers)
                     checkpoints = self._prefill.run(model_input, cache, kept, positions)

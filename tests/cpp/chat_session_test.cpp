@@ -111,6 +111,24 @@ TEST(ChatSession, NonFiniteKvInTheNewRegionIsNotTrusted) {
   EXPECT_EQ(s.cache_info().trusted_tokens, 4);
 }
 
+TEST(ChatSession, ReleaseLayersHandsTheTensorsOverButKeepsCheckpoints) {
+  ChatSession s("h", 2);
+  auto ids = iota_ids(30);
+  s.commit(ids.data(), 30, {testing::attention_layer(30), testing::recurrent_layer(30)}, 0,
+           kMarkers, kRule, {{10, {nullptr, testing::recurrent_layer(10)}}});
+  auto plan = s.plan(ids.data(), 30);
+  auto layers = s.layers_for(plan);
+  s.release_layers();
+  EXPECT_FALSE(s.resident());
+  EXPECT_TRUE(s.cached_ids().empty());
+  EXPECT_EQ(s.cache_info().checkpoints, 1);
+  // The turn commits what it built from the handed-over layers.
+  s.commit(ids.data(), 30, {testing::attention_layer(30), testing::recurrent_layer(30)},
+           plan.kept_tokens, kMarkers, kRule);
+  EXPECT_EQ(s.cache_info().checkpoint_positions, (std::vector<int64_t>{10}));
+  EXPECT_TRUE(s.resident());
+}
+
 TEST(ChatSession, InvalidateKeepsMessagesAndCounters) {
   ChatSession s("alice", 1);
   s.add_message("user", "hi");

@@ -90,6 +90,11 @@ class ChatSession {
               std::vector<Checkpoint> checkpoints = {}, std::string text = {});
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
+  // Hands the layers to the turn in progress (after layers_for): drops the
+  // session's references to its ids and tensors, so storage the turn moves
+  // is freed at once, not held twice. Checkpoints stay for the commit. A turn
+  // that fails after this leaves the session without a cache.
+  void release_layers();
   bool resident() const;
   CacheInfo cache_info() const;
   std::vector<int64_t> cached_ids() const;
