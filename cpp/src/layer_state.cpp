@@ -39,7 +39,7 @@ bool all_finite(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> sums;
   sums.reserve(tensors.size());
   for (const auto& t : tensors) {
-    if (t.numel() > 0) sums.push_back(t.sum(at::kDouble));
+    if (t.numel() > 0) sums.push_back(t.sum(at::kFloat));
   }
   if (sums.empty()) return true;
   return at::stack(sums).isfinite().all().item<bool>();
