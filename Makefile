@@ -10,15 +10,19 @@ GENERATOR := $(if $(shell command -v ninja),-G Ninja,)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # Order matters: torch first, so nothing below can pull a CUDA build of it.
 PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
-	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5"
+	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
+	"nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: help deps build demo test test-cpp test-python lint format clean
+.PHONY: help deps build demo test test-cpp test-python lint format clean \
+	bench bench-decode bench-overhead bench-notebook
 
 help:
 	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
+	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
+	@echo "make bench-decode, bench-overhead, bench-notebook - see benchmarks/RESULTS.md"
 
 $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
@@ -47,6 +51,23 @@ test-python: build
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
+
+# Benchmarks run outside the test suite; benchmarks/RESULTS.md records their output.
+bench: build
+	$(PY) benchmarks/multiturn.py --model smollm2-135m --turns 10
+
+bench-decode: build
+	$(PY) benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192
+
+bench-overhead: deps
+	cmake -S . -B $(BUILD)/bench $(GENERATOR) -DKVCHAT_BUILD_BENCHMARKS=ON \
+		-DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$$(command -v $(PY))" > /dev/null
+	cmake --build $(BUILD)/bench --target kvchat_bookkeeping_bench
+	$(BUILD)/bench/kvchat_bookkeeping_bench
+
+bench-notebook: build
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=900 benchmarks/multiturn_latency.ipynb
 
 lint: deps
 	$(PY) -m ruff format --check python tests benchmarks

@@ -1,0 +1,67 @@
+// Times the core's per-turn bookkeeping (plan, layers_for, commit) for one
+// session of 1k to 32k tokens, SmolLM2-135M-shaped: 30 layers, 3 KV heads of
+// 64. Runs outside the test suite: `make bench-overhead`.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <vector>
+
+#include "kvchat/chat_session.h"
+
+namespace {
+
+constexpr int64_t kLayers = 30, kHeads = 3, kHeadDim = 64, kNewTokens = 200, kRepeats = 50;
+
+std::vector<kvchat::LayerStatePtr> layers_of(int64_t tokens) {
+  std::vector<kvchat::LayerStatePtr> layers;
+  for (int64_t i = 0; i < kLayers; ++i) {
+    auto kv = at::randn({1, kHeads, tokens, kHeadDim});
+    layers.push_back(std::make_shared<kvchat::AttentionState>(kv, kv));
+  }
+  return layers;
+}
+
+double median_us(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  const kvchat::TurnMarkers markers{{2}, {{1, 7, 5}}};
+  const kvchat::RepetitionRule rule;
+  std::printf("%8s %12s %12s %12s %12s\n", "tokens", "plan us", "layers us", "commit us",
+              "total us");
+  for (int64_t tokens : {1024, 4096, 8192, 16384, 32768}) {
+    std::vector<int64_t> ids(tokens + kNewTokens);
+    std::iota(ids.begin(), ids.end(), 10);
+    auto cached = layers_of(tokens);
+    auto grown = layers_of(tokens + kNewTokens);
+    std::vector<double> plan_us, layers_us, commit_us;
+    for (int r = 0; r < kRepeats; ++r) {
+      kvchat::ChatSession session("bench", kLayers);
+      session.commit(ids.data(), tokens, cached, 0, markers, rule);
+      using clock = std::chrono::steady_clock;
+      auto t0 = clock::now();
+      auto plan = session.plan(ids.data(), tokens + kNewTokens);
+      auto t1 = clock::now();
+      auto layers = session.layers_for(plan);
+      auto t2 = clock::now();
+      // After generation: the cache grew by the new tokens, checked from `kept`.
+      session.commit(ids.data(), tokens + kNewTokens, grown, plan.kept_tokens, markers, rule);
+      auto t3 = clock::now();
+      auto us = [](auto a, auto b) {
+        return std::chrono::duration<double, std::micro>(b - a).count();
+      };
+      plan_us.push_back(us(t0, t1));
+      layers_us.push_back(us(t1, t2));
+      commit_us.push_back(us(t2, t3));
+    }
+    const double p = median_us(plan_us), l = median_us(layers_us), c = median_us(commit_us);
+    std::printf("%8lld %12.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(tokens), p, l, c,
+                p + l + c);
+  }
+  return 0;
+}

@@ -1,0 +1,203 @@
+"""The four ways a turn can be served, each timed the same way.
+
+- baseline: plain ``model.generate`` on the whole conversation, no cache kept.
+- hf-reuse: what the transformers docs recommend: one ``DynamicCache`` kept per
+  conversation and passed back with the full conversation each turn, and a
+  ``copy.deepcopy`` of a system-prompt cache to start each conversation.
+- kvchat: ``SessionManager.chat``.
+- limit: one forward over only the turn's new tokens on a cache already in
+  place, then argmax: the floor no cache manager can beat. It does not decode.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from kvchat import SessionManager
+from kvchat.timing import FirstTokenTimer
+from memory import PeakMemory, tensor_bytes
+from transformers import DynamicCache, NoRepeatNGramLogitsProcessor
+
+
+@dataclass
+class Measured:
+    ttft_ms: float
+    decode_tps: float | None  # tokens/s after the first; None when the mode does not decode
+    prefilled: int
+    reused: int
+    output_ids: tuple[int, ...]
+    held_bytes: int  # cache storage the mode keeps between turns, all sessions
+    peak_bytes: int  # held before the call plus the most the call added
+
+
+def _cache_tensors(cache: DynamicCache):
+    for layer in cache.layers:
+        yield from (getattr(layer, "keys", None), getattr(layer, "values", None))
+
+
+def _decode_tps(new_tokens: int, ttft_ms: float, total_ms: float) -> float | None:
+    if new_tokens < 2 or total_ms <= ttft_ms:
+        return None
+    return (new_tokens - 1) / ((total_ms - ttft_ms) / 1e3)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Mode:
+    name = ""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def held_bytes(self) -> int:
+        return 0
+
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None) -> Measured:
+        raise NotImplementedError
+
+    def _generate(self, prompt, generate_kwargs, **extra):
+        """generate with TTFT and total time; returns (new ids, ttft ms, total ms, peak)."""
+        held = self.held_bytes()
+        timer = FirstTokenTimer()
+        with PeakMemory(self.model.device) as peak:
+            out = self.model.generate(
+                prompt.unsqueeze(0).to(self.model.device), **timer.attach(generate_kwargs), **extra
+            )
+            _sync(self.model.device)
+        total_ms = (time.perf_counter() - timer.started) * 1e3
+        new = tuple(out[0, prompt.numel() :].tolist())
+        return new, timer.prefill_ms, total_ms, held + peak.extra_bytes
+
+
+class Baseline(Mode):
+    name = "baseline"
+
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None):
+        new, ttft, total, peak = self._generate(prompt, generate_kwargs)
+        return Measured(ttft, _decode_tps(len(new), ttft, total), prompt.numel(), 0, new, 0, peak)
+
+
+class HfReuse(Mode):
+    name = "hf-reuse"
+
+    def __init__(self, model, tokenizer, system_ids: torch.Tensor):
+        super().__init__(model, tokenizer)
+        self.system_ids = system_ids
+        self.prompt_cache: DynamicCache | None = None
+        self.caches: dict[str, DynamicCache] = {}
+
+    def held_bytes(self):
+        caches = [*self.caches.values(), *([self.prompt_cache] if self.prompt_cache else [])]
+        return tensor_bytes(t for c in caches for t in _cache_tensors(c))
+
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None):
+        cache = self.caches.get(session)
+        started = time.perf_counter()
+        if cache is None:
+            # The docs' recipe: a system-prompt cache made once, deep-copied per
+            # conversation. Its one-off cost is charged to the turn that made it.
+            if self.prompt_cache is None:
+                self.prompt_cache = DynamicCache(config=self.model.config)
+                with torch.no_grad():
+                    self.model(
+                        self.system_ids.unsqueeze(0).to(self.model.device),
+                        past_key_values=self.prompt_cache,
+                    )
+            cache = copy.deepcopy(self.prompt_cache)
+        setup_ms = (time.perf_counter() - started) * 1e3
+        reused = cache.get_seq_length()
+        new, ttft, total, peak = self._generate(prompt, generate_kwargs, past_key_values=cache)
+        self.caches[session] = cache
+        ttft, total = ttft + setup_ms, total + setup_ms
+        return Measured(
+            ttft,
+            _decode_tps(len(new), ttft, total),
+            prompt.numel() - reused,
+            reused,
+            new,
+            self.held_bytes(),
+            peak,
+        )
+
+
+class Kvchat(Mode):
+    name = "kvchat"
+
+    def __init__(self, model, tokenizer, sessions: int):
+        super().__init__(model, tokenizer)
+        self.manager = SessionManager(model, tokenizer, max_sessions=max(sessions, 1))
+
+    def held_bytes(self):
+        return self.manager.stats().resident_bytes
+
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None):
+        held = self.held_bytes()
+        with PeakMemory(self.model.device) as peak:
+            self.manager.chat(session, messages, **generate_kwargs)
+            _sync(self.model.device)
+        t = self.manager.last_turn(session)
+        return Measured(
+            t.prefill_ms,
+            _decode_tps(t.generated_tokens, t.prefill_ms, t.total_ms),
+            t.prefilled_tokens,
+            t.reused_tokens,
+            t.output_ids,
+            self.held_bytes(),
+            held + peak.extra_bytes,
+        )
+
+
+class Limit(Mode):
+    name = "limit"
+
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        self.caches: dict[str, tuple[DynamicCache, torch.Tensor]] = {}
+
+    def held_bytes(self):
+        return tensor_bytes(t for c, _ in self.caches.values() for t in _cache_tensors(c))
+
+    @torch.no_grad()
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None):
+        cache, ids = self.caches.get(session, (None, prompt[:0]))
+        cache = cache or DynamicCache(config=self.model.config)
+        # The cache is "already in place": keep the common prefix (untimed).
+        common = int((ids[: prompt.numel()] == prompt[: ids.numel()]).cumprod(0).sum())
+        common = min(common, prompt.numel() - 1)
+        if common < ids.numel():
+            cache.crop(common - ids.numel())
+        held = self.held_bytes()
+        device = self.model.device
+        with PeakMemory(device) as peak:
+            started = time.perf_counter()
+            logits = self.model(
+                prompt[common:].unsqueeze(0).to(device), past_key_values=cache, logits_to_keep=1
+            )
+            scores = logits.logits[0, -1]
+            # The same suppressions generate applies, so the first token is comparable.
+            banned = list(generate_kwargs.get("suppress_tokens") or [])
+            if generate_kwargs.get("min_new_tokens"):
+                banned.append(self.tokenizer.eos_token_id)
+            scores[banned] = float("-inf")
+            if generate_kwargs.get("no_repeat_ngram_size"):
+                no_repeat = NoRepeatNGramLogitsProcessor(generate_kwargs["no_repeat_ngram_size"])
+                scores = no_repeat(prompt.unsqueeze(0).to(device), scores.unsqueeze(0))[0]
+            first = int(scores.argmax())
+            _sync(device)
+            ttft = (time.perf_counter() - started) * 1e3
+        # Bring the cache to where a real one would be after the reply (untimed):
+        # every reply token but the last, which is sampled and never forwarded.
+        reply = torch.tensor(reference[:-1] if reference else [], dtype=torch.long)
+        if reply.numel():
+            self.model(reply.unsqueeze(0).to(device), past_key_values=cache)
+        self.caches[session] = (cache, torch.cat([prompt, reply]))
+        return Measured(
+            ttft, None, prompt.numel() - common, common, (first,), self.held_bytes(),
+            held + peak.extra_bytes,
+        )  # fmt: skip

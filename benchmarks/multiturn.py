@@ -1,0 +1,257 @@
+"""Multi-turn latency: baseline vs hf-reuse vs kvchat vs the limit, side by side.
+
+    python benchmarks/multiturn.py --model smollm2-135m --turns 10
+
+Every turn of every session runs through each mode on the same conversation,
+one mode after the other, so the ratios come from one run on one machine.
+Writes CSV, JSON and a PNG plot to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from kvchat.prompting import render_prompt
+from modes import Baseline, HfReuse, Kvchat, Limit
+from tqdm import tqdm
+from workload import PRESETS, TINY, load_model, make_conversation, words_only
+
+MODES = ("baseline", "hf-reuse", "kvchat", "limit")
+SHAPES = {
+    # (system, user, reply) token ranges
+    "chat": ((300, 1000), (20, 200), (50, 300)),
+    "short": ((120, 200), (10, 40), (8, 24)),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        default=TINY,
+        help=f"{TINY!r} (embedded), a preset {sorted(PRESETS)}, or a local checkpoint directory",
+    )
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--sessions", type=int, default=1, help="conversations, interleaved")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="chat")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.turns < 1 or args.sessions < 1:
+        parser.error("--turns and --sessions must be >= 1")
+    if "baseline" not in args.modes:
+        parser.error("--modes must include baseline: the other modes are checked against it")
+    return args
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, dtype, args.device, args.seed)
+    system_range, user_range, reply_range = SHAPES[args.shape]
+    conversations = [
+        make_conversation(
+            tokenizer, args.seed + s, args.turns, system_range, user_range, reply_range
+        )
+        for s in range(args.sessions)
+    ]
+    # One shared system prompt, as an app serving many users has.
+    system = {"role": "system", "content": conversations[0].system}
+    system_ids = torch.tensor(
+        tokenizer(
+            tokenizer.apply_chat_template([system], tokenize=False), add_special_tokens=False
+        )["input_ids"]
+    )
+    modes = {
+        "baseline": Baseline(model, tokenizer),
+        "hf-reuse": HfReuse(model, tokenizer, system_ids),
+        "kvchat": Kvchat(model, tokenizer, args.sessions),
+        "limit": Limit(model, tokenizer),
+    }
+    modes = {name: modes[name] for name in args.modes}
+    suppress = words_only(tokenizer, model.config.get_text_config().vocab_size)
+    # Warm up kernels and allocators outside the measurement.
+    warm = render_prompt(tokenizer, [system, {"role": "user", "content": "hello"}])
+    model.generate(warm[None].to(model.device), max_new_tokens=4, do_sample=False)
+
+    histories = {f"s{s}": [system] for s in range(args.sessions)}
+    rows = []
+    steps = tqdm(total=args.turns * args.sessions, desc="turns", unit="turn")
+    for turn in range(args.turns):
+        for s, session in enumerate(histories):
+            conversation = conversations[s]
+            messages = histories[session] + [
+                {"role": "user", "content": conversation.user_turns[turn]}
+            ]
+            prompt = render_prompt(tokenizer, messages)
+            reply_len = conversation.reply_tokens[turn]
+            generate_kwargs = dict(
+                max_new_tokens=reply_len,
+                min_new_tokens=reply_len,
+                do_sample=False,
+                suppress_tokens=suppress,
+                # A random model loops, which a trained one rarely does; a loop
+                # would trip kvchat's repetition check and re-prefill the reply.
+                no_repeat_ngram_size=3,
+            )
+            reference = None
+            for name, mode in modes.items():
+                m = mode.turn(session, messages, prompt, generate_kwargs, reference)
+                if reference is None:
+                    reference = m.output_ids
+                same = m.output_ids == reference[: len(m.output_ids)]
+                rows.append(
+                    dict(
+                        mode=name,
+                        session=session,
+                        turn=turn + 1,
+                        prompt_tokens=prompt.numel(),
+                        prefilled=m.prefilled,
+                        reused=m.reused,
+                        ttft_ms=round(m.ttft_ms, 3),
+                        decode_tps=None if m.decode_tps is None else round(m.decode_tps, 2),
+                        held_mib=round(m.held_bytes / 2**20, 2),
+                        peak_mib=round(m.peak_bytes / 2**20, 2),
+                        same_tokens=same,
+                    )
+                )
+            reply = tokenizer.decode(reference, skip_special_tokens=True)
+            histories[session] = messages + [{"role": "assistant", "content": reply}]
+            steps.update()
+    steps.close()
+    return dict(config=_config(args, model), rows=rows, summary=summarize(rows, args.turns))
+
+
+def _config(args, model) -> dict:
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config.update(
+        command="python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        parameters=sum(p.numel() for p in model.parameters()),
+        torch=torch.__version__,
+        machine=platform.platform(),
+        processor=platform.processor() or platform.machine(),
+        cpu_threads=torch.get_num_threads(),
+        gpu=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else None,
+        time=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    return config
+
+
+def summarize(rows: list[dict], turns: int) -> dict:
+    """Per mode: totals, the last turn, and ratios against baseline and limit."""
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        last = [r for r in mine if r["turn"] == turns]
+        decode = [r["decode_tps"] for r in mine if r["decode_tps"]]
+        out[mode] = dict(
+            ttft_last_turn_ms=sum(r["ttft_ms"] for r in last) / len(last),
+            ttft_total_ms=sum(r["ttft_ms"] for r in mine),
+            hit_rate=sum(r["reused"] for r in mine)
+            / max(sum(r["reused"] + r["prefilled"] for r in mine), 1),
+            decode_tps_mean=sum(decode) / len(decode) if decode else None,
+            peak_mib_max=max(r["peak_mib"] for r in mine),
+            held_mib_last=max(r["held_mib"] for r in last),
+            same_tokens_all=all(r["same_tokens"] for r in mine),
+        )
+    if "kvchat" in out:
+        k = out["kvchat"]["ttft_last_turn_ms"]
+        out["ratios"] = {
+            f"last-turn TTFT {m} / kvchat": out[m]["ttft_last_turn_ms"] / k
+            for m in out
+            if m not in ("kvchat", "ratios")
+        }
+        if "hf-reuse" in out:
+            by_turn = _per_turn(rows, "kvchat"), _per_turn(rows, "hf-reuse")
+            out["ratios"]["worst turn TTFT kvchat / hf-reuse"] = max(
+                by_turn[0][t] / by_turn[1][t] for t in by_turn[0]
+            )
+    return out
+
+
+def _per_turn(rows, mode) -> dict[int, float]:
+    turns = {}
+    for r in rows:
+        if r["mode"] == mode:
+            turns.setdefault(r["turn"], []).append(r["ttft_ms"])
+    return {t: sum(v) / len(v) for t, v in turns.items()}
+
+
+def format_table(result: dict) -> str:
+    rows, summary = result["rows"], result["summary"]
+    modes = [m for m in summary if m != "ratios"]
+    turns = sorted({r["turn"] for r in rows})
+    lines = [" turn " + "".join(f"{m + ' TTFT ms':>18}" for m in modes)]
+    per_turn = {m: _per_turn(rows, m) for m in modes}
+    for t in turns:
+        lines.append(f"{t:>5} " + "".join(f"{per_turn[m][t]:>18.1f}" for m in modes))
+    lines.append("")
+    header = f"{'mode':<10}{'hit rate':>9}{'decode tok/s':>14}{'peak MiB':>10}{'same':>6}"
+    lines.append(header)
+    for m in modes:
+        s = summary[m]
+        tps = "-" if s["decode_tps_mean"] is None else f"{s['decode_tps_mean']:.1f}"
+        lines.append(
+            f"{m:<10}{s['hit_rate']:>9.0%}{tps:>14}{s['peak_mib_max']:>10.1f}"
+            f"{'yes' if s['same_tokens_all'] else 'NO':>6}"
+        )
+    lines.append("")
+    for name, value in summary.get("ratios", {}).items():
+        lines.append(f"{name}: {value:.2f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, config = result["rows"], result["config"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in result["summary"]:
+        if mode == "ratios":
+            continue
+        per_turn = _per_turn(rows, mode)
+        ax.plot(list(per_turn), list(per_turn.values()), marker="o", label=mode)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"{config['model']}, {config['dtype']}, {config['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"multiturn-{Path(args.model).name}-{args.device}"
+    with open(f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=2, default=asdict))
+    if not args.no_plot:
+        plot(result, Path(f"{stem}.png"))
+    print(format_table(result))
+    print(f"\nwrote {stem}.csv, .json" + ("" if args.no_plot else ", .png"))
+    return result
+
+
+if __name__ == "__main__":
+    main()

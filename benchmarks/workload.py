@@ -1,0 +1,111 @@
+"""Models and seeded synthetic conversations for the benchmarks."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kvchat.tiny import tiny_model, tiny_tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+# Random-weight presets shaped like public checkpoints (no hub needed).
+PRESETS = {
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+}
+TINY = "tiny"
+
+_WORDS = (
+    "the a trip museum city river train ticket price hotel morning evening weather rain "
+    "sun map plan day week walk visit open closed garden bridge market coffee lunch dinner "
+    "station airport bus pass guide tour history art painting old new small large quiet "
+    "busy famous local street square church tower park view night light water boat island"
+).split()
+
+
+def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
+    """(model, tokenizer) for the tiny default, a preset, or a local checkpoint path."""
+    if name == TINY:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model("llama", "small", dtype=dtype, seed=seed, tokenizer=tokenizer)
+    elif name in PRESETS:
+        tokenizer = tiny_tokenizer()
+        fields = dict(PRESETS[name])
+        config = AutoConfig.for_model(
+            fields.pop("model_type"),
+            **fields,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    elif Path(name).is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name)
+    else:
+        raise ValueError(
+            f"--model must be {TINY!r}, one of {sorted(PRESETS)}, or a local directory; "
+            f"got {name!r}"
+        )
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def words_only(tokenizer, vocab_size: int) -> list[int]:
+    """Token ids to suppress so a random model writes whole words that re-tokenize
+    to the same ids, as a trained model's replies mostly do. Ids past the
+    tokenizer (a preset's larger embedding) are suppressed too."""
+    keep = {tokenizer.eos_token_id}
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if re.fullmatch(r" [a-zA-Z]+", text):
+            if tokenizer(text, add_special_tokens=False)["input_ids"] == [i]:
+                keep.add(i)
+    return [i for i in range(vocab_size) if i not in keep]
+
+
+@dataclass
+class Conversation:
+    system: str
+    user_turns: list[str]
+    reply_tokens: list[int]  # how many tokens each reply generates
+
+
+def _text_of(tokenizer, rng: random.Random, tokens: int) -> str:
+    words = []
+    while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) < tokens:
+        words.extend(rng.choice(_WORDS) for _ in range(8))
+    return " ".join(words).capitalize() + "."
+
+
+def make_conversation(
+    tokenizer,
+    seed: int,
+    turns: int,
+    system_tokens: tuple[int, int] = (300, 1000),
+    user_tokens: tuple[int, int] = (20, 200),
+    reply_tokens: tuple[int, int] = (50, 300),
+) -> Conversation:
+    """A seeded conversation with the shapes real chats have."""
+    rng = random.Random(seed)
+    return Conversation(
+        system=_text_of(tokenizer, rng, rng.randint(*system_tokens)),
+        user_turns=[_text_of(tokenizer, rng, rng.randint(*user_tokens)) for _ in range(turns)],
+        reply_tokens=[rng.randint(*reply_tokens) for _ in range(turns)],
+    )
