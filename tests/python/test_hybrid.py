@@ -24,6 +24,16 @@ def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
     return reply, report
 
 
+def checked_turns(mgr, model, tokenizer, system, turns):
+    """Runs ``turns`` checked turns; returns the conversation and the last report."""
+    messages, report = [system], None
+    for turn in range(turns):
+        messages.append(user_message(turn))
+        reply, report = chat_turn(mgr, model, tokenizer, messages)
+        messages.append({"role": "assistant", "content": reply})
+    return messages, report
+
+
 def reference_turn_with(model, tokenizer, messages, **generate_kwargs):
     if not generate_kwargs:
         return reference_turn(model, tokenizer, messages)
@@ -93,12 +103,8 @@ def test_template_that_drops_earlier_think_blocks(any_family):
 def test_regenerated_turn_reuses_all_but_the_last_prompt_token(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)
-    messages = [SYSTEM]
-    for turn in range(3):
-        messages.append(user_message(turn))
-        reply, first = chat_turn(mgr, model, tokenizer, messages)
-        messages.append({"role": "assistant", "content": reply})
-    messages.pop()  # the user asks for another answer to the same question
+    messages, first = checked_turns(mgr, model, tokenizer, SYSTEM, 3)
+    reply = messages.pop()["content"]  # the user asks for another answer to the same question
     again, t = chat_turn(mgr, model, tokenizer, messages)
     assert again == reply and t.output_ids == first.output_ids
     assert t.reason == "prompt_cached"
@@ -110,11 +116,7 @@ def test_regenerated_turn_reuses_all_but_the_last_prompt_token(any_family, token
 def test_edited_earlier_message_restores_a_checkpoint_before_it(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)
-    messages = [LONG_SYSTEM]
-    for turn in range(4):
-        messages.append(user_message(turn))
-        reply, _ = chat_turn(mgr, model, tokenizer, messages)
-        messages.append({"role": "assistant", "content": reply})
+    messages, _ = checked_turns(mgr, model, tokenizer, LONG_SYSTEM, 4)
     before = render_prompt(tokenizer, messages)
     messages[1] = {"role": "user", "content": "Actually, tell me about Tokyo instead."}
     messages.append(user_message(4))
