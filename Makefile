@@ -15,7 +15,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python lint format clean \
-	bench bench-decode bench-overhead bench-notebook
+	bench bench-decode bench-overhead bench-notebook sanitize
 
 help:
 	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
@@ -23,6 +23,7 @@ help:
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-decode, bench-overhead, bench-notebook - see benchmarks/RESULTS.md"
+	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 
 $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
@@ -51,6 +52,15 @@ test-python: build
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
+
+# The GoogleTest suite under AddressSanitizer (leak checks on) and
+# UndefinedBehaviorSanitizer; any report fails the run.
+sanitize: deps
+	cmake -S . -B $(BUILD)/sanitize $(GENERATOR) -DKVCHAT_BUILD_TESTS=ON -DKVCHAT_SANITIZE=ON \
+		-DCMAKE_BUILD_TYPE=Debug -DPython_EXECUTABLE="$$(command -v $(PY))" > /dev/null
+	cmake --build $(BUILD)/sanitize --target kvchat_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		$(BUILD)/sanitize/kvchat_tests
 
 # Benchmarks run outside the test suite; benchmarks/RESULTS.md records their output.
 bench: build
