@@ -43,6 +43,7 @@ def _positive_int(value, name: str, allow_none: bool = False):
 
 
 MATCH_MODES = ("tokens", "text")
+BUSY_MODES = ("wait", "error")
 
 
 class SessionManager:
@@ -62,6 +63,7 @@ class SessionManager:
         match: str = "tokens",
         max_checkpoints: int = 8,
         max_checkpoint_bytes: int | str | None = None,
+        busy: str = "wait",
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -69,7 +71,9 @@ class SessionManager:
             new suffix is tokenized, so re-tokenized replies still hit; the ids
             can differ from a fresh tokenization).
         max_checkpoints, max_checkpoint_bytes: per session, for models with
-            recurrent or sliding-window layers; the lowest positions go first.
+            recurrent or sliding-window layers; see the README for the policy.
+        busy: a call on a session another call is using "wait"s its turn, or
+            raises ``SessionBusy`` ("error").
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -77,6 +81,9 @@ class SessionManager:
                 f"got {type(model).__name__}"
             )
         _positive_int(max_sessions, "max_sessions")
+        if busy not in BUSY_MODES:
+            raise ValueError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
+        self._wait = busy == "wait"
         if match not in MATCH_MODES:
             raise ValueError(f"match must be one of {MATCH_MODES}, got {match!r}")
         if (
@@ -268,7 +275,7 @@ class SessionManager:
         # Beam search reorders and widens the cache; it runs without reuse.
         single = max(kwargs.get("num_beams") or 1, kwargs.get("num_return_sequences") or 1) == 1
         reuse = self._bridge.supported and single
-        with self._core.acquire(session_id) as session:
+        with self._core.acquire(session_id, wait=self._wait) as session:
             # Text mode reads the session's cached text, so it matches under the lease.
             prompt = fresh if text is None else self._text_prompt(session, text, fresh)
             prompt = prompt.to("cpu", torch.long).contiguous()

@@ -88,3 +88,24 @@ def test_busy_session_without_waiting(llama, tokenizer):
         mgr.remove("a")
     lease.release()
     mgr.remove("a")
+
+
+def test_busy_error_raises_instead_of_waiting_and_wait_runs_after(llama, tokenizer):
+    messages = [SYSTEM, user_message(0)]
+    _, _, expected = reference_turn(llama, tokenizer, messages)
+    impatient = SessionManager(llama, tokenizer, busy="error")
+    lease = impatient._core.acquire("a")  # another call is mid-turn on "a"
+    with pytest.raises(SessionBusy, match="session_id 'a' is in use"):
+        impatient.chat("a", messages, max_new_tokens=MAX_NEW)
+    impatient.chat("b", messages, max_new_tokens=MAX_NEW)  # other sessions are unaffected
+    lease.release()
+    impatient.chat("a", messages, max_new_tokens=MAX_NEW)
+    assert impatient.last_turn("a").output_ids == expected
+
+    patient = SessionManager(llama, tokenizer)  # busy="wait", the default
+    lease = patient._core.acquire("a")
+    releaser = threading.Timer(0.2, lease.release)
+    releaser.start()
+    patient.chat("a", messages, max_new_tokens=MAX_NEW)  # waits for the release, then runs
+    releaser.join()
+    assert patient.last_turn("a").output_ids == expected
