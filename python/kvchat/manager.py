@@ -44,6 +44,20 @@ def _positive_int(value, name: str, allow_none: bool = False):
 
 MATCH_MODES = ("tokens", "text")
 BUSY_MODES = ("wait", "error")
+OVERFLOW_MODES = ("error", "truncate")
+
+
+def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """The conversation without its oldest turn after the system prompt: the
+    first message and any replies up to the next user message. None when only
+    the last user message would be left."""
+    first = 1 if messages[0]["role"] == "system" else 0
+    end = first + 1
+    while end < len(messages) and messages[end]["role"] != "user":
+        end += 1
+    if end >= len(messages):
+        return None
+    return messages[:first] + messages[end:]
 
 
 class SessionManager:
@@ -64,6 +78,7 @@ class SessionManager:
         max_checkpoints: int = 8,
         max_checkpoint_bytes: int | str | None = None,
         busy: str = "wait",
+        overflow: str = "error",
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -74,6 +89,9 @@ class SessionManager:
             recurrent or sliding-window layers; see the README for the policy.
         busy: a call on a session another call is using "wait"s its turn, or
             raises ``SessionBusy`` ("error").
+        overflow: when prompt + max_new_tokens exceeds max_context_length,
+            "error" raises; "truncate" (chat and stream_chat) drops the oldest
+            whole turns after the system prompt until it fits.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -81,6 +99,9 @@ class SessionManager:
                 f"got {type(model).__name__}"
             )
         _positive_int(max_sessions, "max_sessions")
+        if overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+        self._truncate = overflow == "truncate"
         if busy not in BUSY_MODES:
             raise ValueError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         self._wait = busy == "wait"
@@ -121,7 +142,7 @@ class SessionManager:
         **generate_kwargs,
     ) -> str:
         """Answers the whole conversation ``messages``; returns the reply text."""
-        text, messages = self._chat_text(session_id, messages)
+        text, messages = self._chat_text(session_id, messages, max_new_tokens)
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         _, reply = self._turn(session_id, kwargs, text=text, messages=messages)
         return reply
@@ -136,7 +157,7 @@ class SessionManager:
     ) -> Iterator[str]:
         """Like chat(), but yields text pieces as they are generated."""
         # Validate now, so bad input raises here rather than at the first next().
-        text, messages = self._chat_text(session_id, messages)
+        text, messages = self._chat_text(session_id, messages, max_new_tokens)
         streamer = TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
         kwargs = dict(
             generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer
@@ -222,11 +243,21 @@ class SessionManager:
         return self._tokenizer
 
     # -------------------------------------------------------------- internals
-    def _chat_text(self, session_id, messages):
+    def _chat_text(self, session_id, messages, max_new_tokens):
         _check_session_id(session_id)
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
-        return render_text(self._tokenizer, messages), messages
+        text = render_text(self._tokenizer, messages)
+        if self._truncate and self._max_context is not None:
+            while self._overflows(text, max_new_tokens) and (
+                shorter := _drop_oldest_turn(messages)
+            ):
+                messages = shorter
+                text = render_text(self._tokenizer, messages)
+        return text, messages
+
+    def _overflows(self, text: str, max_new_tokens: int) -> bool:
+        return len(tokenize_text(self._tokenizer, text)) + max_new_tokens > self._max_context
 
     def _decode_reply(self, sequences: torch.Tensor, prompt_tokens: int) -> str:
         return self._tokenizer.decode(sequences[0, prompt_tokens:], skip_special_tokens=True)

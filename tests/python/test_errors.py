@@ -90,6 +90,7 @@ def test_past_key_values_is_refused(mgr):
         ({"max_context_length": 0}, ValueError, "max_context_length"),
         ({"match": "bytes"}, ValueError, "match must be one of"),
         ({"busy": "skip"}, ValueError, "busy must be one of"),
+        ({"overflow": "wrap"}, ValueError, "overflow must be one of"),
         ({"max_checkpoints": -1}, ValueError, "max_checkpoints"),
         ({"max_checkpoints": 2.0}, ValueError, "max_checkpoints"),
         ({"max_checkpoint_bytes": "big"}, ValueError, "max_checkpoint_bytes"),

@@ -1,0 +1,50 @@
+"""Context overflow: a clear error by default, or dropping the oldest turns."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.prompting import render_prompt
+
+LIMIT = 200
+
+
+def long_conversation(turns: int) -> list[dict]:
+    messages = [SYSTEM]
+    for turn in range(turns):
+        messages += [user_message(turn), {"role": "assistant", "content": f"Answer {turn}."}]
+    return messages + [user_message(turns)]
+
+
+def test_default_overflow_raises_with_the_sizes(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, max_context_length=LIMIT)
+    with pytest.raises(ValueError, match=rf"plus max_new_tokens={MAX_NEW} exceeds.*={LIMIT}"):
+        mgr.chat("s", long_conversation(8), max_new_tokens=MAX_NEW)
+
+
+def test_truncate_drops_the_oldest_whole_turns_and_stays_exact(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, max_context_length=LIMIT, overflow="truncate")
+    messages = long_conversation(8)
+    assert render_prompt(tokenizer, messages).numel() + MAX_NEW > LIMIT
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    t = mgr.last_turn("s")
+    assert t.prompt_tokens + MAX_NEW <= LIMIT
+    kept = [{"role": m.role, "content": m.content} for m in mgr._core.find("s").messages()][:-1]
+    assert kept[0] == SYSTEM and kept[-1] == messages[-1]  # system and the question stay
+    assert kept[1]["role"] == "user" and kept[1] != messages[1]  # oldest turns went first
+    assert kept[1:] == messages[len(messages) - len(kept) + 1 :]  # whole turns, in order
+    _, _, expected = reference_turn(llama, tokenizer, kept)
+    assert t.output_ids == expected
+
+    # The next turn truncates again, and still reuses the system prompt.
+    messages += [{"role": "assistant", "content": "Fine."}, user_message(9)]
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert mgr.last_turn("s").reused_tokens >= render_prompt(tokenizer, [SYSTEM]).numel() - 5
+
+
+def test_truncate_cannot_drop_the_question_itself(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, max_context_length=LIMIT, overflow="truncate")
+    huge = [SYSTEM, {"role": "user", "content": "word " * 300}]
+    with pytest.raises(ValueError, match="exceeds max_context_length"):
+        mgr.chat("s", huge, max_new_tokens=MAX_NEW)
