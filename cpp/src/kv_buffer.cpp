@@ -74,9 +74,9 @@ void KvBuffer::reserve(int64_t total_tokens) {
   TORCH_CHECK_VALUE(total_tokens >= 0, "total_tokens must be >= 0, got ", total_tokens);
   const bool owns_tail = keys_->committed() == length_ && values_->committed() == length_;
   if (owns_tail && total_tokens <= capacity()) return;
-  // Growing by a quarter at least bounds a long chat's copies to O(log turns)
-  // while wasting at most a quarter of the layer's memory.
-  move_to_new_arenas(std::max(total_tokens, length_ + length_ / 4));
+  // Exactly what the turn needs: a session holds no headroom between turns,
+  // at the price of one copy of its KV when a turn outgrows the arena.
+  move_to_new_arenas(std::max(total_tokens, length_));
 }
 
 void KvBuffer::append(const at::Tensor& keys, const at::Tensor& values) {

@@ -157,7 +157,11 @@ class CacheBridge:
 
     def to_cache(self, states: list[_C.LayerState], reserve: int = 0) -> DynamicCache:
         """A cache holding ``states`` (empty: none), with room for ``reserve`` tokens
-        in its full-attention layers, which append in place."""
+        in its full-attention layers, which append in place.
+
+        Consumes ``states``: each full-attention entry is set to None once its
+        buffer exists, so when the buffer moves to a larger arena the old one
+        is freed layer by layer rather than held until the list goes away."""
         cache = self.new_cache()
         if states and len(states) != len(cache.layers):
             raise ValueError(
@@ -166,6 +170,8 @@ class CacheBridge:
         for index, parts in enumerate(self._parts):
             if parts == ("attention",):
                 buffer = states[index].buffer() if states else None
+                if states:
+                    states[index] = None
                 if buffer is not None and reserve:
                     buffer.reserve(reserve)
                 cache.layers[index] = BufferedLayer(buffer, reserve)

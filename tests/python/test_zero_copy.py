@@ -27,7 +27,10 @@ def test_session_stores_generate_cache_by_reference(llama):
     stored = session.layers_for(plan)
     for state, layer in zip(stored, out.past_key_values.layers, strict=True):
         assert state.keys.data_ptr() == layer.keys.data_ptr()
-    # The cache built for the next turn holds views of the same storage.
+    # The cache built for the next turn holds views of the same storage
+    # (to_cache consumes the list, so note the pointer first).
+    storage = stored[0].keys.data_ptr()
     cache = mgr._bridge.to_cache(stored)
-    assert cache.layers[0].keys.data_ptr() == stored[0].keys.data_ptr()
+    assert cache.layers[0].keys.data_ptr() == storage
+    assert stored[0] is None
     assert cache.get_seq_length() == out.sequences.shape[1] - 1
