@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 from kvchat.prompting import render_prompt
+from kvchat.tiny import words_only
 from modes import Baseline, HfReuse, Kvchat, Limit
 from tqdm import tqdm
-from workload import PRESETS, TINY, load_model, make_conversation, words_only
+from workload import PRESETS, TINY, load_model, make_conversation
 
 MODES = ("baseline", "hf-reuse", "kvchat", "limit")
 SHAPES = {

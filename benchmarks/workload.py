@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +64,6 @@ def load_model(name: str, dtype: torch.dtype, device: str, seed: int = 0):
             f"got {name!r}"
         )
     return model.to(device=device, dtype=dtype).eval(), tokenizer
-
-
-def words_only(tokenizer, vocab_size: int) -> list[int]:
-    """Token ids to suppress so a random model writes whole words that re-tokenize
-    to the same ids, as a trained model's replies mostly do. Ids past the
-    tokenizer (a preset's larger embedding) are suppressed too."""
-    keep = {tokenizer.eos_token_id}
-    for i in range(len(tokenizer)):
-        text = tokenizer.decode([i])
-        if re.fullmatch(r" [a-zA-Z]+", text):
-            if tokenizer(text, add_special_tokens=False)["input_ids"] == [i]:
-                keep.add(i)
-    return [i for i in range(vocab_size) if i not in keep]
 
 
 @dataclass

@@ -8,6 +8,7 @@ from configs with random weights and a fixed seed.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -89,6 +90,20 @@ def tiny_tokenizer(chat_template: str = CHATML_TEMPLATE):
         pad_token="<|endoftext|>",
         chat_template=chat_template,
     )
+
+
+def words_only(tokenizer, vocab_size: int | None = None) -> list[int]:
+    """Token ids to suppress (``generate(suppress_tokens=...)``) so that a random
+    model writes whole words a fresh tokenization gives back, as a trained
+    model's replies mostly are. Ids from len(tokenizer) up to ``vocab_size`` (a
+    model's larger embedding) are suppressed too."""
+    keep = {tokenizer.eos_token_id}
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if re.fullmatch(r" [a-zA-Z]+", text):
+            if tokenizer(text, add_special_tokens=False)["input_ids"] == [i]:
+                keep.add(i)
+    return [i for i in range(vocab_size or len(tokenizer)) if i not in keep]
 
 
 # Shapes per family; "small" is the demo's size, heavy enough that prefill

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from kvchat.prompting import render_prompt
 
 MAX_NEW = 12
@@ -56,16 +54,3 @@ LONG_SYSTEM = {
         "asked, in two sentences at most."
     ),
 }
-
-
-def words_only(tokenizer) -> list[int]:
-    """Ids to suppress so that a random model writes whole words a fresh
-    tokenization gives back, as a real model's replies mostly are."""
-    keep = {tokenizer.eos_token_id}
-    for i in range(len(tokenizer)):
-        text = tokenizer.decode([i])
-        if re.fullmatch(r" [a-zA-Z]+", text) and tokenizer(text, add_special_tokens=False)[
-            "input_ids"
-        ] == [i]:
-            keep.add(i)
-    return [i for i in range(len(tokenizer)) if i not in keep]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHECKPOINT_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message, words_only
+from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
-from kvchat.tiny import THINK_DROPPING_TEMPLATE, tiny_tokenizer
+from kvchat.tiny import THINK_DROPPING_TEMPLATE, tiny_tokenizer, words_only
 
 
 def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
