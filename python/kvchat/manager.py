@@ -142,9 +142,9 @@ class SessionManager:
         **generate_kwargs,
     ) -> str:
         """Answers the whole conversation ``messages``; returns the reply text."""
-        text, messages = self._chat_text(session_id, messages, max_new_tokens)
+        text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        _, reply = self._turn(session_id, kwargs, text=text, messages=messages)
+        _, reply = self._turn(session_id, kwargs, ids, text=text, messages=messages)
         return reply
 
     def stream_chat(
@@ -157,7 +157,7 @@ class SessionManager:
     ) -> Iterator[str]:
         """Like chat(), but yields text pieces as they are generated."""
         # Validate now, so bad input raises here rather than at the first next().
-        text, messages = self._chat_text(session_id, messages, max_new_tokens)
+        text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
         streamer = TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
         kwargs = dict(
             generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer
@@ -166,7 +166,7 @@ class SessionManager:
 
         def run():
             try:
-                self._turn(session_id, kwargs, text=text, messages=messages)
+                self._turn(session_id, kwargs, ids, text=text, messages=messages)
             except BaseException as error:  # re-raised in the consumer's thread
                 failure.append(error)
                 streamer.end()
@@ -207,7 +207,7 @@ class SessionManager:
                 input_ids.shape[0],
             )
             return self._model.generate(input_ids, **generate_kwargs)
-        output, _ = self._turn(session_id, generate_kwargs, input_ids=input_ids.long())
+        output, _ = self._turn(session_id, generate_kwargs, input_ids[0].long())
         return output
 
     # ------------------------------------------------------------ inspection
@@ -244,20 +244,20 @@ class SessionManager:
 
     # -------------------------------------------------------------- internals
     def _chat_text(self, session_id, messages, max_new_tokens):
+        """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
         _check_session_id(session_id)
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
         text = render_text(self._tokenizer, messages)
+        ids = tokenize_text(self._tokenizer, text)
         if self._truncate and self._max_context is not None:
-            while self._overflows(text, max_new_tokens) and (
+            while ids.numel() + max_new_tokens > self._max_context and (
                 shorter := _drop_oldest_turn(messages)
             ):
                 messages = shorter
                 text = render_text(self._tokenizer, messages)
-        return text, messages
-
-    def _overflows(self, text: str, max_new_tokens: int) -> bool:
-        return len(tokenize_text(self._tokenizer, text)) + max_new_tokens > self._max_context
+                ids = tokenize_text(self._tokenizer, text)
+        return text, ids, messages
 
     def _decode_reply(self, sequences: torch.Tensor, prompt_tokens: int) -> str:
         return self._tokenizer.decode(sequences[0, prompt_tokens:], skip_special_tokens=True)
@@ -289,13 +289,13 @@ class SessionManager:
                 f"max_context_length={self._max_context}"
             )
 
-    def _turn(self, session_id, generate_kwargs, *, input_ids=None, text=None, messages=None):
+    def _turn(self, session_id, generate_kwargs, fresh, *, text=None, messages=None):
         """One turn: plan, build the cache, prefill to checkpoints, generate, store.
 
-        Takes ``input_ids`` [1, tokens], or the prompt ``text`` of ``messages``.
+        ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
+        ``text``, for ``messages``: the prompt text they came from (text mode).
         Returns generate's output and, for messages, the reply text.
         """
-        fresh = input_ids[0] if text is None else tokenize_text(self._tokenizer, text)
         if fresh.numel() == 0:
             raise ValueError("input_ids must hold at least one token")
         # Checked before the session exists, so bad input leaves nothing behind.
