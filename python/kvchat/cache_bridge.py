@@ -168,24 +168,23 @@ class CacheBridge:
                 f"states has {len(states)} layers but the model's cache has {len(cache.layers)}"
             )
         for index, parts in enumerate(self._parts):
+            state = states[index] if states else None
             if parts == ("attention",):
-                buffer = states[index].buffer() if states else None
-                if states:
-                    states[index] = None
+                buffer = None if state is None else state.buffer()
+                if state is not None:
+                    states[index] = state = None
                 if buffer is not None and reserve:
                     buffer.reserve(reserve)
                 cache.layers[index] = BufferedLayer(buffer, reserve)
-        for index, (layer, state) in enumerate(zip(cache.layers, states or [], strict=False)):
-            parts = self._parts[index]
-            if parts == ("attention",):
+            elif state is None:
                 continue
-            if isinstance(state, _C.HybridState):
-                _write_attention(layer, state.attention)
-                _write_recurrent(layer, state.recurrent, self._slots[index])
+            elif isinstance(state, _C.HybridState):
+                _write_attention(cache.layers[index], state.attention)
+                _write_recurrent(cache.layers[index], state.recurrent, self._slots[index])
             elif parts == ("recurrent",):
-                _write_recurrent(layer, state, self._slots[index])
+                _write_recurrent(cache.layers[index], state, self._slots[index])
             else:
-                _write_attention(layer, state)
+                _write_attention(cache.layers[index], state)
         return cache
 
     def from_cache(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState]:
