@@ -33,7 +33,8 @@ void bind_layer_state(py::module_& m) {
   py::class_<AttentionState, LayerState, std::shared_ptr<AttentionState>>(m, "AttentionState")
       .def(py::init<at::Tensor, at::Tensor>(), py::arg("keys"), py::arg("values"))
       .def_static("from_buffer", &AttentionState::from_buffer, py::arg("buffer"))
-      .def("buffer", &AttentionState::buffer)
+      .def("buffer", &AttentionState::buffer, py::arg("capacity") = 0)
+      .def_property_readonly("prefix_tokens", &AttentionState::prefix_tokens)
       .def_property_readonly("keys", &AttentionState::keys)
       .def_property_readonly("values", &AttentionState::values);
 

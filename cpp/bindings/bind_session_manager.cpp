@@ -13,6 +13,9 @@ void bind_session_manager(py::module_& m) {
       .def_readonly("checkpoint_bytes", &ManagerStats::checkpoint_bytes)
       .def_readonly("sessions", &ManagerStats::sessions)
       .def_readonly("resident_sessions", &ManagerStats::resident_sessions)
+      .def_readonly("shared_prefixes", &ManagerStats::shared_prefixes)
+      .def_readonly("prefix_shares", &ManagerStats::prefix_shares)
+      .def_readonly("shared_tokens", &ManagerStats::shared_tokens)
       .def_property_readonly("hit_rate", &ManagerStats::hit_rate);
 
   // A context manager: `with manager.acquire(id) as session: ...`
@@ -28,13 +31,27 @@ void bind_session_manager(py::module_& m) {
 
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
-                       int64_t max_checkpoints, int64_t max_checkpoint_bytes) {
-             return std::make_shared<SessionManager>(
-                 ManagerLimits{max_sessions, max_cache_bytes, num_layers,
-                               CheckpointPolicy{max_checkpoints, max_checkpoint_bytes}});
+                       int64_t max_checkpoints, int64_t max_checkpoint_bytes,
+                       int64_t min_shared_tokens) {
+             TORCH_CHECK_VALUE(min_shared_tokens >= 0,
+                               "min_shared_tokens must be >= 0 (0: no sharing), got ",
+                               min_shared_tokens);
+             return std::make_shared<SessionManager>(ManagerLimits{
+                 max_sessions, max_cache_bytes, num_layers,
+                 CheckpointPolicy{max_checkpoints, max_checkpoint_bytes}, min_shared_tokens});
            }),
            py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
-           py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0)
+           py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0,
+           py::arg("min_shared_tokens") = 0)
+      .def(
+          "share_prefix",
+          [](SessionManager& m, ChatSession& session, const at::Tensor& prompt_ids,
+             const TurnMarkers& markers) {
+            auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
+            py::gil_scoped_release release;
+            return m.share_prefix(session, data, n, markers);
+          },
+          py::arg("session"), py::arg("prompt_ids"), py::arg("markers"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"))

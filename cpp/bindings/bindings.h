@@ -13,6 +13,7 @@ namespace py = pybind11;
 void bind_kv_buffer(py::module_& m);
 void bind_layer_state(py::module_& m);
 void bind_prefix(py::module_& m);
+void bind_radix_tree(py::module_& m);
 void bind_turn_checks(py::module_& m);
 void bind_chat_session(py::module_& m);
 void bind_session_manager(py::module_& m);

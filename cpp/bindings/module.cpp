@@ -47,6 +47,7 @@ PYBIND11_MODULE(_C, m) {
   kvchat::bind_kv_buffer(m);
   kvchat::bind_layer_state(m);
   kvchat::bind_prefix(m);
+  kvchat::bind_radix_tree(m);
   kvchat::bind_turn_checks(m);
   kvchat::bind_chat_session(m);
   kvchat::bind_session_manager(m);

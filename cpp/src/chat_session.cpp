@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace kvchat {
@@ -173,6 +174,97 @@ void ChatSession::release_layers() {
   cached_ids_.clear();
   cached_text_.clear();
   layers_.clear();
+}
+
+namespace {
+
+bool starts_with(const std::vector<int64_t>& ids, const int64_t* prefix, int64_t n) {
+  return static_cast<int64_t>(ids.size()) >= n && std::equal(prefix, prefix + n, ids.begin());
+}
+
+std::shared_ptr<const AttentionState> as_attention(const LayerStatePtr& state) {
+  return std::dynamic_pointer_cast<const AttentionState>(state);
+}
+
+// `layer` on the shared `base` (same layer of a SharedPrefix); null when the
+// layer kind has nothing to share (sliding windows, recurrent state).
+LayerStatePtr on_shared(const LayerStatePtr& layer, const LayerStatePtr& base) {
+  if (auto attention = as_attention(layer)) {
+    auto shared = as_attention(base);
+    if (!shared || attention->prefix() == shared) return nullptr;
+    return AttentionState::on_prefix(shared, *attention);
+  }
+  const auto* hybrid = dynamic_cast<const HybridState*>(layer.get());
+  const auto* hybrid_base = dynamic_cast<const HybridState*>(base.get());
+  if (!hybrid || !hybrid_base) return nullptr;
+  auto attention = as_attention(hybrid->attention());
+  auto shared = as_attention(hybrid_base->attention());
+  if (!attention || !shared || attention->prefix() == shared) return nullptr;
+  return std::make_shared<HybridState>(AttentionState::on_prefix(shared, *attention),
+                                       hybrid->recurrent());
+}
+
+}  // namespace
+
+SharedPrefixPtr ChatSession::export_prefix(const int64_t* ids, int64_t n) const {
+  TORCH_CHECK_VALUE(n > 0, "a shared prefix needs at least one token, got ", n);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (layers_.empty() || n > trusted_tokens_ || !starts_with(cached_ids_, ids, n)) return nullptr;
+  const Checkpoint* checkpoint = nullptr;
+  for (const auto& cp : checkpoints_) {
+    if (cp.position == n) checkpoint = &cp;
+  }
+  if (!restorable(layers_, n, checkpoint)) return nullptr;
+  auto prefix = std::make_shared<SharedPrefix>();
+  prefix->ids.assign(ids, ids + n);
+  static const LayerStatePtr kNone;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto state = layers_[i]->restored(n, checkpoint ? checkpoint->states[i] : kNone);
+    prefix->states.push_back(compact_copy(*state));
+  }
+  return prefix;
+}
+
+void ChatSession::adopt_prefix(const SharedPrefixPtr& prefix) {
+  TORCH_CHECK_VALUE(prefix && !prefix->states.empty(), "a shared prefix must hold layer states");
+  TORCH_CHECK_VALUE(num_layers_ == 0 || prefix->states.size() == static_cast<size_t>(num_layers_),
+                    "shared prefix has ", prefix->states.size(), " layers but the session has ",
+                    num_layers_);
+  check_layers_consistent(prefix->states, prefix->num_tokens());
+  // The prefix doubles as a checkpoint for layers that cannot crop back to it.
+  Checkpoint at_prefix{prefix->num_tokens(), {}};
+  bool needed = false;
+  for (const auto& state : prefix->states) {
+    const bool crops = state->kind() == LayerKind::kAttention;
+    at_prefix.states.push_back(crops ? nullptr : state);
+    needed = needed || !crops;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_ = prefix->ids;
+  cached_text_.clear();
+  layers_ = prefix->states;
+  checkpoints_.clear();
+  if (needed) checkpoints_.push_back(std::move(at_prefix));
+  trusted_tokens_ = prefix->num_tokens();
+  last_check_.clear();
+}
+
+bool ChatSession::rebase_on(const SharedPrefix& prefix) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (layers_.size() != prefix.states.size() ||
+      !starts_with(cached_ids_, prefix.ids.data(), prefix.num_tokens())) {
+    return false;
+  }
+  std::vector<LayerStatePtr> rebased = layers_;
+  bool changed = false;
+  for (size_t i = 0; i < rebased.size(); ++i) {
+    if (auto shared = on_shared(rebased[i], prefix.states[i])) {
+      rebased[i] = std::move(shared);
+      changed = true;
+    }
+  }
+  if (changed) layers_ = std::move(rebased);
+  return changed;
 }
 
 bool ChatSession::resident() const {

@@ -64,6 +64,26 @@ LayerStatePtr LayerState::restored(int64_t n, const LayerStatePtr& snapshot) con
 
 AttentionState::AttentionState(at::Tensor keys, at::Tensor values)
     : keys_(std::move(keys)), values_(std::move(values)) {
+  check_tensors();
+}
+
+AttentionState::AttentionState(std::shared_ptr<const AttentionState> prefix, at::Tensor keys,
+                               at::Tensor values)
+    : prefix_(std::move(prefix)), keys_(std::move(keys)), values_(std::move(values)) {
+  TORCH_CHECK_VALUE(prefix_ != nullptr, "prefix must be an attention state");
+  TORCH_CHECK_VALUE(prefix_->prefix_ == nullptr, "a shared prefix cannot sit on another prefix");
+  check_tensors();
+  const auto& pk = prefix_->keys_;
+  const auto& pv = prefix_->values_;
+  TORCH_CHECK_VALUE(
+      pk.size(1) == keys_.size(1) && pk.size(3) == keys_.size(3) && pv.size(3) == values_.size(3),
+      "keys ", keys_.sizes(), " do not continue the prefix's keys ", pk.sizes());
+  TORCH_CHECK_VALUE(pk.scalar_type() == keys_.scalar_type() && pk.device() == keys_.device(),
+                    "keys (", keys_.scalar_type(), ", ", keys_.device(),
+                    ") differ from the prefix's (", pk.scalar_type(), ", ", pk.device(), ")");
+}
+
+void AttentionState::check_tensors() const {
   TORCH_CHECK_VALUE(keys_.defined() && values_.defined(), "keys and values must be tensors");
   TORCH_CHECK_VALUE(keys_.dim() == 4, "keys must be [batch, kv_heads, tokens, head_dim], got ",
                     keys_.sizes());
@@ -91,27 +111,106 @@ std::shared_ptr<AttentionState> AttentionState::from_buffer(const KvBuffer& buff
   return state;
 }
 
-KvBuffer AttentionState::buffer() const {
-  if (key_arena_ && value_arena_) return KvBuffer(key_arena_, value_arena_, num_tokens());
-  return KvBuffer(keys_, values_);
+std::shared_ptr<AttentionState> AttentionState::on_prefix(
+    std::shared_ptr<const AttentionState> prefix, const AttentionState& whole) {
+  TORCH_CHECK_VALUE(prefix != nullptr, "prefix must be an attention state");
+  const int64_t shared = prefix->num_tokens();
+  TORCH_CHECK_INDEX(whole.num_tokens() >= shared, "a state of ", whole.num_tokens(),
+                    " tokens cannot sit on a prefix of ", shared);
+  if (whole.prefix_ == prefix) return std::make_shared<AttentionState>(whole);
+  const auto tail = whole.tensors_from(shared);
+  at::Tensor keys, values;
+  if (tail.empty()) {
+    keys = prefix->keys_.narrow(2, 0, 0).clone();
+    values = prefix->values_.narrow(2, 0, 0).clone();
+  } else {
+    // tensors_from gives one (keys, values) pair per segment it spans.
+    std::vector<at::Tensor> ks, vs;
+    for (size_t i = 0; i < tail.size(); i += 2) {
+      ks.push_back(tail[i]);
+      vs.push_back(tail[i + 1]);
+    }
+    keys = at::cat(ks, 2).contiguous();
+    values = at::cat(vs, 2).contiguous();
+  }
+  return std::make_shared<AttentionState>(std::move(prefix), std::move(keys), std::move(values));
+}
+
+at::Tensor AttentionState::keys() const {
+  return prefix_ ? at::cat({prefix_->keys_, keys_}, 2) : keys_;
+}
+
+at::Tensor AttentionState::values() const {
+  return prefix_ ? at::cat({prefix_->values_, values_}, 2) : values_;
+}
+
+KvBuffer AttentionState::buffer(int64_t capacity) const {
+  if (prefix_) {
+    // One copy of the prefix and the tail into an arena this turn may extend.
+    auto out = KvBuffer::empty_like(keys_, values_, std::max(capacity, num_tokens()));
+    out.append(prefix_->keys_, prefix_->values_);
+    out.append(keys_, values_);
+    return out;
+  }
+  auto out = key_arena_ && value_arena_ ? KvBuffer(key_arena_, value_arena_, num_tokens())
+                                        : KvBuffer(keys_, values_);
+  if (capacity > 0) out.reserve(capacity);
+  return out;
 }
 
 LayerStatePtr AttentionState::cropped(int64_t n) const {
   TORCH_CHECK_INDEX(can_crop_to(n), "cannot crop an attention layer of ", num_tokens(),
                     " tokens to ", n);
-  auto out = n == num_tokens()
-                 ? std::make_shared<AttentionState>(keys_, values_)
-                 : std::make_shared<AttentionState>(keys_.narrow(2, 0, n), values_.narrow(2, 0, n));
-  out->key_arena_ = key_arena_;
-  out->value_arena_ = value_arena_;
+  const int64_t shared = prefix_tokens();
+  if (prefix_ && n <= shared) return prefix_->cropped(n);
+  std::shared_ptr<AttentionState> out;
+  if (n == num_tokens()) {
+    out = std::make_shared<AttentionState>(*this);
+  } else if (prefix_) {
+    out = std::make_shared<AttentionState>(prefix_, keys_.narrow(2, 0, n - shared),
+                                           values_.narrow(2, 0, n - shared));
+  } else {
+    out = std::make_shared<AttentionState>(keys_.narrow(2, 0, n), values_.narrow(2, 0, n));
+    out->key_arena_ = key_arena_;
+    out->value_arena_ = value_arena_;
+  }
   return out;
 }
 
 std::vector<at::Tensor> AttentionState::tensors_from(int64_t begin) const {
   begin = std::max<int64_t>(begin, 0);
-  if (begin >= num_tokens()) return {};
-  const int64_t len = num_tokens() - begin;
-  return {keys_.narrow(2, begin, len), values_.narrow(2, begin, len)};
+  const int64_t shared = prefix_tokens();
+  std::vector<at::Tensor> out;
+  if (prefix_ && begin < shared) out = prefix_->tensors_from(begin);
+  const int64_t own = keys_.size(2);
+  const int64_t from = std::max<int64_t>(begin - shared, 0);
+  if (from < own) {
+    out.push_back(keys_.narrow(2, from, own - from));
+    out.push_back(values_.narrow(2, from, own - from));
+  }
+  return out;
+}
+
+void AttentionState::collect_storage(StorageBytes* seen) const {
+  if (prefix_) prefix_->collect_storage(seen);
+  add_storage(keys_, seen);
+  add_storage(values_, seen);
+}
+
+LayerStatePtr compact_copy(const LayerState& state) {
+  if (const auto* attention = dynamic_cast<const AttentionState*>(&state)) {
+    return std::make_shared<AttentionState>(
+        attention->keys().clone(at::MemoryFormat::Contiguous),
+        attention->values().clone(at::MemoryFormat::Contiguous));
+  }
+  if (const auto* hybrid = dynamic_cast<const HybridState*>(&state)) {
+    TORCH_CHECK_VALUE(hybrid->attention() != nullptr,
+                      "a hybrid snapshot without its attention part cannot be copied whole");
+    return std::make_shared<HybridState>(compact_copy(*hybrid->attention()),
+                                         compact_copy(*hybrid->recurrent()));
+  }
+  // Sliding windows and recurrent states snapshot as compact clones already.
+  return state.snapshot();
 }
 
 SlidingWindowState::SlidingWindowState(at::Tensor keys, at::Tensor values, int64_t total_tokens)

@@ -42,6 +42,13 @@ const std::shared_ptr<ChatSession>& SessionLease::session() const {
 void SessionLease::release() {
   if (!session_) return;
   const std::string id = session_->id();
+  // Settled while the turn lock is held, so no other call sees it half done.
+  try {
+    manager_->settle(*session_);
+  } catch (const std::exception&) {
+    // Settling only dedupes storage; a session that keeps its own copy is
+    // still correct, and a release must not throw.
+  }
   turn_lock_.unlock();
   session_.reset();
   manager_->release(id);
@@ -115,6 +122,7 @@ void SessionManager::clear(const std::string& id) {
   if (entry.in_use > 0) throw SessionBusyError("session_id '" + id + "' is in use; cannot clear");
   entry.session->invalidate_cache();
   entry.session->clear_messages();
+  forget_index_locked(id);
 }
 
 void SessionManager::remove(const std::string& id) {
@@ -123,12 +131,99 @@ void SessionManager::remove(const std::string& id) {
   if (entry.in_use > 0) throw SessionBusyError("session_id '" + id + "' is in use; cannot remove");
   removed_totals_ += entry.session->counters();
   entries_.erase(id);
+  forget_index_locked(id);
+  drop_unused_prefixes_locked();
 }
 
 int64_t SessionManager::resident_bytes_locked() const {
   StorageBytes seen;
   for (const auto& [id, entry] : entries_) entry.session->collect_storage(&seen);
+  for (const auto& [key, prefix] : prefixes_) {
+    for (const auto& state : prefix->states) state->collect_storage(&seen);
+  }
   return total_bytes(seen);
+}
+
+void SessionManager::forget_index_locked(const std::string& id) { session_index_.erase(id); }
+
+void SessionManager::drop_unused_prefixes_locked() {
+  for (auto it = prefixes_.begin(); it != prefixes_.end();) {
+    if (it->second->referenced()) {
+      ++it;
+    } else {
+      prefix_index_.erase(it->first);
+      it = prefixes_.erase(it);
+    }
+  }
+}
+
+int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
+                                     const TurnMarkers& markers) {
+  const int64_t min_tokens = limits_.min_shared_tokens;
+  TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
+  if (min_tokens <= 0 || n <= min_tokens) return 0;
+  const int64_t own = session.plan(prompt, n).kept_tokens;
+  const int64_t limit = n - 1;  // the last prompt token always runs
+  SharedPrefixPtr best;
+  std::shared_ptr<ChatSession> donor;
+  int64_t donor_common = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto stored = prefix_index_.longest_stored_prefix(prompt, limit);
+    if (!stored.key.empty()) best = prefixes_.at(stored.key);
+    const int64_t have = std::max(own, best ? best->num_tokens() : 0);
+    const auto common = session_index_.longest_common_prefix(
+        prompt, limit, [&](const std::string& key) { return key != session.id(); });
+    auto found = entries_.find(common.key);
+    if (common.length > have && found != entries_.end()) {
+      donor = found->second.session;
+      donor_common = common.length;
+    }
+  }
+  const int64_t have = std::max(own, best ? best->num_tokens() : 0);
+  if (donor) {
+    // Cut at a message boundary, so sessions that differ after the system
+    // prompt all land on the same prefix instead of one each.
+    const int64_t cut = last_turn_boundary(prompt, n, donor_common, markers);
+    SharedPrefixPtr made =
+        cut >= min_tokens && cut > have ? donor->export_prefix(prompt, cut) : nullptr;
+    if (made) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const std::string key = "prefix:" + std::to_string(next_prefix_++);
+        prefixes_[key] = made;
+        prefix_index_.insert(key, made->ids);
+      }
+      // The donor drops its own copy now when idle, else when its turn ends.
+      std::unique_lock<std::mutex> donor_turn(donor->turn_mutex(), std::try_to_lock);
+      if (donor_turn.owns_lock()) donor->rebase_on(*made);
+      best = made;
+    }
+  }
+  if (!best || best->num_tokens() < min_tokens || best->num_tokens() <= own) return 0;
+  session.adopt_prefix(best);
+  std::lock_guard<std::mutex> lock(mutex_);
+  prefix_shares_ += 1;
+  shared_tokens_ += best->num_tokens();
+  return best->num_tokens();
+}
+
+void SessionManager::settle(ChatSession& session) {
+  if (limits_.min_shared_tokens <= 0) return;
+  const auto ids = session.cached_ids();
+  SharedPrefixPtr prefix;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto stored = prefix_index_.longest_stored_prefix(ids.data(), ids.size());
+    if (!stored.key.empty()) prefix = prefixes_.at(stored.key);
+  }
+  if (prefix) session.rebase_on(*prefix);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ids.empty() || !entries_.count(session.id())) {
+    session_index_.erase(session.id());
+  } else {
+    session_index_.insert(session.id(), ids);
+  }
 }
 
 ManagerStats SessionManager::stats() const {
@@ -140,6 +235,9 @@ ManagerStats SessionManager::stats() const {
     out.checkpoint_bytes += entry.session->checkpoint_bytes();
     if (entry.session->resident()) out.resident_sessions += 1;
   }
+  out.shared_prefixes = static_cast<int64_t>(prefixes_.size());
+  out.prefix_shares = prefix_shares_;
+  out.shared_tokens = shared_tokens_;
   out.evictions = evictions_;
   out.resident_bytes = resident_bytes_locked();
   out.sessions = static_cast<int64_t>(entries_.size());
@@ -152,6 +250,7 @@ void SessionManager::enforce_limits() {
 }
 
 void SessionManager::enforce_limits_locked() {
+  drop_unused_prefixes_locked();
   // Idle resident sessions, least recently used first.
   std::vector<std::pair<uint64_t, Entry*>> idle;
   int64_t resident = 0;
@@ -166,6 +265,8 @@ void SessionManager::enforce_limits_locked() {
   auto evict_next = [&]() {
     if (victim == idle.end()) return false;  // only sessions in use remain
     victim->second->session->invalidate_cache();
+    forget_index_locked(victim->second->session->id());
+    drop_unused_prefixes_locked();
     ++victim;
     ++evictions_;
     --resident;

@@ -170,11 +170,9 @@ class CacheBridge:
         for index, parts in enumerate(self._parts):
             state = states[index] if states else None
             if parts == ("attention",):
-                buffer = None if state is None else state.buffer()
+                buffer = None if state is None else state.buffer(reserve)
                 if state is not None:
                     states[index] = state = None
-                if buffer is not None and reserve:
-                    buffer.reserve(reserve)
                 cache.layers[index] = BufferedLayer(buffer, reserve)
             elif state is None:
                 continue

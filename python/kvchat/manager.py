@@ -79,6 +79,8 @@ class SessionManager:
         max_checkpoint_bytes: int | str | None = None,
         busy: str = "wait",
         overflow: str = "error",
+        share_prefixes: bool = True,
+        min_shared_tokens: int = 32,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -92,6 +94,10 @@ class SessionManager:
         overflow: when prompt + max_new_tokens exceeds max_context_length,
             "error" raises; "truncate" (chat and stream_chat) drops the oldest
             whole turns after the system prompt until it fits.
+        share_prefixes: a session with less cached than another resident
+            session holds of its prompt starts from that prefix (cut at a
+            message boundary, at least ``min_shared_tokens`` long), and the
+            sessions then hold it once. Off: every session keeps its own copy.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -113,6 +119,9 @@ class SessionManager:
             or max_checkpoints < 0
         ):
             raise ValueError(f"max_checkpoints must be an int >= 0, got {max_checkpoints!r}")
+        if not isinstance(share_prefixes, bool):
+            raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
+        _positive_int(min_shared_tokens, "min_shared_tokens")
         self._model = model
         self._tokenizer = tokenizer
         self._match = match
@@ -124,6 +133,7 @@ class SessionManager:
             num_layers=self._bridge.num_layers,
             max_checkpoints=max_checkpoints,
             max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
+            min_shared_tokens=min_shared_tokens if share_prefixes else 0,
         )
         self._markers = turn_markers(tokenizer, model.generation_config)
         self._rule = _C.RepetitionRule()
@@ -315,12 +325,16 @@ class SessionManager:
 
             restored, checkpoints = -1, []
             if reuse:
+                # Another session's prefix, when it covers more than this one's cache.
+                shared = self._core.share_prefix(session, prompt, self._markers)
                 plan = session.plan(prompt)
                 kept, reason, restored = (
                     plan.kept_tokens,
                     plan.reason.name,
                     plan.checkpoint_position,
                 )
+                if shared and kept == shared:
+                    reason = "shared_prefix"
                 # Room for the whole turn, so decoding never reallocates.
                 total = prompt.numel() + self._max_new_tokens(generate_kwargs)
                 states = session.layers_for(plan)

@@ -51,10 +51,13 @@ class ManagerStats:
     checkpoint_restores: int  # turns that restored non-croppable layers from a checkpoint
     checkpoints_taken: int  # snapshots taken at message boundaries
     evictions: int
-    resident_bytes: int  # distinct tensor storage held by all sessions
+    resident_bytes: int  # distinct tensor storage held by all sessions, shared storage once
     checkpoint_bytes: int  # the part of resident_bytes held by checkpoints
     sessions: int
     resident_sessions: int
+    shared_prefixes: int  # prefixes (e.g. a system prompt) held once for several sessions
+    prefix_shares: int  # turns that started from another session's prefix
+    shared_tokens: int  # tokens those turns took from it instead of prefilling
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:
@@ -73,6 +76,9 @@ class ManagerStats:
             checkpoint_bytes=stats.checkpoint_bytes,
             sessions=stats.sessions,
             resident_sessions=stats.resident_sessions,
+            shared_prefixes=stats.shared_prefixes,
+            prefix_shares=stats.prefix_shares,
+            shared_tokens=stats.shared_tokens,
         )
 
     def as_dict(self) -> dict:

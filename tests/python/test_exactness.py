@@ -110,7 +110,9 @@ def test_two_sessions_interleaved(llama, tokenizer):
 @pytest.mark.parametrize("limit", ["count", "bytes"])
 def test_session_evicted_between_turns(llama, tokenizer, limit):
     kwargs = {"max_sessions": 1} if limit == "count" else {"max_cache_bytes": 1}
-    mgr = SessionManager(llama, tokenizer, **kwargs)
+    # Both conversations are the same, so with sharing on the second would
+    # start from the first's prefix (test_sharing.py); here eviction is alone.
+    mgr = SessionManager(llama, tokenizer, share_prefixes=False, **kwargs)
     conversations = {"alice": [SYSTEM], "bob": [SYSTEM]}
     for turn in range(3):
         for sid, messages in conversations.items():

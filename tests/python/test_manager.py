@@ -44,7 +44,8 @@ def test_byte_budget_holds_after_every_call(llama, tokenizer):
     one = mgr.info("probe").nbytes
     mgr.remove("probe")
     budget = int(one * 2.5)
-    mgr = SessionManager(llama, tokenizer, max_cache_bytes=budget)
+    # Private copies, so the four sessions cannot all fit (sharing would let them).
+    mgr = SessionManager(llama, tokenizer, max_cache_bytes=budget, share_prefixes=False)
     for turn in range(2):
         for sid in "abcd":
             mgr.chat(sid, [SYSTEM, user_message(turn)], max_new_tokens=MAX_NEW)

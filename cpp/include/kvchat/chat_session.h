@@ -11,6 +11,7 @@
 #include "kvchat/checkpoint.h"
 #include "kvchat/layer_state.h"
 #include "kvchat/prefix.h"
+#include "kvchat/shared_prefix.h"
 #include "kvchat/turn_checks.h"
 
 namespace kvchat {
@@ -96,6 +97,17 @@ class ChatSession {
   // that fails after this leaves the session without a cache.
   void release_layers();
   bool resident() const;
+
+  // --- cross-session sharing ---
+  // The state after ids[0:n), copied compactly, for other sessions to share;
+  // null when this session does not hold those ids or cannot return to n.
+  SharedPrefixPtr export_prefix(const int64_t* ids, int64_t n) const;
+  // Replaces the cache with `prefix` (by reference): a session starting a
+  // conversation another has begun skips prefilling what they share.
+  void adopt_prefix(const SharedPrefixPtr& prefix);
+  // Re-expresses attention layers on `prefix` when the cached ids start with
+  // its ids, so this session stops holding its own copy. True if it did.
+  bool rebase_on(const SharedPrefix& prefix);
   CacheInfo cache_info() const;
   std::vector<int64_t> cached_ids() const;
   // The text committed with the cached ids; empty when unknown.

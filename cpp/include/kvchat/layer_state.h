@@ -60,38 +60,64 @@ class LayerState {
   virtual std::vector<at::Tensor> tensors_from(int64_t begin) const = 0;
   // True when no NaN/Inf was written for positions >= begin.
   bool finite_from(int64_t begin) const { return all_finite(tensors_from(begin)); }
-  void collect_storage(StorageBytes* seen) const;
-  at::ScalarType dtype() const { return tensors().front().scalar_type(); }
-  at::Device device() const { return tensors().front().device(); }
+  virtual void collect_storage(StorageBytes* seen) const;
+  virtual at::ScalarType dtype() const { return tensors().front().scalar_type(); }
+  virtual at::Device device() const { return tensors().front().device(); }
 };
 
 // Full attention: keys and values shaped [batch, kv_heads, tokens, head_dim].
 // Crops to any length with a view. When the tensors are views of KV buffer
 // arenas, the state remembers them, so the next turn can append in place.
+//
+// A state may also sit on a shared prefix (another session's system prompt,
+// say): it then holds only the tokens after that prefix, and many sessions
+// hold the prefix's storage once. Reading it whole means a copy (keys(),
+// tensors(), buffer()), which a turn pays once when it builds its cache.
 class AttentionState final : public LayerState {
  public:
   AttentionState(at::Tensor keys, at::Tensor values);
+  // The tokens after `prefix` (a plain, unsegmented state); may be empty.
+  AttentionState(std::shared_ptr<const AttentionState> prefix, at::Tensor keys, at::Tensor values);
   // The buffer's current keys and values, remembering its arenas.
   static std::shared_ptr<AttentionState> from_buffer(const KvBuffer& buffer);
-  // A buffer that continues this state: in the remembered arenas when it
-  // still owns their tail, otherwise in fresh ones (copy-on-write).
-  KvBuffer buffer() const;
+  // `whole` re-expressed on `prefix`: its tokens after the prefix are copied
+  // into compact tensors, so it stops pinning its own copy of the prefix. The
+  // caller vouches that whole's first prefix tokens are the prefix's.
+  static std::shared_ptr<AttentionState> on_prefix(std::shared_ptr<const AttentionState> prefix,
+                                                   const AttentionState& whole);
+  // A buffer that continues this state with room for `capacity` tokens: in
+  // the remembered arenas when it still owns their tail, otherwise in fresh
+  // ones (copy-on-write).
+  KvBuffer buffer(int64_t capacity = 0) const;
   LayerKind kind() const override { return LayerKind::kAttention; }
-  int64_t num_tokens() const override { return keys_.size(2); }
+  int64_t num_tokens() const override { return prefix_tokens() + keys_.size(2); }
   bool can_crop_to(int64_t n) const override { return n >= 0 && n <= num_tokens(); }
   LayerStatePtr cropped(int64_t n) const override;
   LayerStatePtr snapshot() const override { return nullptr; }
-  std::vector<at::Tensor> tensors() const override { return {keys_, values_}; }
+  std::vector<at::Tensor> tensors() const override { return {keys(), values()}; }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
-  const at::Tensor& keys() const { return keys_; }
-  const at::Tensor& values() const { return values_; }
+  void collect_storage(StorageBytes* seen) const override;
+  at::ScalarType dtype() const override { return keys_.scalar_type(); }
+  at::Device device() const override { return keys_.device(); }
+  // Whole keys / values; a concatenation (copy) when on a shared prefix.
+  at::Tensor keys() const;
+  at::Tensor values() const;
+  const std::shared_ptr<const AttentionState>& prefix() const { return prefix_; }
+  int64_t prefix_tokens() const { return prefix_ ? prefix_->num_tokens() : 0; }
 
  private:
-  at::Tensor keys_;
+  void check_tensors() const;
+
+  std::shared_ptr<const AttentionState> prefix_;  // null unless on a shared prefix
+  at::Tensor keys_;                               // the tokens after prefix_
   at::Tensor values_;
   KvArenaPtr key_arena_;    // null unless the tensors are views of an arena
   KvArenaPtr value_arena_;  // null unless the tensors are views of an arena
 };
+
+// An owning, compact copy of `state` (every kind), pinning no larger storage:
+// what a shared prefix is made of.
+LayerStatePtr compact_copy(const LayerState& state);
 
 // Sliding-window attention: holds only the last keys.size(2) of num_tokens()
 // tokens. Once it has dropped a token it cannot crop; a checkpoint must serve.

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "kvchat/chat_session.h"
+#include "kvchat/radix_tree.h"
+#include "kvchat/shared_prefix.h"
 
 namespace kvchat {
 
@@ -31,6 +33,9 @@ struct ManagerLimits {
   int64_t max_cache_bytes = 0;   // resident bytes; 0 means no limit
   int64_t num_layers = 0;        // layers every commit must provide (0: any)
   CheckpointPolicy checkpoints;  // per session; checkpoint bytes count toward max_cache_bytes
+  // Sessions share prefixes of at least this many tokens, cut at a message
+  // boundary; 0 turns sharing off.
+  int64_t min_shared_tokens = 0;
 };
 
 struct ManagerStats {
@@ -40,7 +45,10 @@ struct ManagerStats {
   int64_t checkpoint_bytes = 0;  // the part of resident_bytes held by checkpoints
   int64_t sessions = 0;
   int64_t resident_sessions = 0;
-  double hit_rate() const;  // reused / (reused + prefilled)
+  int64_t shared_prefixes = 0;  // prefixes held once for several sessions
+  int64_t prefix_shares = 0;    // turns that started from another session's prefix
+  int64_t shared_tokens = 0;    // tokens those turns did not prefill
+  double hit_rate() const;      // reused / (reused + prefilled)
 };
 
 class SessionManager;
@@ -85,6 +93,13 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // Evicts least-recently-used idle sessions until the limits hold.
   void enforce_limits();
 
+  // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
+  // session leased, before planning: when another resident session or a
+  // shared prefix holds more of `prompt` than `session` does, the session
+  // starts from it (by reference). Returns the tokens it starts with, or 0.
+  int64_t share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
+                       const TurnMarkers& markers);
+
  private:
   friend class SessionLease;
   struct Entry {
@@ -93,7 +108,12 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
     uint64_t last_used = 0;
   };
   void release(const std::string& id);
+  // After a turn, before the lease lets go: dedupes the session onto the
+  // longest shared prefix of its ids and indexes its ids for others.
+  void settle(ChatSession& session);
   void enforce_limits_locked();
+  void forget_index_locked(const std::string& id);
+  void drop_unused_prefixes_locked();
   int64_t resident_bytes_locked() const;
 
   const ManagerLimits limits_;
@@ -102,6 +122,15 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   uint64_t clock_ = 0;
   int64_t evictions_ = 0;
   SessionCounters removed_totals_;  // counters of sessions already removed
+  // Sharing: what resident sessions hold (by session id) and the shared
+  // prefixes (by their own keys). Both only narrow the search; every use
+  // re-checks the session's ids under its own lock.
+  TokenRadixTree session_index_;
+  TokenRadixTree prefix_index_;
+  std::unordered_map<std::string, SharedPrefixPtr> prefixes_;
+  int64_t next_prefix_ = 0;
+  int64_t prefix_shares_ = 0;
+  int64_t shared_tokens_ = 0;
 };
 
 }  // namespace kvchat

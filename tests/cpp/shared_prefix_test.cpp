@@ -1,0 +1,151 @@
+// Cross-session sharing: segmented attention states, a session's export,
+// adoption and rebase, and the manager choosing what to share.
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "kvchat/session_manager.h"
+#include "test_util.h"
+
+namespace kvchat {
+namespace {
+
+using testing::attention_layer;
+using testing::attention_layers;
+using testing::iota_ids;
+
+// Token 2 ends a message, so position 6 below is a message boundary.
+const TurnMarkers kMarkers{{2}, {}};
+const std::vector<int64_t> kSystem{10, 11, 12, 13, 14, 2};
+
+std::vector<int64_t> conversation(int64_t user_token, int64_t length) {
+  auto ids = kSystem;
+  while (static_cast<int64_t>(ids.size()) < length) ids.push_back(user_token);
+  return ids;
+}
+
+std::shared_ptr<const AttentionState> plain(int64_t tokens) { return attention_layer(tokens); }
+
+TEST(SharedAttention, OnPrefixKeepsOnlyTheTail) {
+  auto whole = attention_layer(10);
+  auto prefix = std::const_pointer_cast<const AttentionState>(
+      std::static_pointer_cast<AttentionState>(compact_copy(*whole->cropped(6))));
+  auto shared = AttentionState::on_prefix(prefix, *whole);
+  EXPECT_EQ(shared->num_tokens(), 10);
+  EXPECT_EQ(shared->prefix_tokens(), 6);
+  EXPECT_TRUE(at::equal(shared->keys(), whole->keys()));
+  EXPECT_TRUE(at::equal(shared->values(), whole->values()));
+  // Storage: the prefix once plus a 4-token tail.
+  StorageBytes seen;
+  shared->collect_storage(&seen);
+  AttentionState::on_prefix(prefix, *whole)->collect_storage(&seen);
+  EXPECT_EQ(total_bytes(seen), 2 * (6 + 4 + 4) * 2 * 4 * static_cast<int64_t>(sizeof(float)));
+}
+
+TEST(SharedAttention, CropsAndReadsAcrossTheSeam) {
+  auto whole = attention_layer(10);
+  auto shared = AttentionState::on_prefix(plain(6), *whole);
+  auto below = std::static_pointer_cast<AttentionState>(shared->cropped(4));
+  EXPECT_EQ(below->prefix_tokens(), 0);  // a plain view of the prefix
+  EXPECT_TRUE(at::equal(below->keys(), whole->keys().narrow(2, 0, 4)));
+  auto above = std::static_pointer_cast<AttentionState>(shared->cropped(8));
+  EXPECT_EQ(above->prefix_tokens(), 6);
+  EXPECT_TRUE(at::equal(above->keys(), whole->keys().narrow(2, 0, 8)));
+  auto parts = shared->tensors_from(4);  // 2 prefix tokens + 4 tail tokens
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[0].size(2) + parts[2].size(2), 6);
+  auto buffer = shared->buffer(16);
+  EXPECT_EQ(buffer.capacity(), 16);
+  EXPECT_TRUE(at::equal(buffer.keys(), whole->keys()));
+}
+
+TEST(SharedAttention, RejectsMismatchedTail) {
+  auto prefix = plain(6);
+  EXPECT_THROW(AttentionState(prefix, at::zeros({1, 3, 2, 4}), at::zeros({1, 3, 2, 4})),
+               c10::ValueError);
+  EXPECT_THROW(AttentionState::on_prefix(prefix, *attention_layer(3)), c10::IndexError);
+}
+
+std::shared_ptr<SessionManager> sharing_manager(int64_t max_bytes = 0) {
+  ManagerLimits limits{16, max_bytes, 2};
+  limits.min_shared_tokens = 4;
+  return std::make_shared<SessionManager>(limits);
+}
+
+void commit(SessionManager& mgr, const std::string& id, const std::vector<int64_t>& ids) {
+  auto lease = mgr.acquire(id);
+  const auto n = static_cast<int64_t>(ids.size());
+  lease->session()->commit(ids.data(), n, attention_layers(2, n), 0, kMarkers, RepetitionRule{});
+}
+
+TEST(SharedPrefixManager, NewSessionStartsFromAnothersSystemPrompt) {
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  const auto prompt = conversation(60, 9);
+  auto lease = mgr->acquire("b");
+  const int64_t adopted =
+      mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers);
+  EXPECT_EQ(adopted, 6);  // the system prompt, up to its message boundary
+  EXPECT_EQ(lease->session()->cached_ids(), kSystem);
+  EXPECT_EQ(lease->session()->plan(prompt.data(), prompt.size()).kept_tokens, 6);
+  // The idle donor already dropped its own copy of the prefix.
+  auto donor_layer = std::static_pointer_cast<AttentionState>(
+      mgr->find("a")->layers_for(mgr->find("a")->plan(conversation(50, 12).data(), 12))[0]);
+  EXPECT_EQ(donor_layer->prefix_tokens(), 6);
+  const auto stats = mgr->stats();
+  EXPECT_EQ(stats.shared_prefixes, 1);
+  EXPECT_EQ(stats.prefix_shares, 1);
+  EXPECT_EQ(stats.shared_tokens, 6);
+}
+
+TEST(SharedPrefixManager, SharedStorageIsCountedOnceAndCopyOnWrite) {
+  auto mgr = sharing_manager();
+  const int64_t per_token = 2 * 2 * 2 * 4 * static_cast<int64_t>(sizeof(float));  // 2 layers
+  commit(*mgr, "a", conversation(50, 12));
+  const auto a_keys = mgr->find("a")->export_prefix(conversation(50, 12).data(), 12);
+  for (const std::string id : {"b", "c", "d"}) {
+    const auto prompt = conversation(60, 9);
+    auto lease = mgr->acquire(id);
+    ASSERT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 6);
+    lease->release();
+    commit(*mgr, id, conversation(70, 10));  // each writes its own tail over the prefix
+  }
+  // 6 shared tokens once, then tails of 6 (a) and 4 (b, c, d).
+  EXPECT_EQ(mgr->stats().resident_bytes, (6 + 6 + 3 * 4) * per_token);
+  // a still reads exactly what it committed.
+  const auto a_now = mgr->find("a")->export_prefix(conversation(50, 12).data(), 12);
+  ASSERT_TRUE(a_now && a_keys);
+  for (size_t i = 0; i < a_now->states.size(); ++i) {
+    EXPECT_TRUE(at::equal(a_now->states[i]->tensors()[0], a_keys->states[i]->tensors()[0]));
+  }
+}
+
+TEST(SharedPrefixManager, EvictingEverySharerFreesThePrefix) {
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  {
+    const auto prompt = conversation(60, 9);
+    auto lease = mgr->acquire("b");
+    mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers);
+  }
+  EXPECT_EQ(mgr->stats().shared_prefixes, 1);
+  mgr->clear("a");
+  mgr->clear("b");
+  mgr->enforce_limits();
+  EXPECT_EQ(mgr->stats().shared_prefixes, 0);
+  EXPECT_EQ(mgr->stats().resident_bytes, 0);
+}
+
+TEST(SharedPrefixManager, NoShareBelowTheMinimumOrWhenOwnCacheIsBetter) {
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  commit(*mgr, "b", conversation(60, 9));
+  const auto prompt = conversation(60, 10);  // b holds 9 of these itself
+  auto lease = mgr->acquire("b");
+  EXPECT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 0);
+  std::vector<int64_t> other{1, 2, 3, 4, 5, 6, 7};  // shares nothing with anyone
+  auto lease_c = mgr->acquire("c");
+  EXPECT_EQ(mgr->share_prefix(*lease_c->session(), other.data(), other.size(), kMarkers), 0);
+}
+
+}  // namespace
+}  // namespace kvchat
