@@ -58,6 +58,21 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("checkpoint_bytes", &CacheInfo::checkpoint_bytes)
       .def_readonly("checkpoint_positions", &CacheInfo::checkpoint_positions);
 
+  py::class_<CachedState>(m, "CachedState")
+      .def(py::init([](std::vector<int64_t> ids, std::vector<LayerStatePtr> layers,
+                       std::vector<Checkpoint> checkpoints, std::string text,
+                       int64_t trusted_tokens) {
+             return CachedState{std::move(ids), std::move(layers), std::move(checkpoints),
+                                std::move(text), trusted_tokens};
+           }),
+           py::arg("ids"), py::arg("layers"), py::arg("checkpoints"), py::arg("text"),
+           py::arg("trusted_tokens"))
+      .def_readonly("ids", &CachedState::ids)
+      .def_readonly("layers", &CachedState::layers)
+      .def_readonly("checkpoints", &CachedState::checkpoints)
+      .def_readonly("text", &CachedState::text)
+      .def_readonly("trusted_tokens", &CachedState::trusted_tokens);
+
   py::class_<ChatSession, std::shared_ptr<ChatSession>>(m, "ChatSession")
       .def(py::init([](std::string id, int64_t num_layers, int64_t max_checkpoints,
                        int64_t max_checkpoint_bytes) {
@@ -97,6 +112,8 @@ void bind_chat_session(py::module_& m) {
           py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
       .def("release_layers", &ChatSession::release_layers, no_gil())
+      .def("cached_state", &ChatSession::cached_state)
+      .def("restore", &ChatSession::restore, py::arg("state"), no_gil())
       .def_property_readonly("resident", &ChatSession::resident)
       .def("cache_info", &ChatSession::cache_info, no_gil())
       .def("cached_ids", &ChatSession::cached_ids)

@@ -32,17 +32,24 @@ void bind_session_manager(py::module_& m) {
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
                        int64_t max_checkpoints, int64_t max_checkpoint_bytes,
-                       int64_t min_shared_tokens) {
+                       int64_t min_shared_tokens, bool keep_evicted) {
              TORCH_CHECK_VALUE(min_shared_tokens >= 0,
                                "min_shared_tokens must be >= 0 (0: no sharing), got ",
                                min_shared_tokens);
-             return std::make_shared<SessionManager>(ManagerLimits{
-                 max_sessions, max_cache_bytes, num_layers,
-                 CheckpointPolicy{max_checkpoints, max_checkpoint_bytes}, min_shared_tokens});
+             return std::make_shared<SessionManager>(
+                 ManagerLimits{max_sessions, max_cache_bytes, num_layers,
+                               CheckpointPolicy{max_checkpoints, max_checkpoint_bytes},
+                               min_shared_tokens, keep_evicted});
            }),
            py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
            py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0,
-           py::arg("min_shared_tokens") = 0)
+           py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false)
+      .def("take_evicted",
+           [](SessionManager& m) {
+             std::vector<std::pair<std::string, CachedState>> out;
+             for (auto& e : m.take_evicted()) out.emplace_back(e.id, std::move(e.state));
+             return out;
+           })
       .def(
           "share_prefix",
           [](SessionManager& m, ChatSession& session, const at::Tensor& prompt_ids,

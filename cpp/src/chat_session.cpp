@@ -267,6 +267,34 @@ bool ChatSession::rebase_on(const SharedPrefix& prefix) {
   return changed;
 }
 
+CachedState ChatSession::cached_state() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {cached_ids_, layers_, checkpoints_, cached_text_, trusted_tokens_};
+}
+
+void ChatSession::restore(CachedState state) {
+  const auto n = static_cast<int64_t>(state.ids.size());
+  TORCH_CHECK_VALUE(n > 0, "a restored cache needs token ids");
+  TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(state.layers.size()) == num_layers_,
+                    "layers has ", state.layers.size(), " entries but the model has ", num_layers_,
+                    " layers");
+  check_layers_consistent(state.layers, n);
+  for (const auto& cp : state.checkpoints) {
+    check_checkpoint(cp, static_cast<int64_t>(state.layers.size()), n);
+  }
+  TORCH_CHECK_INDEX(state.trusted_tokens >= 0 && state.trusted_tokens <= n,
+                    "trusted_tokens must be in [0, ", n, "], got ", state.trusted_tokens);
+  std::sort(state.checkpoints.begin(), state.checkpoints.end(),
+            [](const Checkpoint& a, const Checkpoint& b) { return a.position < b.position; });
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_ = std::move(state.ids);
+  layers_ = std::move(state.layers);
+  checkpoints_ = std::move(state.checkpoints);
+  cached_text_ = std::move(state.text);
+  trusted_tokens_ = state.trusted_tokens;
+  last_check_.clear();
+}
+
 bool ChatSession::resident() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return !layers_.empty();

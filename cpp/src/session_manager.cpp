@@ -144,6 +144,13 @@ int64_t SessionManager::resident_bytes_locked() const {
   return total_bytes(seen);
 }
 
+std::vector<EvictedCache> SessionManager::take_evicted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<EvictedCache> out;
+  out.swap(evicted_);
+  return out;
+}
+
 void SessionManager::forget_index_locked(const std::string& id) { session_index_.erase(id); }
 
 void SessionManager::drop_unused_prefixes_locked() {
@@ -264,6 +271,9 @@ void SessionManager::enforce_limits_locked() {
   auto victim = idle.begin();
   auto evict_next = [&]() {
     if (victim == idle.end()) return false;  // only sessions in use remain
+    if (limits_.keep_evicted) {
+      evicted_.push_back({victim->second->session->id(), victim->second->session->cached_state()});
+    }
     victim->second->session->invalidate_cache();
     forget_index_locked(victim->second->session->id());
     drop_unused_prefixes_locked();

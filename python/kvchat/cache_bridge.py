@@ -152,6 +152,21 @@ class CacheBridge:
                 unsupported or ["<no attention layer>"],
             )
 
+    @property
+    def slots(self) -> list:
+        """Per layer, the recurrent tensor layout learned so far (None: not yet)."""
+        return [None if s is None else [list(slot) for slot in s] for s in self._slots]
+
+    def adopt_slots(self, slots: list) -> None:
+        """Takes layouts saved by another bridge for this model (a session file)."""
+        if not isinstance(slots, list) or len(slots) != self.num_layers:
+            raise ValueError(f"slots must list {self.num_layers} layers, got {slots!r}")
+        learned = [None if s is None else tuple((str(k), int(i)) for k, i in s) for s in slots]
+        for index, (mine, theirs) in enumerate(zip(self._slots, learned, strict=True)):
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ValueError(f"layer {index} holds recurrent tensors {mine}, not {theirs}")
+        self._slots = [mine or theirs for mine, theirs in zip(self._slots, learned, strict=True)]
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self._config)
 

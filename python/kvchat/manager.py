@@ -4,15 +4,19 @@ conversation's KV cache between turns and prefills only what is new."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from transformers import TextIteratorStreamer
 
 from . import _C
 from .cache_bridge import CacheBridge
+from .persist import model_fingerprint, read_session, write_session
 from .prefill import ChunkedPrefill
 from .prompting import (
     render_text,
@@ -22,6 +26,7 @@ from .prompting import (
     validate_messages,
 )
 from .report import ManagerStats, SessionInfo, TurnReport
+from .spill import Spill
 from .timing import FirstTokenTimer
 from .units import parse_bytes
 
@@ -32,6 +37,12 @@ def _check_session_id(session_id) -> str:
     if not isinstance(session_id, str) or not session_id:
         raise TypeError(f"session_id must be a non-empty string, got {session_id!r}")
     return session_id
+
+
+def _check_path(path) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
+    return Path(path)
 
 
 def _positive_int(value, name: str, allow_none: bool = False):
@@ -81,6 +92,7 @@ class SessionManager:
         overflow: str = "error",
         share_prefixes: bool = True,
         min_shared_tokens: int = 32,
+        spill_dir: str | os.PathLike | None = None,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -98,6 +110,9 @@ class SessionManager:
             session holds of its prompt starts from that prefix (cut at a
             message boundary, at least ``min_shared_tokens`` long), and the
             sessions then hold it once. Off: every session keeps its own copy.
+        spill_dir: a folder where evicted sessions' caches are written; a
+            session's next turn reads its file back when the measured load
+            time beats the measured prefill time for what it would reuse.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -134,7 +149,10 @@ class SessionManager:
             max_checkpoints=max_checkpoints,
             max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
             min_shared_tokens=min_shared_tokens if share_prefixes else 0,
+            keep_evicted=spill_dir is not None,
         )
+        self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
+        self._spill = Spill(spill_dir) if spill_dir is not None else None
         self._markers = turn_markers(tokenizer, model.generation_config)
         self._rule = _C.RepetitionRule()
         text_config = model.config.get_text_config()
@@ -227,10 +245,18 @@ class SessionManager:
         return None if record is None else TurnReport.from_core(record)
 
     def stats(self) -> ManagerStats:
-        return ManagerStats.from_core(self._core.stats())
+        stats = ManagerStats.from_core(self._core.stats())
+        if self._spill is not None:
+            stats = replace(stats, spill_writes=self._spill.writes, spill_loads=self._spill.loads)
+        return stats
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo.from_core(self._core.find(_check_session_id(session_id)))
+
+    def messages(self, session_id: str) -> list[dict[str, str]]:
+        """The session's conversation so far (system prompt first), as chat() takes it."""
+        session = self._core.find(_check_session_id(session_id))
+        return [{"role": m.role, "content": m.content} for m in session.messages()]
 
     def sessions(self) -> list[str]:
         """Session ids, least recently used first."""
@@ -239,10 +265,62 @@ class SessionManager:
     def clear(self, session_id: str) -> None:
         """Drops the session's cache and history; keeps its system prompt."""
         self._core.clear(_check_session_id(session_id))
+        if self._spill is not None:
+            self._spill.forget(session_id)
 
     def remove(self, session_id: str) -> None:
         """Forgets the session entirely."""
         self._core.remove(_check_session_id(session_id))
+        if self._spill is not None:
+            self._spill.forget(session_id)
+
+    # ------------------------------------------------------------ persistence
+    def save(self, session_id: str, path: str | os.PathLike) -> None:
+        """Writes the session (cache, token ids, messages) to a safetensors file.
+
+        The file names the model it came from; ``load`` refuses it for another.
+        The write is atomic: an existing file at ``path`` is replaced whole."""
+        _check_session_id(session_id)
+        path = _check_path(path)
+        self._core.find(session_id)  # KeyError for an unknown session, before anything else
+        with self._core.acquire(session_id, wait=self._wait) as session:
+            messages = [{"role": m.role, "content": m.content} for m in session.messages()]
+            state = session.cached_state()
+            write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
+
+    def load(self, path: str | os.PathLike, session_id: str | None = None) -> str:
+        """Reads a file ``save`` wrote into session ``session_id`` (default: the
+        saved id), replacing that session's cache and messages. Returns the id.
+
+        The whole file is checked first (format, model fingerprint, checksum):
+        a bad file raises ``SessionFileError`` and changes nothing."""
+        if session_id is not None:
+            _check_session_id(session_id)
+        path = _check_path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"path {str(path)!r} is not a file")
+        saved = read_session(path, self._fingerprint, self._model.device)
+        messages = validate_messages(saved.messages) if saved.messages else []
+        target = session_id or saved.session_id
+        if saved.state is not None:
+            # Checked on a scratch session, so a bad cache never creates or touches `target`.
+            _C.ChatSession("load-check", self._bridge.num_layers).restore(saved.state)
+            self._bridge.adopt_slots(saved.slots)
+        with self._core.acquire(target, wait=self._wait) as session:
+            if saved.state is None:
+                session.invalidate_cache()
+            else:
+                session.restore(saved.state)
+            session.set_messages([_C.Message(m["role"], m["content"]) for m in messages])
+        self._flush_spill()
+        return target
+
+    def _flush_spill(self) -> None:
+        """Writes what eviction queued to the spill folder, then lets it go."""
+        if self._spill is None:
+            return
+        for session_id, state in self._core.take_evicted():
+            self._spill.write(session_id, state, self._fingerprint, self._bridge.slots)
 
     @property
     def model(self):
@@ -316,15 +394,31 @@ class SessionManager:
         # Beam search reorders and widens the cache; it runs without reuse.
         single = max(kwargs.get("num_beams") or 1, kwargs.get("num_return_sequences") or 1) == 1
         reuse = self._bridge.supported and single
+        try:
+            return self._leased_turn(
+                session_id, kwargs, fresh, text, messages, timer, reuse, single
+            )
+        finally:
+            self._flush_spill()
+
+    def _leased_turn(self, session_id, kwargs, fresh, text, messages, timer, reuse, single):
+        """The part of a turn that holds the session's lease."""
         with self._core.acquire(session_id, wait=self._wait) as session:
             # Text mode reads the session's cached text, so it matches under the lease.
             prompt = fresh if text is None else self._text_prompt(session, text, fresh)
             prompt = prompt.to("cpu", torch.long).contiguous()
-            self._check_context(prompt.numel(), generate_kwargs)
+            self._check_context(prompt.numel(), kwargs)
             model_input = prompt.unsqueeze(0).to(self._model.device)
 
             restored, checkpoints = -1, []
             if reuse:
+                reloaded = (
+                    self._spill is not None
+                    and not session.resident
+                    and self._spill.load_if_cheaper(
+                        session, prompt, self._fingerprint, self._model.device, self._bridge
+                    )
+                )
                 # Another session's prefix, when it covers more than this one's cache.
                 shared = self._core.share_prefix(session, prompt, self._markers)
                 plan = session.plan(prompt)
@@ -335,8 +429,10 @@ class SessionManager:
                 )
                 if shared and kept == shared:
                     reason = "shared_prefix"
+                elif reloaded and kept:
+                    reason = "spill_reload"
                 # Room for the whole turn, so decoding never reallocates.
-                total = prompt.numel() + self._max_new_tokens(generate_kwargs)
+                total = prompt.numel() + self._max_new_tokens(kwargs)
                 states = session.layers_for(plan)
                 # The cache owns them now; if the buffer moves to a larger arena,
                 # the old one is freed layer by layer instead of held to the end.
@@ -374,6 +470,8 @@ class SessionManager:
             record.total_ms = (time.perf_counter() - timer.started) * 1e3
             record.reason = reason
             session.record_turn(record)
+            if self._spill is not None:
+                self._spill.observe_prefill(record.prefilled_tokens, record.prefill_ms)
         return output, reply
 
     def _store(self, session, sequence, prompt_tokens, cache, kept, checkpoints, prompt_text):

@@ -58,6 +58,8 @@ class ManagerStats:
     shared_prefixes: int  # prefixes (e.g. a system prompt) held once for several sessions
     prefix_shares: int  # turns that started from another session's prefix
     shared_tokens: int  # tokens those turns took from it instead of prefilling
+    spill_writes: int = 0  # evicted caches written to spill_dir
+    spill_loads: int = 0  # turns that read their cache back from spill_dir
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

@@ -59,6 +59,15 @@ struct CacheInfo {
   std::vector<int64_t> checkpoint_positions;
 };
 
+// Everything a session caches, by reference: what a session file holds.
+struct CachedState {
+  std::vector<int64_t> ids;
+  std::vector<LayerStatePtr> layers;
+  std::vector<Checkpoint> checkpoints;
+  std::string text;
+  int64_t trusted_tokens = 0;
+};
+
 class ChatSession {
  public:
   // num_layers: what every commit must provide (0 accepts any count).
@@ -97,6 +106,11 @@ class ChatSession {
   // that fails after this leaves the session without a cache.
   void release_layers();
   bool resident() const;
+  // The cache as it stands (empty ids and layers when nothing is cached).
+  CachedState cached_state() const;
+  // Replaces the cache with `state` (a saved or spilled one) after checking
+  // it whole against this session's layer count; on error nothing changes.
+  void restore(CachedState state);
 
   // --- cross-session sharing ---
   // The state after ids[0:n), copied compactly, for other sessions to share;

@@ -36,6 +36,14 @@ struct ManagerLimits {
   // Sessions share prefixes of at least this many tokens, cut at a message
   // boundary; 0 turns sharing off.
   int64_t min_shared_tokens = 0;
+  // Keep what eviction drops in a queue (take_evicted) for spilling to disk.
+  bool keep_evicted = false;
+};
+
+// A session's cache as eviction found it, waiting to be spilled.
+struct EvictedCache {
+  std::string id;
+  CachedState state;
 };
 
 struct ManagerStats {
@@ -93,6 +101,9 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // Evicts least-recently-used idle sessions until the limits hold.
   void enforce_limits();
 
+  // The caches evicted since the last call (with limits.keep_evicted).
+  std::vector<EvictedCache> take_evicted();
+
   // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
   // session leased, before planning: when another resident session or a
   // shared prefix holds more of `prompt` than `session` does, the session
@@ -131,6 +142,7 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   int64_t next_prefix_ = 0;
   int64_t prefix_shares_ = 0;
   int64_t shared_tokens_ = 0;
+  std::vector<EvictedCache> evicted_;
 };
 
 }  // namespace kvchat

@@ -1,0 +1,179 @@
+"""Saving and loading sessions, in this process and across a restart, and the
+disk spill. Every continued turn is compared with a session that never left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REUSE_FAMILIES, _model
+from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.persist import SessionFileError
+
+
+def run_turns(mgr, sid, messages, turns, start=0):
+    for turn in range(start, start + turns):
+        messages.append(user_message(turn))
+        reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
+        messages.append({"role": "assistant", "content": reply})
+    return messages
+
+
+@pytest.mark.parametrize("family", REUSE_FAMILIES)
+def test_save_load_continues_exactly(family, tokenizer, tmp_path):
+    model = _model(family)
+    stayed = SessionManager(model, tokenizer)
+    messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
+    path = tmp_path / "s.safetensors"
+    stayed.save("s", path)
+
+    fresh = SessionManager(model, tokenizer)
+    assert fresh.load(path) == "s"
+    assert fresh.messages("s") == messages
+    assert fresh.info("s").cached_tokens == stayed.info("s").cached_tokens
+
+    messages.append(user_message(2))
+    _, _, expected = reference_turn(model, tokenizer, messages)
+    stayed.chat("s", messages, max_new_tokens=MAX_NEW)
+    fresh.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert fresh.last_turn("s").output_ids == stayed.last_turn("s").output_ids == expected
+    assert fresh.last_turn("s").reused_tokens == stayed.last_turn("s").reused_tokens > 0
+
+
+RESTART = textwrap.dedent(
+    """
+    import json, sys, torch
+    from kvchat import SessionManager
+    from kvchat.tiny import tiny_model, tiny_tokenizer
+    sys.path.insert(0, "tests/python")
+    from helpers import MAX_NEW, user_message
+    family, path = sys.argv[1], sys.argv[2]
+    mgr = SessionManager(tiny_model(family, dtype=torch.float64), tiny_tokenizer())
+    sid = mgr.load(path)
+    messages = mgr.messages(sid) + [user_message(2)]
+    mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
+    report = mgr.last_turn(sid)
+    print(json.dumps({"output_ids": list(report.output_ids), "reused": report.reused_tokens}))
+    """
+)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_h1"])
+def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path):
+    model = _model(family)
+    stayed = SessionManager(model, tokenizer)
+    messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
+    path = tmp_path / "s.safetensors"
+    stayed.save("s", path)
+
+    child = subprocess.run(
+        [sys.executable, "-c", RESTART, family, str(path)], capture_output=True, text=True
+    )
+    assert child.returncode == 0, child.stderr
+    restarted = json.loads(child.stdout.strip().splitlines()[-1])
+
+    messages.append(user_message(2))
+    stayed.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert tuple(restarted["output_ids"]) == stayed.last_turn("s").output_ids
+    assert restarted["reused"] == stayed.last_turn("s").reused_tokens > 0
+
+
+@pytest.fixture
+def saved(llama, tokenizer, tmp_path):
+    mgr = SessionManager(llama, tokenizer)
+    run_turns(mgr, "s", [SYSTEM], 2)
+    path = tmp_path / "s.safetensors"
+    mgr.save("s", path)
+    return path
+
+
+def assert_unchanged(mgr, before_ids, before_messages):
+    assert mgr.messages("kept") == before_messages
+    assert mgr.info("kept").cached_tokens == before_ids
+    assert "new" not in mgr.sessions()
+
+
+def bad_file_is_rejected(llama, tokenizer, path, match):
+    mgr = SessionManager(llama, tokenizer)
+    run_turns(mgr, "kept", [SYSTEM], 1, start=5)
+    before = (mgr.info("kept").cached_tokens, mgr.messages("kept"))
+    with pytest.raises(SessionFileError, match=match):
+        mgr.load(path, session_id="kept")
+    with pytest.raises(SessionFileError, match=match):
+        mgr.load(path, session_id="new")
+    assert_unchanged(mgr, *before)
+
+
+def test_truncated_file_is_rejected(llama, tokenizer, saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[: len(data) - 200])
+    bad_file_is_rejected(llama, tokenizer, saved, "truncated or corrupted|not a readable")
+
+
+def test_corrupted_tensor_bytes_are_rejected(llama, tokenizer, saved):
+    data = bytearray(saved.read_bytes())
+    data[-50] ^= 0xFF  # inside the last tensor
+    saved.write_bytes(bytes(data))
+    bad_file_is_rejected(llama, tokenizer, saved, "checksum")
+
+
+def test_garbage_and_foreign_files_are_rejected(llama, tokenizer, tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00" * 64)
+    bad_file_is_rejected(llama, tokenizer, garbage, "not a readable session file")
+
+
+def test_a_different_model_is_rejected(tokenizer, saved):
+    other = _model("llama", seed=1)  # same config, other weights
+    bad_file_is_rejected(other, tokenizer, saved, "different model.*weights_sha256")
+    qwen = _model("qwen2")
+    bad_file_is_rejected(qwen, tokenizer, saved, "different model")
+
+
+def test_save_and_load_argument_errors(llama, tokenizer, tmp_path):
+    mgr = SessionManager(llama, tokenizer)
+    with pytest.raises(KeyError, match="nobody"):
+        mgr.save("nobody", tmp_path / "x.safetensors")
+    run_turns(mgr, "s", [SYSTEM], 1)
+    with pytest.raises(TypeError, match="path"):
+        mgr.save("s", 42)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        mgr.load(tmp_path / "missing.safetensors")
+    with pytest.raises(TypeError, match="session_id"):
+        mgr.load(tmp_path / "missing.safetensors", session_id=3)
+
+
+def test_spill_dir_reloads_evicted_sessions_exactly(llama, tokenizer, tmp_path):
+    probe = SessionManager(llama, tokenizer)
+    run_turns(probe, "p", [LONG_SYSTEM], 1)
+    budget = int(probe.info("p").nbytes * 1.5)  # about one session
+    spill = tmp_path / "spill"
+    mgr = SessionManager(llama, tokenizer, max_cache_bytes=budget, spill_dir=spill)
+    systems = {
+        sid: {"role": "system", "content": f"Session {sid}. " + LONG_SYSTEM["content"]}
+        for sid in "abc"
+    }
+    conversations = {sid: [systems[sid]] for sid in "abc"}
+    reasons = []
+    for turn in range(3):
+        for sid, messages in conversations.items():
+            messages.append(user_message(turn))
+            _, _, expected = reference_turn(llama, tokenizer, messages)
+            reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
+            assert mgr.last_turn(sid).output_ids == expected, (sid, turn)
+            assert mgr.stats().resident_bytes <= budget
+            reasons.append(mgr.last_turn(sid).reason)
+            messages.append({"role": "assistant", "content": reply})
+    stats = mgr.stats()
+    assert stats.evictions > 0 and stats.spill_writes > 0 and stats.spill_loads > 0
+    assert "spill_reload" in reasons
+    # Reading a spill file never deletes it; removing the session does.
+    files = list(spill.glob("*.safetensors"))
+    assert files
+    for sid in "abc":
+        mgr.remove(sid)
+    assert not list(spill.glob("*.safetensors"))
