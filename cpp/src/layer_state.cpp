@@ -332,6 +332,17 @@ std::vector<at::Tensor> HybridState::tensors() const {
   return all;
 }
 
+void HybridState::collect_storage(StorageBytes* seen) const {
+  if (attention_) attention_->collect_storage(seen);
+  recurrent_->collect_storage(seen);
+}
+
+at::ScalarType HybridState::dtype() const {
+  return attention_ ? attention_->dtype() : recurrent_->dtype();
+}
+
+at::Device HybridState::device() const { return recurrent_->device(); }
+
 std::vector<at::Tensor> HybridState::tensors_from(int64_t begin) const {
   auto all = attention_ ? attention_->tensors_from(begin) : std::vector<at::Tensor>{};
   const auto rest = recurrent_->tensors_from(begin);

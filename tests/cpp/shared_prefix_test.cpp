@@ -58,6 +58,20 @@ TEST(SharedAttention, CropsAndReadsAcrossTheSeam) {
   EXPECT_TRUE(at::equal(buffer.keys(), whole->keys()));
 }
 
+TEST(SharedAttention, HybridLayersCountSharedStorageWithoutCopying) {
+  auto prefix = plain(6);
+  auto recurrent = testing::recurrent_layer(10);
+  const int64_t per_token = 2 * 2 * 4 * static_cast<int64_t>(sizeof(float));
+  const int64_t recurrent_bytes = 3 * 4 * static_cast<int64_t>(sizeof(float));
+  StorageBytes seen;
+  for (int i = 0; i < 3; ++i) {  // three sessions on one prefix
+    HybridState(AttentionState::on_prefix(prefix, *attention_layer(10)), recurrent)
+        .collect_storage(&seen);
+  }
+  // Exact and repeatable: counting must never concatenate into temporaries.
+  EXPECT_EQ(total_bytes(seen), (6 + 3 * 4) * per_token + recurrent_bytes);
+}
+
 TEST(SharedAttention, RejectsMismatchedTail) {
   auto prefix = plain(6);
   EXPECT_THROW(AttentionState(prefix, at::zeros({1, 3, 2, 4}), at::zeros({1, 3, 2, 4})),

@@ -53,7 +53,8 @@ class LayerState {
   // The state after n tokens: cropped where it can be, otherwise taken from
   // `snapshot`, which snapshot() made at token n.
   virtual LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const;
-  // The tensors, in the order the Python adapter expects for this kind.
+  // The tensors, in the order the Python adapter expects for this kind (may
+  // copy: a state on a shared prefix concatenates it).
   virtual std::vector<at::Tensor> tensors() const = 0;
   // The tensors (views) that hold positions >= begin: what a check of the
   // region new this turn must look at.
@@ -133,6 +134,7 @@ class SlidingWindowState final : public LayerState {
   LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return attention_.tensors(); }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
+  void collect_storage(StorageBytes* seen) const override { attention_.collect_storage(seen); }
 
  private:
   AttentionState attention_;  // the held tail, validated like full attention
@@ -175,6 +177,10 @@ class HybridState final : public LayerState {
   LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const override;
   std::vector<at::Tensor> tensors() const override;
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
+  // Never through tensors(): that would concatenate a shared attention prefix.
+  void collect_storage(StorageBytes* seen) const override;
+  at::ScalarType dtype() const override;
+  at::Device device() const override;
   const LayerStatePtr& attention() const { return attention_; }
   const LayerStatePtr& recurrent() const { return recurrent_; }
 
