@@ -31,6 +31,7 @@ _check_torch_matches_build()
 
 from . import _C  # noqa: E402
 from .manager import SessionManager  # noqa: E402
+from .persist import SessionFileError  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ManagerStats",
     "SessionBusy",
+    "SessionFileError",
     "SessionInfo",
     "SessionManager",
     "TurnReport",

@@ -334,6 +334,7 @@ class SessionManager:
     def _chat_text(self, session_id, messages, max_new_tokens):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
         _check_session_id(session_id)
+        _positive_int(max_new_tokens, "max_new_tokens")
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
         text = render_text(self._tokenizer, messages)
@@ -363,7 +364,9 @@ class SessionManager:
 
     def _max_new_tokens(self, generate_kwargs: dict) -> int:
         max_new = generate_kwargs.get("max_new_tokens")
-        if max_new is None:
+        if max_new is not None:
+            _positive_int(max_new, "max_new_tokens")
+        else:
             max_new = self._model.generation_config.max_new_tokens or 0
         return max_new
 
@@ -387,6 +390,7 @@ class SessionManager:
         if fresh.numel() == 0:
             raise ValueError("input_ids must hold at least one token")
         # Checked before the session exists, so bad input leaves nothing behind.
+        self._max_new_tokens(generate_kwargs)
         self._check_context(fresh.numel(), generate_kwargs)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()

@@ -1,11 +1,18 @@
-"""Bad input raises a clear Python exception naming the argument; never a crash."""
+"""Bad input raises a clear Python exception naming the argument; never a crash.
+
+Every row of the README's error table maps to the tests that cover it
+(``README_ROWS``), and ``test_every_readme_row_is_covered`` keeps the two in step."""
 
 from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import SYSTEM, user_message
-from kvchat import _C, SessionManager, UnknownSessionError
+from kvchat import _C, SessionBusy, SessionManager, UnknownSessionError
 from kvchat.tiny import CHATML_TEMPLATE, tiny_tokenizer
 
 
@@ -14,10 +21,13 @@ def mgr(llama, tokenizer):
     return SessionManager(llama, tokenizer, max_context_length=256)
 
 
-def test_unknown_session_id(mgr):
-    for call in (mgr.info, mgr.last_turn, mgr.clear, mgr.remove):
+def test_unknown_session_id(mgr, tmp_path):
+    for call in (mgr.info, mgr.messages, mgr.last_turn, mgr.clear, mgr.remove):
         with pytest.raises(UnknownSessionError, match="session_id 'ghost'"):
             call("ghost")
+    with pytest.raises(UnknownSessionError, match="session_id 'ghost'"):
+        mgr.save("ghost", tmp_path / "ghost.safetensors")
+    assert not (tmp_path / "ghost.safetensors").exists()
     assert issubclass(UnknownSessionError, KeyError)
 
 
@@ -95,11 +105,40 @@ def test_past_key_values_is_refused(mgr):
         ({"max_checkpoints": 2.0}, ValueError, "max_checkpoints"),
         ({"max_checkpoint_bytes": "big"}, ValueError, "max_checkpoint_bytes"),
         ({"max_checkpoint_bytes": 0}, ValueError, "max_checkpoint_bytes"),
+        ({"min_shared_tokens": 0}, ValueError, "min_shared_tokens"),
+        ({"min_shared_tokens": "8"}, ValueError, "min_shared_tokens"),
+        ({"share_prefixes": "yes"}, TypeError, "share_prefixes"),
     ],
 )
 def test_bad_constructor_arguments(llama, tokenizer, kwargs, error, match):
     with pytest.raises(error, match=match):
         SessionManager(llama, tokenizer, **kwargs)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, -3, 2.5, "8", True])
+def test_bad_max_new_tokens(mgr, max_new_tokens):
+    with pytest.raises(
+        ValueError, match=f"max_new_tokens must be a positive int, got {max_new_tokens!r}"
+    ):
+        mgr.chat("s", [user_message(0)], max_new_tokens=max_new_tokens)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        mgr.generate(
+            torch.ones(1, 3, dtype=torch.long), session_id="g", max_new_tokens=max_new_tokens
+        )
+    assert mgr.sessions() == []  # nothing was created
+
+
+def test_busy_session(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, busy="error")
+    mgr.chat("s", [user_message(0)], max_new_tokens=2)
+    with mgr._core.acquire("s"):  # another call holds the session
+        with pytest.raises(SessionBusy, match="session_id 's' is in use"):
+            mgr.chat("s", [user_message(0)], max_new_tokens=2)
+        with pytest.raises(SessionBusy, match="session_id 's' is in use"):
+            mgr.remove("s")
+        with pytest.raises(SessionBusy, match="session_id 's' is in use"):
+            mgr.clear("s")
+    assert mgr.info("s").messages == 2  # untouched by the refused calls
 
 
 def test_not_a_model(tokenizer):
@@ -115,6 +154,8 @@ def test_core_tensor_checks_name_the_argument():
         _C.AttentionState(ok, torch.zeros(1, 2, 5, 4))
     with pytest.raises(ValueError, match="dtype"):
         _C.AttentionState(ok, ok.double())
+    with pytest.raises(ValueError, match="values device meta"):
+        _C.AttentionState(ok, torch.zeros(1, 2, 3, 4, device="meta"))
     session = _C.ChatSession("s", num_layers=2)
     markers = _C.TurnMarkers([2], [])
     ids = torch.arange(3)
@@ -127,6 +168,70 @@ def test_core_tensor_checks_name_the_argument():
     with pytest.raises(IndexError, match="new_from"):
         session.commit(ids, [_C.AttentionState(ok, ok)] * 2, 9, markers)
     assert session.cache_info().cached_tokens == 0  # nothing half-updated
+
+
+def test_core_positions_out_of_range():
+    ok = torch.zeros(1, 2, 3, 4)
+    state = _C.AttentionState(ok, ok)
+    for n in (-1, 4):
+        with pytest.raises(IndexError, match=f"cannot crop an attention layer of 3 tokens to {n}"):
+            state.cropped(n)
+    session = _C.ChatSession("s", num_layers=1)
+    markers = _C.TurnMarkers([2], [])
+    ids = torch.arange(3)
+    with pytest.raises(IndexError, match="new_from must be in"):
+        session.commit(ids, [state], -1, markers)
+    with pytest.raises(IndexError, match="checkpoint position"):
+        session.commit(ids, [state], 0, markers, checkpoints=[_C.Checkpoint(7, [None])])
+    with pytest.raises(IndexError, match="begin must be in"):
+        _C.checkpoint_positions(ids, 5, markers)
+    assert not session.resident
+
+
+# README error-table row (its first cell) -> the tests that cover it.
+README_ROWS = {
+    "unknown `session_id`": ["test_unknown_session_id"],
+    "`session_id` not a non-empty string": ["test_bad_session_id"],
+    "`messages` not a list": ["test_malformed_messages"],
+    "tokenizer without a `chat_template`": ["test_tokenizer_without_chat_template"],
+    "prompt + `max_new_tokens` over": [
+        "test_prompt_longer_than_max_context_length",
+        "test_overflow.py::test_truncate_cannot_drop_the_question_itself",
+    ],
+    "`max_new_tokens` zero": ["test_bad_max_new_tokens"],
+    "`input_ids` not a 2-D": ["test_bad_input_ids"],
+    "`past_key_values` passed": ["test_past_key_values_is_refused"],
+    "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
+    "`match`, `busy` or `overflow`": ["test_bad_constructor_arguments"],
+    "a call on a session in use": ["test_busy_session"],
+    "`save`/`load` `path`": ["test_persistence.py::test_save_and_load_argument_errors"],
+    "`load` of a truncated": [
+        "test_persistence.py::test_truncated_file_is_rejected",
+        "test_persistence.py::test_corrupted_tensor_bytes_are_rejected",
+        "test_persistence.py::test_garbage_and_foreign_files_are_rejected",
+        "test_persistence.py::test_a_different_model_is_rejected",
+    ],
+    "core: KV tensors": ["test_core_tensor_checks_name_the_argument"],
+    "core: a crop": ["test_core_positions_out_of_range"],
+}
+
+
+def test_every_readme_row_is_covered():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line.split("|")[1].strip()
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| input") and "---" not in line
+    ]
+    assert len(rows) == len(README_ROWS)
+    for row in rows:
+        keys = [key for key in README_ROWS if row.startswith(key)]
+        assert len(keys) == 1, f"README row {row!r} has no test in README_ROWS"
+        for test in README_ROWS[keys[0]]:
+            module, _, name = test.rpartition("::")
+            found = importlib.import_module(re.sub(r"\.py$", "", module) or __name__)
+            assert callable(getattr(found, name, None)), f"{test} does not exist"
 
 
 def test_parse_bytes_accepts_human_sizes():
