@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REUSE_FAMILIES, _model
@@ -23,13 +24,19 @@ def run_turns(mgr, sid, messages, turns, start=0):
     return messages
 
 
-@pytest.mark.parametrize("family", REUSE_FAMILIES)
-def test_save_load_continues_exactly(family, tokenizer, tmp_path):
-    model = _model(family)
+def saved_after_two_turns(model, tokenizer, tmp_path):
+    """A session of two turns, saved: (its manager, its messages, the file)."""
     stayed = SessionManager(model, tokenizer)
     messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
     path = tmp_path / "s.safetensors"
     stayed.save("s", path)
+    return stayed, messages, path
+
+
+@pytest.mark.parametrize("family", REUSE_FAMILIES)
+def test_save_load_continues_exactly(family, tokenizer, tmp_path):
+    model = _model(family)
+    stayed, messages, path = saved_after_two_turns(model, tokenizer, tmp_path)
 
     fresh = SessionManager(model, tokenizer)
     assert fresh.load(path) == "s"
@@ -49,9 +56,9 @@ RESTART = textwrap.dedent(
     import json, sys, torch
     from kvchat import SessionManager
     from kvchat.tiny import tiny_model, tiny_tokenizer
-    sys.path.insert(0, "tests/python")
+    family, path, tests = sys.argv[1:4]
+    sys.path.insert(0, tests)
     from helpers import MAX_NEW, user_message
-    family, path = sys.argv[1], sys.argv[2]
     mgr = SessionManager(tiny_model(family, dtype=torch.float64), tiny_tokenizer())
     sid = mgr.load(path)
     messages = mgr.messages(sid) + [user_message(2)]
@@ -65,13 +72,11 @@ RESTART = textwrap.dedent(
 @pytest.mark.parametrize("family", ["llama", "falcon_h1"])
 def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path):
     model = _model(family)
-    stayed = SessionManager(model, tokenizer)
-    messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
-    path = tmp_path / "s.safetensors"
-    stayed.save("s", path)
+    stayed, messages, path = saved_after_two_turns(model, tokenizer, tmp_path)
 
+    here = str(Path(__file__).parent)
     child = subprocess.run(
-        [sys.executable, "-c", RESTART, family, str(path)], capture_output=True, text=True
+        [sys.executable, "-c", RESTART, family, str(path), here], capture_output=True, text=True
     )
     assert child.returncode == 0, child.stderr
     restarted = json.loads(child.stdout.strip().splitlines()[-1])
