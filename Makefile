@@ -15,14 +15,14 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python lint format clean \
-	bench bench-decode bench-overhead bench-notebook sanitize
+	bench bench-decode bench-overhead bench-notebook bench-sharing sanitize
 
 help:
 	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
-	@echo "make bench-decode, bench-overhead, bench-notebook - see benchmarks/RESULTS.md"
+	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 
 $(BUILD)/.deps: pyproject.toml Makefile
@@ -68,6 +68,9 @@ bench: build
 
 bench-decode: build
 	$(PY) benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192
+
+bench-sharing: build
+	$(PY) benchmarks/sharing.py --model smollm2-135m --sessions 16 --system-tokens 1000
 
 bench-overhead: deps
 	cmake -S . -B $(BUILD)/bench $(GENERATOR) -DKVCHAT_BUILD_BENCHMARKS=ON \
