@@ -61,10 +61,12 @@ def test_budget_for_four_sessions_holds_under_many(family, sessions, turns, toke
         assert mgr.messages(f"s{s}") == conversations[s]
 
 
-def test_eight_threads_32_sessions_with_collisions(tokenizer):
-    model = _model("llama")
-    mgr = SessionManager(model, tokenizer)  # 16 resident at most: evictions race too
-    sessions, turns, threads = 32, 6, 8
+@pytest.mark.parametrize(("family", "sessions", "turns"), [("llama", 32, 6), ("falcon_h1", 12, 3)])
+def test_eight_threads_many_sessions_with_collisions(family, sessions, turns, tokenizer):
+    model = _model(family)
+    # At most 8 resident, so evictions race with turns and shares too.
+    mgr = SessionManager(model, tokenizer, max_sessions=8)
+    threads = 8
     conversations = {s: [system_for(s, 4)] for s in range(sessions)}
     outputs: dict[tuple[int, int], list[tuple]] = {}
     work: queue.Queue = queue.Queue()
