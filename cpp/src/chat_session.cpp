@@ -251,7 +251,8 @@ void ChatSession::adopt_prefix(const SharedPrefixPtr& prefix) {
 
 bool ChatSession::rebase_on(const SharedPrefix& prefix) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (layers_.size() != prefix.states.size() ||
+  const auto own = static_cast<int64_t>(cached_ids_.size()) - prefix.num_tokens();
+  if (layers_.size() != prefix.states.size() || own > prefix.num_tokens() ||
       !starts_with(cached_ids_, prefix.ids.data(), prefix.num_tokens())) {
     return false;
   }

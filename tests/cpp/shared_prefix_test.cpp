@@ -133,6 +133,25 @@ TEST(SharedPrefixManager, SharedStorageIsCountedOnceAndCopyOnWrite) {
   }
 }
 
+TEST(SharedPrefixManager, LongConversationsKeepTheirOwnCopyRatherThanCopyTheirTail) {
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  const auto prompt = conversation(60, 9);
+  {
+    auto lease = mgr->acquire("b");
+    ASSERT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 6);
+  }
+  commit(*mgr, "b", conversation(60, 12));  // 6 own tokens: rebased on the prefix
+  auto layer = [&](int64_t n) {
+    auto s = mgr->find("b");
+    return std::static_pointer_cast<AttentionState>(
+        s->layers_for(s->plan(conversation(60, n).data(), n))[0]);
+  };
+  EXPECT_EQ(layer(12)->prefix_tokens(), 6);
+  commit(*mgr, "b", conversation(60, 13));  // 7 own tokens > 6 shared: keeps its arena
+  EXPECT_EQ(layer(13)->prefix_tokens(), 0);
+}
+
 TEST(SharedPrefixManager, EvictingEverySharerFreesThePrefix) {
   auto mgr = sharing_manager();
   commit(*mgr, "a", conversation(50, 12));

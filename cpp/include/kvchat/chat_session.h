@@ -120,7 +120,9 @@ class ChatSession {
   // conversation another has begun skips prefilling what they share.
   void adopt_prefix(const SharedPrefixPtr& prefix);
   // Re-expresses attention layers on `prefix` when the cached ids start with
-  // its ids, so this session stops holding its own copy. True if it did.
+  // its ids, so this session stops holding its own copy. That copies the
+  // session's own tokens, so it is done only while they are no more than the
+  // prefix: the copy never exceeds the memory it frees. True if it did.
   bool rebase_on(const SharedPrefix& prefix);
   CacheInfo cache_info() const;
   std::vector<int64_t> cached_ids() const;
