@@ -73,6 +73,10 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("text", &CachedState::text)
       .def_readonly("trusted_tokens", &CachedState::trusted_tokens);
 
+  // Every method that takes the session's lock releases the GIL first: the
+  // core may destroy tensors under that lock, and a tensor with a Python object
+  // needs the GIL to die, so a caller holding the GIL while it waits for the
+  // lock would deadlock with it.
   py::class_<ChatSession, std::shared_ptr<ChatSession>>(m, "ChatSession")
       .def(py::init([](std::string id, int64_t num_layers, int64_t max_checkpoints,
                        int64_t max_checkpoint_bytes) {
@@ -83,11 +87,12 @@ void bind_chat_session(py::module_& m) {
            py::arg("session_id"), py::arg("num_layers") = 0, py::arg("max_checkpoints") = 8,
            py::arg("max_checkpoint_bytes") = 0)
       .def_property_readonly("id", &ChatSession::id)
-      .def("add_message", &ChatSession::add_message, py::arg("role"), py::arg("content"))
-      .def("set_messages", &ChatSession::set_messages, py::arg("messages"))
-      .def("clear_messages", &ChatSession::clear_messages)
-      .def("messages", &ChatSession::messages)
-      .def_property_readonly("system_prompt", &ChatSession::system_prompt)
+      .def("add_message", &ChatSession::add_message, py::arg("role"), py::arg("content"), no_gil())
+      .def("set_messages", &ChatSession::set_messages, py::arg("messages"), no_gil())
+      .def("clear_messages", &ChatSession::clear_messages, no_gil())
+      .def("messages", &ChatSession::messages, no_gil())
+      .def_property_readonly("system_prompt",
+                             py::cpp_function(&ChatSession::system_prompt, no_gil()))
       .def(
           "plan",
           [](const ChatSession& s, const at::Tensor& prompt_ids) {
@@ -112,15 +117,15 @@ void bind_chat_session(py::module_& m) {
           py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
       .def("release_layers", &ChatSession::release_layers, no_gil())
-      .def("cached_state", &ChatSession::cached_state)
+      .def("cached_state", &ChatSession::cached_state, no_gil())
       .def("restore", &ChatSession::restore, py::arg("state"), no_gil())
-      .def_property_readonly("resident", &ChatSession::resident)
+      .def_property_readonly("resident", py::cpp_function(&ChatSession::resident, no_gil()))
       .def("cache_info", &ChatSession::cache_info, no_gil())
-      .def("cached_ids", &ChatSession::cached_ids)
-      .def("cached_text", &ChatSession::cached_text)
-      .def("record_turn", &ChatSession::record_turn, py::arg("turn"))
-      .def("last_turn", &ChatSession::last_turn)
-      .def("counters", &ChatSession::counters);
+      .def("cached_ids", &ChatSession::cached_ids, no_gil())
+      .def("cached_text", &ChatSession::cached_text, no_gil())
+      .def("record_turn", &ChatSession::record_turn, py::arg("turn"), no_gil())
+      .def("last_turn", &ChatSession::last_turn, no_gil())
+      .def("counters", &ChatSession::counters, no_gil());
 }
 
 }  // namespace kvchat

@@ -29,6 +29,7 @@ void bind_session_manager(py::module_& m) {
         lease.release();
       });
 
+  // As for ChatSession: every method that takes a lock releases the GIL first.
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
                        int64_t max_checkpoints, int64_t max_checkpoint_bytes,
@@ -46,8 +47,13 @@ void bind_session_manager(py::module_& m) {
            py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false)
       .def("take_evicted",
            [](SessionManager& m) {
+             std::vector<EvictedCache> evicted;
+             {
+               py::gil_scoped_release release;  // see ChatSession: never wait on a lock with it
+               evicted = m.take_evicted();
+             }
              std::vector<std::pair<std::string, CachedState>> out;
-             for (auto& e : m.take_evicted()) out.emplace_back(e.id, std::move(e.state));
+             for (auto& e : evicted) out.emplace_back(e.id, std::move(e.state));
              return out;
            })
       .def(
@@ -61,9 +67,9 @@ void bind_session_manager(py::module_& m) {
           py::arg("session"), py::arg("prompt_ids"), py::arg("markers"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            no_gil())
-      .def("find", &SessionManager::find, py::arg("session_id"))
-      .def("__contains__", &SessionManager::contains, py::arg("session_id"))
-      .def("session_ids", &SessionManager::session_ids)
+      .def("find", &SessionManager::find, py::arg("session_id"), no_gil())
+      .def("__contains__", &SessionManager::contains, py::arg("session_id"), no_gil())
+      .def("session_ids", &SessionManager::session_ids, no_gil())
       .def("clear", &SessionManager::clear, py::arg("session_id"), no_gil())
       .def("remove", &SessionManager::remove, py::arg("session_id"), no_gil())
       .def("stats", &SessionManager::stats, no_gil())

@@ -143,14 +143,24 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
     why << "non-finite values in layer " << bad << " after token " << new_from << "; ";
   }
 
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<Checkpoint> still_valid;
-  for (auto& cp : checkpoints_) {
-    // Only positions inside the unchanged prefix describe the new ids.
-    if (cp.position <= new_from) still_valid.push_back(std::move(cp));
+  // Checkpoints inside the unchanged prefix still describe the new ids. Merged
+  // outside the lock, so thinned ones die there (see the header: no tensor is
+  // destroyed under the lock).
+  std::vector<Checkpoint> kept;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& cp : checkpoints_) {
+      if (cp.position <= new_from) kept.push_back(cp);
+    }
   }
-  counters_.checkpoints_taken += static_cast<int64_t>(checkpoints.size());
-  checkpoints_ = merge_checkpoints(std::move(still_valid), std::move(checkpoints), policy_);
+  const auto taken = static_cast<int64_t>(checkpoints.size());
+  auto merged = merge_checkpoints(std::move(kept), std::move(checkpoints), policy_);
+  CachedState old;
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.checkpoints_taken += taken;
+  old.checkpoints.swap(checkpoints_);
+  old.layers.swap(layers_);
+  checkpoints_ = std::move(merged);
   cached_ids_.assign(ids, ids + n);
   cached_text_ = std::move(text);
   layers_ = std::move(layers);
@@ -159,21 +169,28 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
 }
 
 void ChatSession::invalidate_cache() {
+  const CachedState dropped = take_cache();  // dies here, after the lock
+}
+
+CachedState ChatSession::take_cache() {
+  CachedState out;
   std::lock_guard<std::mutex> lock(mutex_);
-  cached_ids_.clear();
-  cached_ids_.shrink_to_fit();
-  cached_text_.clear();
-  layers_.clear();
-  checkpoints_.clear();
+  out.ids.swap(cached_ids_);
+  out.layers.swap(layers_);
+  out.checkpoints.swap(checkpoints_);
+  out.text.swap(cached_text_);
+  out.trusted_tokens = trusted_tokens_;
   trusted_tokens_ = 0;
   last_check_.clear();
+  return out;
 }
 
 void ChatSession::release_layers() {
+  std::vector<LayerStatePtr> released;
   std::lock_guard<std::mutex> lock(mutex_);
   cached_ids_.clear();
   cached_text_.clear();
-  layers_.clear();
+  released.swap(layers_);
 }
 
 namespace {
@@ -239,17 +256,20 @@ void ChatSession::adopt_prefix(const SharedPrefixPtr& prefix) {
     at_prefix.states.push_back(crops ? nullptr : state);
     needed = needed || !crops;
   }
+  CachedState old;
   std::lock_guard<std::mutex> lock(mutex_);
+  old.layers.swap(layers_);
+  old.checkpoints.swap(checkpoints_);
   cached_ids_ = prefix->ids;
   cached_text_.clear();
   layers_ = prefix->states;
-  checkpoints_.clear();
   if (needed) checkpoints_.push_back(std::move(at_prefix));
   trusted_tokens_ = prefix->num_tokens();
   last_check_.clear();
 }
 
 bool ChatSession::rebase_on(const SharedPrefix& prefix) {
+  std::vector<LayerStatePtr> old;
   std::lock_guard<std::mutex> lock(mutex_);
   const auto own = static_cast<int64_t>(cached_ids_.size()) - prefix.num_tokens();
   if (layers_.size() != prefix.states.size() || own > prefix.num_tokens() ||
@@ -264,7 +284,10 @@ bool ChatSession::rebase_on(const SharedPrefix& prefix) {
       changed = true;
     }
   }
-  if (changed) layers_ = std::move(rebased);
+  if (changed) {
+    old.swap(layers_);
+    layers_ = std::move(rebased);
+  }
   return changed;
 }
 
@@ -287,7 +310,10 @@ void ChatSession::restore(CachedState state) {
                     "trusted_tokens must be in [0, ", n, "], got ", state.trusted_tokens);
   std::sort(state.checkpoints.begin(), state.checkpoints.end(),
             [](const Checkpoint& a, const Checkpoint& b) { return a.position < b.position; });
+  CachedState old;
   std::lock_guard<std::mutex> lock(mutex_);
+  old.layers.swap(layers_);
+  old.checkpoints.swap(checkpoints_);
   cached_ids_ = std::move(state.ids);
   layers_ = std::move(state.layers);
   checkpoints_ = std::move(state.checkpoints);

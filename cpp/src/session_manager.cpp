@@ -89,11 +89,12 @@ std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, boo
 }
 
 void SessionManager::release(const std::string& id) {
+  Graveyard dead;
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
   it->second.in_use -= 1;
-  enforce_limits_locked();
+  enforce_limits_locked(&dead);
 }
 
 std::shared_ptr<ChatSession> SessionManager::find(const std::string& id) const {
@@ -117,22 +118,26 @@ std::vector<std::string> SessionManager::session_ids() const {
 }
 
 void SessionManager::clear(const std::string& id) {
+  Graveyard dead;
   std::lock_guard<std::mutex> lock(mutex_);
   auto& entry = entry_or_throw(entries_, id);
   if (entry.in_use > 0) throw SessionBusyError("session_id '" + id + "' is in use; cannot clear");
-  entry.session->invalidate_cache();
+  dead.caches.push_back(entry.session->take_cache());
   entry.session->clear_messages();
   forget_index_locked(id);
 }
 
 void SessionManager::remove(const std::string& id) {
+  Graveyard dead;
   std::lock_guard<std::mutex> lock(mutex_);
   auto& entry = entry_or_throw(entries_, id);
   if (entry.in_use > 0) throw SessionBusyError("session_id '" + id + "' is in use; cannot remove");
   removed_totals_ += entry.session->counters();
+  dead.caches.push_back(entry.session->take_cache());
+  dead.sessions.push_back(std::move(entry.session));
   entries_.erase(id);
   forget_index_locked(id);
-  drop_unused_prefixes_locked();
+  drop_unused_prefixes_locked(&dead);
 }
 
 int64_t SessionManager::resident_bytes_locked() const {
@@ -153,12 +158,13 @@ std::vector<EvictedCache> SessionManager::take_evicted() {
 
 void SessionManager::forget_index_locked(const std::string& id) { session_index_.erase(id); }
 
-void SessionManager::drop_unused_prefixes_locked() {
+void SessionManager::drop_unused_prefixes_locked(Graveyard* dead) {
   for (auto it = prefixes_.begin(); it != prefixes_.end();) {
     if (it->second->referenced()) {
       ++it;
     } else {
       prefix_index_.erase(it->first);
+      dead->prefixes.push_back(std::move(it->second));
       it = prefixes_.erase(it);
     }
   }
@@ -252,12 +258,13 @@ ManagerStats SessionManager::stats() const {
 }
 
 void SessionManager::enforce_limits() {
+  Graveyard dead;
   std::lock_guard<std::mutex> lock(mutex_);
-  enforce_limits_locked();
+  enforce_limits_locked(&dead);
 }
 
-void SessionManager::enforce_limits_locked() {
-  drop_unused_prefixes_locked();
+void SessionManager::enforce_limits_locked(Graveyard* dead) {
+  drop_unused_prefixes_locked(dead);
   // Idle resident sessions, least recently used first.
   std::vector<std::pair<uint64_t, Entry*>> idle;
   int64_t resident = 0;
@@ -271,12 +278,14 @@ void SessionManager::enforce_limits_locked() {
   auto victim = idle.begin();
   auto evict_next = [&]() {
     if (victim == idle.end()) return false;  // only sessions in use remain
+    auto& session = *victim->second->session;
     if (limits_.keep_evicted) {
-      evicted_.push_back({victim->second->session->id(), victim->second->session->cached_state()});
+      evicted_.push_back({session.id(), session.take_cache()});
+    } else {
+      dead->caches.push_back(session.take_cache());
     }
-    victim->second->session->invalidate_cache();
-    forget_index_locked(victim->second->session->id());
-    drop_unused_prefixes_locked();
+    forget_index_locked(session.id());
+    drop_unused_prefixes_locked(dead);
     ++victim;
     ++evictions_;
     --resident;

@@ -108,7 +108,7 @@ def test_eight_threads_many_sessions_with_collisions(family, sessions, turns, to
         thread.start()
     done = threading.Event()
     threading.Thread(target=lambda: (work.join(), done.set()), daemon=True).start()
-    assert done.wait(timeout=600), "workers deadlocked or stalled"
+    assert done.wait(timeout=300), "workers deadlocked or stalled"
     for _ in pool:
         work.put(None)
     for thread in pool:

@@ -68,6 +68,10 @@ struct CachedState {
   int64_t trusted_tokens = 0;
 };
 
+// Thread-safe. No tensor is destroyed while the session's lock is held: old
+// states move to locals that die after it, because a tensor with a Python
+// object needs the GIL to die, and a thread holding the GIL may be waiting
+// for this lock.
 class ChatSession {
  public:
   // num_layers: what every commit must provide (0 accepts any count).
@@ -100,6 +104,9 @@ class ChatSession {
               std::vector<Checkpoint> checkpoints = {}, std::string text = {});
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
+  // Like invalidate_cache, but hands the cache to the caller (to spill it, or
+  // to let it die outside a lock the caller holds).
+  CachedState take_cache();
   // Hands the layers to the turn in progress (after layers_for): drops the
   // session's references to its ids and tensors, so storage the turn moves
   // is freed at once, not held twice. Checkpoints stay for the commit. A turn

@@ -118,13 +118,20 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
     int64_t in_use = 0;
     uint64_t last_used = 0;
   };
+  // What a locked section drops; it dies after the lock is released, since a
+  // tensor with a Python object needs the GIL to die (see ChatSession).
+  struct Graveyard {
+    std::vector<CachedState> caches;
+    std::vector<SharedPrefixPtr> prefixes;
+    std::vector<std::shared_ptr<ChatSession>> sessions;
+  };
   void release(const std::string& id);
   // After a turn, before the lease lets go: dedupes the session onto the
   // longest shared prefix of its ids and indexes its ids for others.
   void settle(ChatSession& session);
-  void enforce_limits_locked();
+  void enforce_limits_locked(Graveyard* dead);
   void forget_index_locked(const std::string& id);
-  void drop_unused_prefixes_locked();
+  void drop_unused_prefixes_locked(Graveyard* dead);
   int64_t resident_bytes_locked() const;
 
   const ManagerLimits limits_;
