@@ -1,6 +1,8 @@
 // Times the core's per-turn bookkeeping (plan, layers_for, commit) for one
 // session of 1k to 32k tokens, SmolLM2-135M-shaped: 30 layers, 3 KV heads of
-// 64. Runs outside the test suite: `make bench-overhead`.
+// 64; then what prefix sharing adds to a turn through the manager (the
+// share_prefix lookup, and the lease's settle: the rebase and the radix-tree
+// update). Runs outside the test suite: `make bench-overhead`.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "kvchat/chat_session.h"
+#include "kvchat/session_manager.h"
 
 namespace {
 
@@ -25,6 +28,54 @@ std::vector<kvchat::LayerStatePtr> layers_of(int64_t tokens) {
 double median_us(std::vector<double> samples) {
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
+}
+
+using clock_type = std::chrono::steady_clock;
+
+double us_between(clock_type::time_point a, clock_type::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// What sharing adds to an ordinary turn of 200 new tokens, while another
+// resident session holds the same ids: the share_prefix lookup (the session's
+// own cache wins, so nothing is adopted) and the release's settle (no rebase
+// pays at these lengths, so it re-indexes the ids in the radix tree).
+void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::RepetitionRule& rule) {
+  constexpr int64_t kPrefix = 1000;
+  std::printf("\nwith sharing on: lookup and re-index per turn (message boundary at %lld)\n",
+              static_cast<long long>(kPrefix));
+  std::printf("%8s %12s %12s\n", "tokens", "share us", "settle us");
+  for (int64_t tokens : {1024, 4096, 8192, 16384, 32768}) {
+    std::vector<int64_t> ids(tokens + kNewTokens);
+    std::iota(ids.begin(), ids.end(), 10);
+    ids[kPrefix - 1] = 2;  // the system prompt's end-of-turn: a message boundary
+    auto cached = layers_of(tokens);
+    auto grown = layers_of(tokens + kNewTokens);
+    std::vector<double> share_us, settle_us;
+    for (int r = 0; r < kRepeats; ++r) {
+      kvchat::ManagerLimits limits{4, 0, kLayers};
+      limits.min_shared_tokens = 32;
+      auto mgr = std::make_shared<kvchat::SessionManager>(limits);
+      for (const std::string id : {"donor", "bench"}) {
+        auto lease = mgr->acquire(id);
+        lease->session()->commit(ids.data(), tokens, cached, 0, markers, rule);
+      }
+      auto lease = mgr->acquire("bench");
+      auto& session = *lease->session();
+      auto t0 = clock_type::now();
+      mgr->share_prefix(session, ids.data(), tokens + kNewTokens, markers);
+      auto t1 = clock_type::now();
+      auto plan = session.plan(ids.data(), tokens + kNewTokens);
+      session.commit(ids.data(), tokens + kNewTokens, grown, plan.kept_tokens, markers, rule);
+      auto t2 = clock_type::now();
+      lease->release();  // settle: rebase when it pays, and re-index the ids
+      auto t3 = clock_type::now();
+      share_us.push_back(us_between(t0, t1));
+      settle_us.push_back(us_between(t2, t3));
+    }
+    std::printf("%8lld %12.1f %12.1f\n", static_cast<long long>(tokens), median_us(share_us),
+                median_us(settle_us));
+  }
 }
 
 }  // namespace
@@ -63,5 +114,6 @@ int main() {
     std::printf("%8lld %12.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(tokens), p, l, c,
                 p + l + c);
   }
+  sharing_overhead(markers, rule);
   return 0;
 }
