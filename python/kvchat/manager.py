@@ -283,10 +283,12 @@ class SessionManager:
         _check_session_id(session_id)
         path = _check_path(path)
         self._core.find(session_id)  # KeyError for an unknown session, before anything else
+        # A consistent snapshot under the lease; stored states are never written
+        # in place, so the file is written after it, without blocking the session.
         with self._core.acquire(session_id, wait=self._wait) as session:
             messages = [{"role": m.role, "content": m.content} for m in session.messages()]
             state = session.cached_state()
-            write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
+        write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
 
     def load(self, path: str | os.PathLike, session_id: str | None = None) -> str:
         """Reads a file ``save`` wrote into session ``session_id`` (default: the
