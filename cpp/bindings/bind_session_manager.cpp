@@ -59,12 +59,12 @@ void bind_session_manager(py::module_& m) {
       .def(
           "share_prefix",
           [](SessionManager& m, ChatSession& session, const at::Tensor& prompt_ids,
-             const TurnMarkers& markers) {
+             const TurnMarkers& markers, const ReusePlan& plan) {
             auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
             py::gil_scoped_release release;
-            return m.share_prefix(session, data, n, markers);
+            return m.share_prefix(session, data, n, markers, plan);
           },
-          py::arg("session"), py::arg("prompt_ids"), py::arg("markers"))
+          py::arg("session"), py::arg("prompt_ids"), py::arg("markers"), py::arg("plan"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"), no_gil())

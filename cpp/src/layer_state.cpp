@@ -199,9 +199,11 @@ void AttentionState::collect_storage(StorageBytes* seen) const {
 
 LayerStatePtr compact_copy(const LayerState& state) {
   if (const auto* attention = dynamic_cast<const AttentionState*>(&state)) {
-    return std::make_shared<AttentionState>(
-        attention->keys().clone(at::MemoryFormat::Contiguous),
-        attention->values().clone(at::MemoryFormat::Contiguous));
+    // On a shared prefix, keys() already concatenates into a fresh tensor.
+    auto own = [&](at::Tensor t) {
+      return attention->prefix() ? t : t.clone(at::MemoryFormat::Contiguous);
+    };
+    return std::make_shared<AttentionState>(own(attention->keys()), own(attention->values()));
   }
   if (const auto* hybrid = dynamic_cast<const HybridState*>(&state)) {
     TORCH_CHECK_VALUE(hybrid->attention() != nullptr,

@@ -171,20 +171,23 @@ void SessionManager::drop_unused_prefixes_locked(Graveyard* dead) {
 }
 
 int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
-                                     const TurnMarkers& markers) {
+                                     const TurnMarkers& markers, const ReusePlan& own_plan) {
   const int64_t min_tokens = limits_.min_shared_tokens;
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
+  TORCH_CHECK_VALUE(own_plan.prompt_tokens == n, "plan is for a prompt of ", own_plan.prompt_tokens,
+                    " tokens, not this one of ", n);
   if (min_tokens <= 0 || n <= min_tokens) return 0;
-  const int64_t own = session.plan(prompt, n).kept_tokens;
+  const int64_t own = own_plan.kept_tokens;
   const int64_t limit = n - 1;  // the last prompt token always runs
   SharedPrefixPtr best;
   std::shared_ptr<ChatSession> donor;
   int64_t donor_common = 0;
+  int64_t have = own;  // the most any source gives so far
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto stored = prefix_index_.longest_stored_prefix(prompt, limit);
     if (!stored.key.empty()) best = prefixes_.at(stored.key);
-    const int64_t have = std::max(own, best ? best->num_tokens() : 0);
+    if (best) have = std::max(have, best->num_tokens());
     const auto common = session_index_.longest_common_prefix(
         prompt, limit, [&](const std::string& key) { return key != session.id(); });
     auto found = entries_.find(common.key);
@@ -193,7 +196,6 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
       donor_common = common.length;
     }
   }
-  const int64_t have = std::max(own, best ? best->num_tokens() : 0);
   if (donor) {
     // Cut at a message boundary, so sessions that differ after the system
     // prompt all land on the same prefix instead of one each.

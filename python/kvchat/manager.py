@@ -39,6 +39,14 @@ def _check_session_id(session_id) -> str:
     return session_id
 
 
+def _core_messages(messages: list[dict[str, str]]) -> list[_C.Message]:
+    return [_C.Message(m["role"], m["content"]) for m in messages]
+
+
+def _as_dicts(messages: list[_C.Message]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 def _check_path(path) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
@@ -256,7 +264,7 @@ class SessionManager:
     def messages(self, session_id: str) -> list[dict[str, str]]:
         """The session's conversation so far (system prompt first), as chat() takes it."""
         session = self._core.find(_check_session_id(session_id))
-        return [{"role": m.role, "content": m.content} for m in session.messages()]
+        return _as_dicts(session.messages())
 
     def sessions(self) -> list[str]:
         """Session ids, least recently used first."""
@@ -286,7 +294,7 @@ class SessionManager:
         # A consistent snapshot under the lease; stored states are never written
         # in place, so the file is written after it, without blocking the session.
         with self._core.acquire(session_id, wait=self._wait) as session:
-            messages = [{"role": m.role, "content": m.content} for m in session.messages()]
+            messages = _as_dicts(session.messages())
             state = session.cached_state()
         write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
 
@@ -313,7 +321,7 @@ class SessionManager:
                 session.invalidate_cache()
             else:
                 session.restore(saved.state)
-            session.set_messages([_C.Message(m["role"], m["content"]) for m in messages])
+            session.set_messages(_core_messages(messages))
         self._flush_spill()
         return target
 
@@ -425,9 +433,11 @@ class SessionManager:
                         session, prompt, self._fingerprint, self._model.device, self._bridge
                     )
                 )
-                # Another session's prefix, when it covers more than this one's cache.
-                shared = self._core.share_prefix(session, prompt, self._markers)
                 plan = session.plan(prompt)
+                # Another session's prefix, when it covers more than this plan keeps.
+                shared = self._core.share_prefix(session, prompt, self._markers, plan)
+                if shared:
+                    plan = session.plan(prompt)
                 kept, reason, restored = (
                     plan.kept_tokens,
                     plan.reason.name,
@@ -458,7 +468,7 @@ class SessionManager:
             if messages is not None:
                 reply = self._decode_reply(sequences, prompt.numel())
                 history = [*messages, {"role": "assistant", "content": reply}]
-                session.set_messages([_C.Message(m["role"], m["content"]) for m in history])
+                session.set_messages(_core_messages(history))
             if reuse:
                 cached_text = text if self._match == "text" and text is not None else None
                 self._store(

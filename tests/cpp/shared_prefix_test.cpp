@@ -85,6 +85,13 @@ std::shared_ptr<SessionManager> sharing_manager(int64_t max_bytes = 0) {
   return std::make_shared<SessionManager>(limits);
 }
 
+// share_prefix with the session's own plan for `prompt`, as a turn calls it.
+int64_t share(SessionManager& mgr, SessionLease& lease, const std::vector<int64_t>& prompt) {
+  auto& session = *lease.session();
+  const auto n = static_cast<int64_t>(prompt.size());
+  return mgr.share_prefix(session, prompt.data(), n, kMarkers, session.plan(prompt.data(), n));
+}
+
 void commit(SessionManager& mgr, const std::string& id, const std::vector<int64_t>& ids) {
   auto lease = mgr.acquire(id);
   const auto n = static_cast<int64_t>(ids.size());
@@ -96,8 +103,7 @@ TEST(SharedPrefixManager, NewSessionStartsFromAnothersSystemPrompt) {
   commit(*mgr, "a", conversation(50, 12));
   const auto prompt = conversation(60, 9);
   auto lease = mgr->acquire("b");
-  const int64_t adopted =
-      mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers);
+  const int64_t adopted = share(*mgr, *lease, prompt);
   EXPECT_EQ(adopted, 6);  // the system prompt, up to its message boundary
   EXPECT_EQ(lease->session()->cached_ids(), kSystem);
   EXPECT_EQ(lease->session()->plan(prompt.data(), prompt.size()).kept_tokens, 6);
@@ -119,7 +125,7 @@ TEST(SharedPrefixManager, SharedStorageIsCountedOnceAndCopyOnWrite) {
   for (const std::string id : {"b", "c", "d"}) {
     const auto prompt = conversation(60, 9);
     auto lease = mgr->acquire(id);
-    ASSERT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 6);
+    ASSERT_EQ(share(*mgr, *lease, prompt), 6);
     lease->release();
     commit(*mgr, id, conversation(70, 10));  // each writes its own tail over the prefix
   }
@@ -139,7 +145,7 @@ TEST(SharedPrefixManager, LongConversationsKeepTheirOwnCopyRatherThanCopyTheirTa
   const auto prompt = conversation(60, 9);
   {
     auto lease = mgr->acquire("b");
-    ASSERT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 6);
+    ASSERT_EQ(share(*mgr, *lease, prompt), 6);
   }
   commit(*mgr, "b", conversation(60, 12));  // 6 own tokens: rebased on the prefix
   auto layer = [&](int64_t n) {
@@ -158,7 +164,7 @@ TEST(SharedPrefixManager, EvictingEverySharerFreesThePrefix) {
   {
     const auto prompt = conversation(60, 9);
     auto lease = mgr->acquire("b");
-    mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers);
+    share(*mgr, *lease, prompt);
   }
   EXPECT_EQ(mgr->stats().shared_prefixes, 1);
   mgr->clear("a");
@@ -174,10 +180,10 @@ TEST(SharedPrefixManager, NoShareBelowTheMinimumOrWhenOwnCacheIsBetter) {
   commit(*mgr, "b", conversation(60, 9));
   const auto prompt = conversation(60, 10);  // b holds 9 of these itself
   auto lease = mgr->acquire("b");
-  EXPECT_EQ(mgr->share_prefix(*lease->session(), prompt.data(), prompt.size(), kMarkers), 0);
+  EXPECT_EQ(share(*mgr, *lease, prompt), 0);
   std::vector<int64_t> other{1, 2, 3, 4, 5, 6, 7};  // shares nothing with anyone
   auto lease_c = mgr->acquire("c");
-  EXPECT_EQ(mgr->share_prefix(*lease_c->session(), other.data(), other.size(), kMarkers), 0);
+  EXPECT_EQ(share(*mgr, *lease_c, other), 0);
 }
 
 }  // namespace

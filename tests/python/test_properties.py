@@ -122,9 +122,10 @@ def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
         prompt = edit(conversations.get(sid, []), kind, at, new)
         ids = torch.tensor(prompt, dtype=torch.long)
         with mgr.acquire(sid) as session:
-            if mgr.share_prefix(session, ids, MARKERS):
-                event("started from a shared prefix")
             plan = session.plan(ids)
+            if mgr.share_prefix(session, ids, MARKERS, plan):
+                event("started from a shared prefix")
+                plan = session.plan(ids)
             kept = plan.kept_tokens
             assert kept <= len(prompt) - 1
             assert kept <= plan.common_prefix

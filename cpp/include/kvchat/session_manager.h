@@ -105,11 +105,12 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   std::vector<EvictedCache> take_evicted();
 
   // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
-  // session leased, before planning: when another resident session or a
-  // shared prefix holds more of `prompt` than `session` does, the session
-  // starts from it (by reference). Returns the tokens it starts with, or 0.
+  // session leased, after planning (`own`: the session's plan for `prompt`):
+  // when another resident session or a shared prefix holds more of `prompt`
+  // than `own` keeps, the session starts from it (by reference). Returns the
+  // tokens it starts with, or 0; when not 0, plan again.
   int64_t share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
-                       const TurnMarkers& markers);
+                       const TurnMarkers& markers, const ReusePlan& own);
 
  private:
   friend class SessionLease;
