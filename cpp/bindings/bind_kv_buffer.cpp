@@ -10,6 +10,7 @@ void bind_kv_buffer(py::module_& m) {
       .def(py::init<const at::Tensor&, const at::Tensor&>(), py::arg("keys"), py::arg("values"))
       .def_static("empty_like", &KvBuffer::empty_like, py::arg("keys"), py::arg("values"),
                   py::arg("capacity"))
+      .def_static("grown_capacity", &KvBuffer::grown_capacity, py::arg("needed"))
       .def("reserve", &KvBuffer::reserve, py::arg("total_tokens"))
       .def("append", &KvBuffer::append, py::arg("keys"), py::arg("values"))
       .def("crop", &KvBuffer::crop, py::arg("length"))

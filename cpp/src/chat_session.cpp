@@ -122,6 +122,11 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
                     new_from);
   check_layers_consistent(layers, n);
   for (const auto& cp : checkpoints) check_checkpoint(cp, static_cast<int64_t>(layers.size()), n);
+  // Room left over from decoding is given back, so the budget counts what the
+  // session needs, not what the turn reserved.
+  for (auto& layer : layers) {
+    if (auto compact = layer->without_slack()) layer = std::move(compact);
+  }
 
   // Checks inspect only the region that is new this turn.
   int64_t trusted = n;
@@ -183,14 +188,6 @@ CachedState ChatSession::take_cache() {
   trusted_tokens_ = 0;
   last_check_.clear();
   return out;
-}
-
-void ChatSession::release_layers() {
-  std::vector<LayerStatePtr> released;
-  std::lock_guard<std::mutex> lock(mutex_);
-  cached_ids_.clear();
-  cached_text_.clear();
-  released.swap(layers_);
 }
 
 namespace {
@@ -324,7 +321,8 @@ void ChatSession::restore(CachedState state) {
 
 bool ChatSession::resident() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return !layers_.empty();
+  // Checkpoints count too: whatever the budget counts, eviction must be able to free.
+  return !layers_.empty() || !checkpoints_.empty();
 }
 
 CacheInfo ChatSession::cache_info() const {

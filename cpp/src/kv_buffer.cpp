@@ -70,6 +70,10 @@ void KvBuffer::move_to_new_arenas(int64_t capacity) {
   reallocations_ += 1;
 }
 
+int64_t KvBuffer::grown_capacity(int64_t needed) {
+  return needed + std::max<int64_t>(16, needed / 4);
+}
+
 void KvBuffer::reserve(int64_t total_tokens) {
   TORCH_CHECK_VALUE(total_tokens >= 0, "total_tokens must be >= 0, got ", total_tokens);
   const bool owns_tail = keys_->committed() == length_ && values_->committed() == length_;
@@ -90,7 +94,7 @@ void KvBuffer::append(const at::Tensor& keys, const at::Tensor& values) {
   const int64_t n = keys.size(2);
   // Keys first, then values: whoever wins the keys' tail owns the values' too.
   if (!(keys_->claim(length_, n) && values_->claim(length_, n))) {
-    move_to_new_arenas(std::max(2 * (length_ + n), int64_t{64}));
+    move_to_new_arenas(grown_capacity(length_ + n));
     TORCH_INTERNAL_ASSERT(keys_->claim(length_, n) && values_->claim(length_, n));
   }
   keys_->storage().narrow(2, length_, n).copy_(keys);

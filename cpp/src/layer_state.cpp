@@ -197,6 +197,15 @@ void AttentionState::collect_storage(StorageBytes* seen) const {
   add_storage(values_, seen);
 }
 
+LayerStatePtr AttentionState::without_slack() const {
+  if (!key_arena_ || !value_arena_) return nullptr;
+  const int64_t own = keys_.size(2);
+  if (key_arena_->capacity() <= KvBuffer::grown_capacity(own)) return nullptr;
+  // Arena-backed states never sit on a shared prefix (see from_buffer and cropped).
+  TORCH_INTERNAL_ASSERT(prefix_ == nullptr);
+  return std::make_shared<AttentionState>(keys_.clone(), values_.clone());
+}
+
 LayerStatePtr compact_copy(const LayerState& state) {
   if (const auto* attention = dynamic_cast<const AttentionState*>(&state)) {
     // On a shared prefix, keys() already concatenates into a fresh tensor.
@@ -337,6 +346,11 @@ std::vector<at::Tensor> HybridState::tensors() const {
 void HybridState::collect_storage(StorageBytes* seen) const {
   if (attention_) attention_->collect_storage(seen);
   recurrent_->collect_storage(seen);
+}
+
+LayerStatePtr HybridState::without_slack() const {
+  auto attention = attention_ ? attention_->without_slack() : nullptr;
+  return attention ? std::make_shared<HybridState>(std::move(attention), recurrent_) : nullptr;
 }
 
 at::ScalarType HybridState::dtype() const {

@@ -111,22 +111,24 @@ TEST(ChatSession, NonFiniteKvInTheNewRegionIsNotTrusted) {
   EXPECT_EQ(s.cache_info().trusted_tokens, 4);
 }
 
-TEST(ChatSession, ReleaseLayersHandsTheTensorsOverButKeepsCheckpoints) {
-  ChatSession s("h", 2);
-  auto ids = iota_ids(30);
-  s.commit(ids.data(), 30, {testing::attention_layer(30), testing::recurrent_layer(30)}, 0,
-           kMarkers, kRule, {{10, {nullptr, testing::recurrent_layer(10)}}});
-  auto plan = s.plan(ids.data(), 30);
-  auto layers = s.layers_for(plan);
-  s.release_layers();
-  EXPECT_FALSE(s.resident());
-  EXPECT_TRUE(s.cached_ids().empty());
-  EXPECT_EQ(s.cache_info().checkpoints, 1);
-  // The turn commits what it built from the handed-over layers.
-  s.commit(ids.data(), 30, {testing::attention_layer(30), testing::recurrent_layer(30)},
-           plan.kept_tokens, kMarkers, kRule);
-  EXPECT_EQ(s.cache_info().checkpoint_positions, (std::vector<int64_t>{10}));
-  EXPECT_TRUE(s.resident());
+TEST(ChatSession, CommitGivesBackRoomLeftOverFromDecoding) {
+  // A turn reserved room for 4096 tokens and used 42: the session keeps 42
+  // (plus at most grown_capacity's headroom), not the reservation.
+  ChatSession s("slack", 1);
+  auto ids = iota_ids(42);
+  auto buffer = KvBuffer::empty_like(at::zeros({1, 2, 1, 4}), at::zeros({1, 2, 1, 4}), 4096);
+  buffer.append(at::ones({1, 2, 42, 4}), at::ones({1, 2, 42, 4}));
+  s.commit(ids.data(), 42, {AttentionState::from_buffer(buffer)}, 0, kMarkers, kRule);
+  const int64_t per_token = 2 * 2 * 4 * static_cast<int64_t>(sizeof(float));
+  EXPECT_LE(s.cache_info().nbytes, KvBuffer::grown_capacity(42) * per_token);
+  EXPECT_EQ(s.cache_info().cached_tokens, 42);
+
+  // Room within grown_capacity is kept, so the next turn can append in place.
+  ChatSession t("headroom", 1);
+  auto kept = KvBuffer::empty_like(at::zeros({1, 2, 1, 4}), at::zeros({1, 2, 1, 4}), 50);
+  kept.append(at::ones({1, 2, 42, 4}), at::ones({1, 2, 42, 4}));
+  t.commit(ids.data(), 42, {AttentionState::from_buffer(kept)}, 0, kMarkers, kRule);
+  EXPECT_EQ(t.cache_info().nbytes, 50 * per_token);
 }
 
 TEST(ChatSession, InvalidateKeepsMessagesAndCounters) {

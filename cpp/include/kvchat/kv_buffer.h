@@ -43,11 +43,16 @@ class KvBuffer {
   // An empty buffer shaped like `keys`/`values` with room for `capacity` tokens.
   static KvBuffer empty_like(const at::Tensor& keys, const at::Tensor& values, int64_t capacity);
 
+  // The capacity a buffer that must hold `needed` tokens grows to: a quarter
+  // more (at least 16), so appends copy the buffer O(log) times in all while
+  // an idle session never holds more than that much unused room.
+  static int64_t grown_capacity(int64_t needed);
+
   // Makes room for `total_tokens` so later appends up to it never reallocate.
   void reserve(int64_t total_tokens);
   // Writes keys/values ([1, heads, n, dim]) after the current length: in place
-  // when this buffer owns the arenas' tail, otherwise into fresh arenas that
-  // grow by doubling.
+  // when this buffer owns the arenas' tail, otherwise into fresh arenas of
+  // grown_capacity.
   void append(const at::Tensor& keys, const at::Tensor& values);
   // Shortens the buffer; the arenas keep their data for other holders.
   void crop(int64_t length);

@@ -62,6 +62,10 @@ class LayerState {
   // True when no NaN/Inf was written for positions >= begin.
   bool finite_from(int64_t begin) const { return all_finite(tensors_from(begin)); }
   virtual void collect_storage(StorageBytes* seen) const;
+  // A compact copy when this state pins much more storage than it uses (a KV
+  // arena with room left over from decoding), so a session stores no more than
+  // KvBuffer::grown_capacity of its tokens; nullptr when it is already compact.
+  virtual LayerStatePtr without_slack() const { return nullptr; }
   virtual at::ScalarType dtype() const { return tensors().front().scalar_type(); }
   virtual at::Device device() const { return tensors().front().device(); }
 };
@@ -98,6 +102,7 @@ class AttentionState final : public LayerState {
   std::vector<at::Tensor> tensors() const override { return {keys(), values()}; }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   void collect_storage(StorageBytes* seen) const override;
+  LayerStatePtr without_slack() const override;
   at::ScalarType dtype() const override { return keys_.scalar_type(); }
   at::Device device() const override { return keys_.device(); }
   // Whole keys / values; a concatenation (copy) when on a shared prefix.
@@ -179,6 +184,7 @@ class HybridState final : public LayerState {
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   // Never through tensors(): that would concatenate a shared attention prefix.
   void collect_storage(StorageBytes* seen) const override;
+  LayerStatePtr without_slack() const override;
   at::ScalarType dtype() const override;
   at::Device device() const override;
   const LayerStatePtr& attention() const { return attention_; }
