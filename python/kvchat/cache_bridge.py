@@ -18,7 +18,9 @@ tensors of a finished turn by reference.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import (
     DynamicLayer,
@@ -126,6 +128,49 @@ def _write_recurrent(layer, state, slots) -> None:
         layer.has_previous_state[index] = True
 
 
+@dataclass(frozen=True)
+class LayerTemplate:
+    """What one layer's state must look like for this model, read off a cache
+    the model filled: anything loaded from outside is checked against it."""
+
+    parts: tuple[str, ...]  # ("attention",), ("sliding",), ("recurrent",) or two of them
+    dtype: torch.dtype | None = None  # of the attention part
+    kv_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    window: int | None = None  # the most tokens a sliding layer holds
+    slots: tuple[tuple[str, int], ...] = ()  # the recurrent tensors' (kind, index)
+    recurrent: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # their shapes and dtypes
+
+
+def _probe_templates(model, parts: list) -> list[LayerTemplate]:
+    """Runs the model over one token into a fresh cache, once, and reads off
+    each layer's tensor layout: which recurrent tensors it fills, and shapes."""
+    cache = DynamicCache(config=model.config)
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        model(input_ids=token, past_key_values=cache, use_cache=True)
+    templates = []
+    for layer, layer_parts in zip(cache.layers, parts, strict=True):
+        fields: dict = {"parts": layer_parts}
+        if layer_parts[0] != "recurrent":
+            keys, values = layer.keys, layer.values
+            fields.update(
+                dtype=keys.dtype,
+                kv_heads=keys.shape[1],
+                key_dim=keys.shape[3],
+                value_dim=values.shape[3],
+            )
+            if layer_parts[0] == "sliding":
+                fields["window"] = int(layer.sliding_window)
+        if "recurrent" in layer_parts:
+            slots = _recurrent_slots(layer)
+            tensors = [getattr(layer, f"{kind}_states")[i] for kind, i in slots]
+            fields.update(slots=slots, recurrent=tuple((tuple(t.shape), t.dtype) for t in tensors))
+        templates.append(LayerTemplate(**fields))
+    return templates
+
+
 class CacheBridge:
     """One per model: knows its layer layout and builds caches for it."""
 
@@ -143,8 +188,9 @@ class CacheBridge:
         self.supported = self.num_layers > 0 and not unsupported and has_attention
         # Anything but full attention cannot crop back, so needs checkpoints.
         self.needs_checkpoints = any(p != ("attention",) for p in self._parts)
-        # Recurrent tensor layouts, learned from the first cache the model fills.
-        self._slots: list[tuple | None] = [None] * self.num_layers
+        # Each layer's tensor layout, read once off a cache the model filled;
+        # never learned from a turn or a file, so nothing outside can change it.
+        self.templates = _probe_templates(model, self._parts) if self.supported else []
         if not self.supported:
             logger.warning(
                 "kvchat: cache layers %s are not supported; every turn will prefill the "
@@ -154,18 +200,22 @@ class CacheBridge:
 
     @property
     def slots(self) -> list:
-        """Per layer, the recurrent tensor layout learned so far (None: not yet)."""
-        return [None if s is None else [list(slot) for slot in s] for s in self._slots]
+        """Per layer, the (kind, index) of each recurrent tensor (None: no recurrent part),
+        as session files record them."""
+        return [
+            [list(slot) for slot in t.slots] if "recurrent" in t.parts else None
+            for t in self.templates
+        ]
 
-    def adopt_slots(self, slots: list) -> None:
-        """Takes layouts saved by another bridge for this model (a session file)."""
-        if not isinstance(slots, list) or len(slots) != self.num_layers:
-            raise ValueError(f"slots must list {self.num_layers} layers, got {slots!r}")
-        learned = [None if s is None else tuple((str(k), int(i)) for k, i in s) for s in slots]
-        for index, (mine, theirs) in enumerate(zip(self._slots, learned, strict=True)):
-            if mine is not None and theirs is not None and mine != theirs:
-                raise ValueError(f"layer {index} holds recurrent tensors {mine}, not {theirs}")
-        self._slots = [mine or theirs for mine, theirs in zip(self._slots, learned, strict=True)]
+    def detach_recurrent(self, cache: DynamicCache) -> None:
+        """Gives ``cache`` its own copies of its recurrent tensors, which the model
+        updates in place: a cache handed back to the caller after the session
+        stored those tensors by reference must not write into the session."""
+        for index, template in enumerate(self.templates):
+            layer = cache.layers[index]
+            for kind, i in template.slots:
+                states = getattr(layer, f"{kind}_states")
+                states[i] = states[i].clone()
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self._config)
@@ -193,9 +243,9 @@ class CacheBridge:
                 continue
             elif isinstance(state, _C.HybridState):
                 _write_attention(cache.layers[index], state.attention)
-                _write_recurrent(cache.layers[index], state.recurrent, self._slots[index])
+                _write_recurrent(cache.layers[index], state.recurrent, self.templates[index].slots)
             elif parts == ("recurrent",):
-                _write_recurrent(cache.layers[index], state, self._slots[index])
+                _write_recurrent(cache.layers[index], state, self.templates[index].slots)
             else:
                 _write_attention(cache.layers[index], state)
         return cache
@@ -220,12 +270,10 @@ class CacheBridge:
             if "recurrent" not in parts:
                 return attention
         slots = _recurrent_slots(layer)
-        if self._slots[index] is None:
-            self._slots[index] = slots
-        elif self._slots[index] != slots:
+        if slots != self.templates[index].slots:
             raise RuntimeError(
-                f"layer {index} ({self.layer_classes[index]}) changed its recurrent tensors "
-                f"from {self._slots[index]} to {slots}"
+                f"layer {index} ({self.layer_classes[index]}) filled recurrent tensors {slots}, "
+                f"not {self.templates[index].slots} as when kvchat probed it"
             )
         tensors = [getattr(layer, f"{kind}_states")[i] for kind, i in slots]
         recurrent = _C.RecurrentState(tensors, tokens)

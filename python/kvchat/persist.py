@@ -1,10 +1,13 @@
 """Session files: one session's cache, token ids and messages in ``safetensors``.
 
 A file is self-describing and checked whole before anything uses it: its format
-version, the fingerprint of the model that wrote it (config, dtype, layer
-classes and a sample of the weights) and a SHA-256 of every tensor byte. So a
-truncated or corrupted file, or one from another model, raises
-``SessionFileError`` and is never half-loaded.
+version; the fingerprint of the model that wrote it (config, dtype, layer
+classes and every weight, see ``fingerprint``); a SHA-256 over everything else
+it holds (every metadata entry, and each tensor's name, dtype, shape and
+bytes); and every layer state against the layout the model itself fills
+(``CacheBridge.templates``). So a truncated, corrupted or foreign file raises
+``SessionFileError`` and is never half-loaded, and a file never changes
+anything beyond the session it is loaded into.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,9 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from . import _C
 
-FORMAT = "kvchat-session-1"
-# Config entries that differ between two loads of one model, or do not affect its KV.
-_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash")
+# 2: the checksum covers the metadata and tensor headers, not only tensor bytes.
+FORMAT = "kvchat-session-2"
 
 
 class SessionFileError(ValueError):
@@ -38,26 +40,6 @@ class SessionFile:
     session_id: str
     messages: list[dict[str, str]]
     state: _C.CachedState | None  # None: the session had nothing cached
-    # Per layer, the (kind, index) of each recurrent tensor, as CacheBridge learned them.
-    slots: list | None = None
-
-
-def model_fingerprint(model, layer_classes: list[str]) -> dict:
-    """What must match for a saved cache to be valid for ``model``."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG}
-    config_json = json.dumps(config, sort_keys=True, default=str)
-    weights = hashlib.sha256()
-    params = list(model.parameters())
-    for param in (params[0], params[-1]):  # enough to tell two seeds or checkpoints apart
-        sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float64).contiguous()
-        weights.update(sample.numpy().tobytes())
-    return {
-        "model_type": model.config.model_type,
-        "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
-        "dtype": str(next(model.parameters()).dtype),
-        "layer_classes": layer_classes,
-        "weights_sha256": weights.hexdigest(),
-    }
 
 
 # ----------------------------------------------------------------- encoding
@@ -83,30 +65,89 @@ def _encode(state, name: str, tensors: dict) -> dict | None:
     raise TypeError(f"cannot save a layer state of type {type(state).__name__}")
 
 
-def _decode(desc: dict | None, name: str, tensors: dict):
-    if desc is None:
-        return None
-    kind = desc["kind"]
-    if kind == "hybrid":
-        return _C.HybridState(
-            _decode(desc["attention"], f"{name}.a", tensors),
-            _decode(desc["recurrent"], f"{name}.r", tensors),
+def _check_kv(keys, values, template, where: str) -> None:
+    expected = (1, template.kv_heads, keys.shape[2] if keys.dim() == 4 else -1)
+    if (
+        keys.dim() != 4
+        or values.dim() != 4
+        or tuple(keys.shape[:3]) != expected
+        or tuple(values.shape[:3]) != expected
+        or keys.shape[3] != template.key_dim
+        or values.shape[3] != template.value_dim
+        or keys.dtype != template.dtype
+        or values.dtype != template.dtype
+    ):
+        raise ValueError(
+            f"{where}: keys {tuple(keys.shape)} {keys.dtype} and values {tuple(values.shape)} "
+            f"{values.dtype} do not fit this model's [1, {template.kv_heads}, tokens, "
+            f"{template.key_dim}/{template.value_dim}] {template.dtype}"
         )
-    if kind == "attention":
-        return _C.AttentionState(tensors[f"{name}.0"], tensors[f"{name}.1"])
-    if kind == "sliding_window":
-        return _C.SlidingWindowState(tensors[f"{name}.0"], tensors[f"{name}.1"], desc["tokens"])
+
+
+def _tokens(desc: dict, where: str) -> int:
+    tokens = desc["tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"{where}: token count {tokens!r} is not a count")
+    return tokens
+
+
+def _decode(desc, name: str, tensors: dict, template, snapshot: bool = False):
+    """The layer state ``desc`` describes, checked against the model's ``template``
+    for that layer. ``snapshot``: a checkpoint's, where a part that crops is absent."""
+    parts = template.parts
+    if desc is None:
+        # Only a checkpoint may omit a layer, and only one that crops back.
+        if snapshot and parts == ("attention",):
+            return None
+        raise ValueError(f"{name}: a {'/'.join(parts)} layer has no state")
+    kind = desc["kind"]
+    expected = {
+        ("attention",): "attention",
+        ("sliding",): "sliding_window",
+        ("recurrent",): "recurrent",
+    }.get(parts, "hybrid")
+    if kind != expected:
+        raise ValueError(f"{name}: a {kind!r} state for a {'/'.join(parts)} layer")
+    if kind == "hybrid":
+        attention = _decode(
+            desc["attention"], f"{name}.a", tensors, replace(template, parts=parts[:1]), snapshot
+        )
+        recurrent = _decode(
+            desc["recurrent"], f"{name}.r", tensors, replace(template, parts=parts[1:]), snapshot
+        )
+        return _C.HybridState(attention, recurrent)
     if kind == "recurrent":
-        parts = [tensors[f"{name}.{j}"] for j in range(desc["count"])]
-        return _C.RecurrentState(parts, desc["tokens"])
-    raise SessionFileError(f"unknown layer kind {kind!r}")
+        count = len(template.recurrent)
+        if desc["count"] != count:
+            raise ValueError(f"{name}: {desc['count']!r} recurrent tensors, this model has {count}")
+        states = [tensors[f"{name}.{j}"] for j in range(count)]
+        for j, (tensor, (shape, dtype)) in enumerate(zip(states, template.recurrent, strict=True)):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{name}.{j}: {tuple(tensor.shape)} {tensor.dtype}, this model's is {shape} "
+                    f"{dtype}"
+                )
+        return _C.RecurrentState(states, _tokens(desc, name))
+    keys, values = tensors[f"{name}.0"], tensors[f"{name}.1"]
+    _check_kv(keys, values, template, name)
+    if kind == "attention":
+        return _C.AttentionState(keys, values)
+    if keys.shape[2] > template.window:
+        raise ValueError(f"{name}: {keys.shape[2]} tokens in a window of {template.window}")
+    return _C.SlidingWindowState(keys, values, _tokens(desc, name))
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every metadata entry but the digest itself, and each tensor's
+    name, dtype, shape and bytes: no byte of the file's meaning is outside it."""
     h = hashlib.sha256()
+    for key in sorted(metadata):
+        if key != "sha256":
+            h.update(json.dumps([key, metadata[key]]).encode())
     for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        tensor = tensors[name]
+        h.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        h.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -123,7 +164,7 @@ def _owned_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_session(path, session_id, messages, state, fingerprint, slots=None) -> None:
+def write_session(path, session_id, messages, state, fingerprint, slots) -> None:
     """Writes the file atomically: a reader sees the old file or the new one."""
     tensors: dict[str, torch.Tensor] = {}
     layout = None
@@ -151,8 +192,8 @@ def write_session(path, session_id, messages, state, fingerprint, slots=None) ->
         "messages": json.dumps(messages),
         "cache": json.dumps(layout),
         "fingerprint": json.dumps(fingerprint, sort_keys=True),
-        "sha256": _digest(tensors),
     }
+    metadata["sha256"] = _digest(metadata, tensors)
     path = Path(path)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -181,11 +222,24 @@ def read_metadata(path) -> dict[str, str]:
     return metadata
 
 
-def read_session(path, fingerprint: dict, device) -> SessionFile:
-    """Reads and checks the whole file; raises SessionFileError, changing nothing."""
+def read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
+    """Reads and checks the whole file against the model (its ``fingerprint`` and
+    ``bridge``'s layer templates); raises SessionFileError, changing nothing."""
+    try:
+        return _read_session(path, fingerprint, device, bridge)
+    except SessionFileError:
+        raise
+    except Exception as error:  # any malformed content is the file's fault
+        raise SessionFileError(
+            f"path {str(path)!r} is malformed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
     metadata = read_metadata(path)
     saved = json.loads(metadata["fingerprint"])
-    if saved != fingerprint:
+    if not isinstance(saved, dict) or saved != fingerprint:
+        saved = saved if isinstance(saved, dict) else {}
         differ = sorted(
             k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k)
         )
@@ -198,31 +252,40 @@ def read_session(path, fingerprint: dict, device) -> SessionFile:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as error:
         raise SessionFileError(f"path {str(path)!r} is truncated or corrupted: {error}") from error
-    if _digest(tensors) != metadata.get("sha256"):
-        raise SessionFileError(
-            f"path {str(path)!r} is corrupted: its tensor checksum does not match"
-        )
-    try:
-        messages = json.loads(metadata["messages"])
-        layout = json.loads(metadata["cache"])
-        tensors = {name: t.to(device) for name, t in tensors.items()}
-        state, slots = None, None
-        if layout is not None:
-            slots = layout["slots"]
-            layers = [_decode(d, f"layer.{i}", tensors) for i, d in enumerate(layout["layers"])]
-            checkpoints = [
-                _C.Checkpoint(
-                    cp["position"],
-                    [
-                        _decode(d, f"checkpoint.{c}.{i}", tensors)
-                        for i, d in enumerate(cp["states"])
-                    ],
-                )
-                for c, cp in enumerate(layout["checkpoints"])
-            ]
-            state = _C.CachedState(
-                layout["ids"], layers, checkpoints, layout["text"], layout["trusted_tokens"]
+    if _digest(metadata, tensors) != metadata.get("sha256"):
+        raise SessionFileError(f"path {str(path)!r} is corrupted: its checksum does not match")
+    messages = json.loads(metadata["messages"])
+    layout = json.loads(metadata["cache"])
+    templates = bridge.templates
+    state = None
+    if layout is not None:
+        if layout["slots"] != bridge.slots:
+            raise SessionFileError(
+                f"path {str(path)!r} records recurrent tensors {layout['slots']}, this model "
+                f"fills {bridge.slots}"
             )
-    except (KeyError, TypeError, ValueError, IndexError) as error:
-        raise SessionFileError(f"path {str(path)!r} has a malformed layout: {error!r}") from error
-    return SessionFile(metadata["session_id"], messages, state, slots)
+        if len(layout["layers"]) != len(templates):
+            raise SessionFileError(
+                f"path {str(path)!r} has {len(layout['layers'])} layers, the model {len(templates)}"
+            )
+        tensors = {name: t.to(device) for name, t in tensors.items()}
+        layers = [
+            _decode(d, f"layer.{i}", tensors, templates[i]) for i, d in enumerate(layout["layers"])
+        ]
+        checkpoints = []
+        for c, cp in enumerate(layout["checkpoints"]):
+            if len(cp["states"]) != len(templates):
+                raise SessionFileError(f"path {str(path)!r}: checkpoint {c} has the wrong layers")
+            states = [
+                _decode(d, f"checkpoint.{c}.{i}", tensors, templates[i], snapshot=True)
+                for i, d in enumerate(cp["states"])
+            ]
+            checkpoints.append(_C.Checkpoint(cp["position"], states))
+        text = layout["text"]
+        if not isinstance(text, str):
+            raise SessionFileError(f"path {str(path)!r}: cached text is not a string")
+        state = _C.CachedState(layout["ids"], layers, checkpoints, text, layout["trusted_tokens"])
+    session_id = metadata["session_id"]
+    if not isinstance(session_id, str) or not isinstance(messages, list):
+        raise SessionFileError(f"path {str(path)!r} has a malformed session id or messages")
+    return SessionFile(session_id, messages, state)

@@ -86,10 +86,10 @@ class Spill:
                 ):
                     return False
                 started = time.perf_counter()
-                saved = read_session(path, fingerprint, device)
-                bridge.adopt_slots(saved.slots)
+                saved = read_session(path, fingerprint, device, bridge)
                 session.restore(saved.state)
-            except (SessionFileError, OSError, ValueError) as error:
+            except (SessionFileError, OSError, ValueError, KeyError, TypeError) as error:
+                # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)
                 return False
             ms = (time.perf_counter() - started) * 1e3

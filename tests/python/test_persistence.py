@@ -134,7 +134,7 @@ def test_garbage_and_foreign_files_are_rejected(llama, tokenizer, tmp_path):
 
 def test_a_different_model_is_rejected(tokenizer, saved):
     other = _model("llama", seed=1)  # same config, other weights
-    bad_file_is_rejected(other, tokenizer, saved, "different model.*weights_sha256")
+    bad_file_is_rejected(other, tokenizer, saved, "different model.*weights differ")
     qwen = _model("qwen2")
     bad_file_is_rejected(qwen, tokenizer, saved, "different model")
 

@@ -1,0 +1,68 @@
+"""The model fingerprint: what must match for a saved cache to be valid for a model.
+
+A cache is only valid for the exact weights that computed it, so the
+fingerprint covers every parameter and buffer (PEFT adapters, loaded or merged,
+included): each tensor's name, shape and dtype, and two exact sums of its
+contents computed where it lives. One pass over the weights, on the device: no
+copy to the host and no Python loop over elements.
+
+The sums are not a cryptographic hash: they tell any accidental difference
+(another checkpoint, one changed value, a fine-tune, permuted rows) from the
+same weights, which is what a cache needs; they are not a defence against a
+file crafted to collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+# Config entries that differ between two loads of one model, or do not affect its KV.
+_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash")
+_CHUNK = 1 << 22  # elements summed at once: bounds the temporary memory per tensor
+# An odd 64-bit constant (the golden ratio's): position i weighs i * _MIX mod 2**64,
+# so moving values around changes the weighted sum too.
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
+_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _content_sums(tensor: torch.Tensor) -> tuple[int, int]:
+    """(sum, position-weighted sum) of the tensor's raw words, mod 2**64."""
+    flat = tensor.detach().reshape(-1)
+    words = flat.view(_AS_INTEGERS[flat.element_size()])
+    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(
+            start, start + chunk.numel(), dtype=torch.int64, device=flat.device
+        ).mul_(_MIX)
+        plain += chunk.sum()
+        # Not in place: for 8-byte dtypes `chunk` is a view of the weights themselves.
+        weighted += (chunk * weights).sum()
+    return int(plain), int(weighted)
+
+
+def weights_checksum(model) -> str:
+    """A digest of every parameter and buffer: names, shapes, dtypes and contents."""
+    digest = hashlib.sha256()
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    for name, tensor in tensors:
+        sums = None if tensor.is_meta else _content_sums(tensor)
+        digest.update(json.dumps([name, list(tensor.shape), str(tensor.dtype), sums]).encode())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model, layer_classes: list[str]) -> dict:
+    """What must match for a saved cache to be valid for ``model``."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG}
+    config_json = json.dumps(config, sort_keys=True, default=str)
+    return {
+        "model_type": model.config.model_type,
+        "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+        "dtype": str(next(model.parameters()).dtype),
+        "layer_classes": layer_classes,
+        "weights": weights_checksum(model),
+    }
