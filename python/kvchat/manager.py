@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import TextIteratorStreamer
 
 from . import _C
 from .cache_bridge import CacheBridge
-from .persist import model_fingerprint, read_session, write_session
+from .fingerprint import model_fingerprint
+from .generate_args import GenerateArgs, resolve_generate_args
+from .persist import SessionFileError, read_session, write_session
 from .prefill import ChunkedPrefill
 from .prompting import (
     render_text,
@@ -27,15 +26,26 @@ from .prompting import (
 )
 from .report import ManagerStats, SessionInfo, TurnReport
 from .spill import Spill
+from .streaming import ReplyStream
 from .timing import FirstTokenTimer
 from .units import parse_bytes
 
 logger = logging.getLogger("kvchat")
 
 
+# The core's sizes are signed 64-bit.
+_MAX_INT = 2**63 - 1
+
+
 def _check_session_id(session_id) -> str:
     if not isinstance(session_id, str) or not session_id:
         raise TypeError(f"session_id must be a non-empty string, got {session_id!r}")
+    try:
+        session_id.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"session_id must be valid Unicode text, got {session_id!r} ({error.reason})"
+        ) from None
     return session_id
 
 
@@ -56,8 +66,8 @@ def _check_path(path) -> Path:
 def _positive_int(value, name: str, allow_none: bool = False):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_INT:
+        raise ValueError(f"{name} must be a positive int, got {value!r} (at most 2**63 - 1)")
     return value
 
 
@@ -139,9 +149,11 @@ class SessionManager:
         if (
             isinstance(max_checkpoints, bool)
             or not isinstance(max_checkpoints, int)
-            or max_checkpoints < 0
+            or not 0 <= max_checkpoints <= _MAX_INT
         ):
-            raise ValueError(f"max_checkpoints must be an int >= 0, got {max_checkpoints!r}")
+            raise ValueError(
+                f"max_checkpoints must be an int >= 0 and below 2**63, got {max_checkpoints!r}"
+            )
         if not isinstance(share_prefixes, bool):
             raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
         _positive_int(min_shared_tokens, "min_shared_tokens")
@@ -180,7 +192,8 @@ class SessionManager:
         """Answers the whole conversation ``messages``; returns the reply text."""
         text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        _, reply = self._turn(session_id, kwargs, ids, text=text, messages=messages)
+        args = resolve_generate_args(self._model, kwargs, ids.numel())
+        _, reply = self._turn(session_id, args, ids, text=text, messages=messages)
         return reply
 
     def stream_chat(
@@ -190,35 +203,23 @@ class SessionManager:
         max_new_tokens: int = 128,
         do_sample: bool = False,
         **generate_kwargs,
-    ) -> Iterator[str]:
-        """Like chat(), but yields text pieces as they are generated."""
+    ) -> ReplyStream:
+        """Like chat(), but yields text pieces as they are generated.
+
+        Closing the stream (``close()``, leaving a ``for`` loop over it with
+        ``break``, or dropping it) stops generation within a token; the
+        session keeps what was generated and stays exact."""
         # Validate now, so bad input raises here rather than at the first next().
         text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
-        streamer = TextIteratorStreamer(self._tokenizer, skip_prompt=True, skip_special_tokens=True)
-        kwargs = dict(
-            generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer
+        kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
+        stream = ReplyStream(
+            self._tokenizer,
+            kwargs,
+            lambda kwargs: self._turn(session_id, args, ids, text=text, messages=messages),
+            name=f"kvchat-stream-{session_id}",
         )
-        failure: list[BaseException] = []
-
-        def run():
-            try:
-                self._turn(session_id, kwargs, ids, text=text, messages=messages)
-            except BaseException as error:  # re-raised in the consumer's thread
-                failure.append(error)
-                streamer.end()
-
-        worker = threading.Thread(target=run, name=f"kvchat-stream-{session_id}", daemon=True)
-        worker.start()
-
-        def pieces():
-            for text in streamer:
-                if text:
-                    yield text
-            worker.join()
-            if failure:
-                raise failure[0]
-
-        return pieces()
+        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
+        return stream.start()
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
@@ -243,7 +244,10 @@ class SessionManager:
                 input_ids.shape[0],
             )
             return self._model.generate(input_ids, **generate_kwargs)
-        output, _ = self._turn(session_id, generate_kwargs, input_ids[0].long())
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids must hold at least one token")
+        args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
+        output, _ = self._turn(session_id, args, input_ids[0].long())
         return output
 
     # ------------------------------------------------------------ inspection
@@ -309,13 +313,17 @@ class SessionManager:
         path = _check_path(path)
         if not path.is_file():
             raise FileNotFoundError(f"path {str(path)!r} is not a file")
-        saved = read_session(path, self._fingerprint, self._model.device)
-        messages = validate_messages(saved.messages) if saved.messages else []
+        saved = read_session(path, self._fingerprint, self._model.device, self._bridge)
+        try:
+            messages = validate_messages(saved.messages) if saved.messages else []
+            if saved.state is not None:
+                # Checked on a scratch session, so a bad cache never creates or touches `target`.
+                _C.ChatSession("load-check", self._bridge.num_layers).restore(saved.state)
+        except (TypeError, ValueError, IndexError) as error:
+            raise SessionFileError(
+                f"path {str(path)!r} holds an invalid session: {error}"
+            ) from error
         target = session_id or saved.session_id
-        if saved.state is not None:
-            # Checked on a scratch session, so a bad cache never creates or touches `target`.
-            _C.ChatSession("load-check", self._bridge.num_layers).restore(saved.state)
-            self._bridge.adopt_slots(saved.slots)
         with self._core.acquire(target, wait=self._wait) as session:
             if saved.state is None:
                 session.invalidate_cache()
@@ -372,123 +380,123 @@ class SessionManager:
                 return torch.cat([cached, suffix])
         return fresh
 
-    def _max_new_tokens(self, generate_kwargs: dict) -> int:
-        max_new = generate_kwargs.get("max_new_tokens")
-        if max_new is not None:
-            _positive_int(max_new, "max_new_tokens")
-        else:
-            max_new = self._model.generation_config.max_new_tokens or 0
-        return max_new
-
-    def _check_context(self, prompt_tokens: int, generate_kwargs: dict) -> None:
+    def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is None:
             return
-        max_new = self._max_new_tokens(generate_kwargs)
-        if prompt_tokens + max_new > self._max_context:
+        if prompt_tokens + max_new_tokens > self._max_context:
             raise ValueError(
-                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new} exceeds "
+                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"max_context_length={self._max_context}"
             )
 
-    def _turn(self, session_id, generate_kwargs, fresh, *, text=None, messages=None):
+    def _turn(self, session_id, args: GenerateArgs, fresh, *, text=None, messages=None):
         """One turn: plan, build the cache, prefill to checkpoints, generate, store.
 
+        ``args``: the generate arguments, resolved (and so validated) by the caller;
         ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
         ``text``, for ``messages``: the prompt text they came from (text mode).
         Returns generate's output and, for messages, the reply text.
+
+        Everything that can be refused is refused before the session is leased,
+        so bad input leaves nothing behind; a turn that fails after that leaves
+        the session's cache as it was, since the session keeps its own states
+        until the commit replaces them.
         """
-        if fresh.numel() == 0:
-            raise ValueError("input_ids must hold at least one token")
-        # Checked before the session exists, so bad input leaves nothing behind.
-        self._max_new_tokens(generate_kwargs)
-        self._check_context(fresh.numel(), generate_kwargs)
+        self._check_context(fresh.numel(), args.max_new_tokens)
+        plain = args.plain_reason or (None if self._bridge.supported else "unsupported_layers")
+        if args.plain_reason:
+            logger.info("kvchat: %s runs as plain generate (%s)", session_id, args.why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()
-        kwargs = timer.attach(generate_kwargs)
-        # Beam search reorders and widens the cache; it runs without reuse.
-        single = max(kwargs.get("num_beams") or 1, kwargs.get("num_return_sequences") or 1) == 1
-        reuse = self._bridge.supported and single
+        kwargs = timer.attach(args.kwargs)
         try:
-            return self._leased_turn(
-                session_id, kwargs, fresh, text, messages, timer, reuse, single
-            )
+            with self._core.acquire(session_id, wait=self._wait) as session:
+                if plain is None:
+                    output, reply, record = self._reuse_turn(
+                        session, kwargs, fresh, text, messages, args.max_new_tokens
+                    )
+                else:
+                    output, reply, record = self._plain_turn(session, kwargs, fresh, messages)
+                    record.reason = plain
+                record.prefill_ms = timer.prefill_ms
+                record.total_ms = (time.perf_counter() - timer.started) * 1e3
+                session.record_turn(record)
+            if self._spill is not None and plain is None:
+                self._spill.observe_prefill(record.prefilled_tokens, record.prefill_ms)
+            return output, reply
         finally:
             self._flush_spill()
 
-    def _leased_turn(self, session_id, kwargs, fresh, text, messages, timer, reuse, single):
-        """The part of a turn that holds the session's lease."""
-        with self._core.acquire(session_id, wait=self._wait) as session:
-            # Text mode reads the session's cached text, so it matches under the lease.
-            prompt = fresh if text is None else self._text_prompt(session, text, fresh)
-            prompt = prompt.to("cpu", torch.long).contiguous()
-            self._check_context(prompt.numel(), kwargs)
-            model_input = prompt.unsqueeze(0).to(self._model.device)
+    def _finish(self, session, output, prompt, messages):
+        """(sequences, reply text, a turn record holding the counts) after generate."""
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        reply = None
+        if messages is not None:
+            reply = self._decode_reply(sequences, prompt.numel())
+            history = [*messages, {"role": "assistant", "content": reply}]
+            session.set_messages(_core_messages(history))
+        record = _C.TurnRecord()
+        record.prompt_tokens = prompt.numel()
+        record.output_ids = sequences[0, prompt.numel() :].tolist()
+        record.generated_tokens = len(record.output_ids)
+        return sequences, reply, record
 
-            restored, checkpoints = -1, []
-            if reuse:
-                reloaded = (
-                    self._spill is not None
-                    and not session.resident
-                    and self._spill.load_if_cheaper(
-                        session, prompt, self._fingerprint, self._model.device, self._bridge
-                    )
-                )
-                plan = session.plan(prompt)
-                # Another session's prefix, when it covers more than this plan keeps.
-                shared = self._core.share_prefix(session, prompt, self._markers, plan)
-                if shared:
-                    plan = session.plan(prompt)
-                kept, reason, restored = (
-                    plan.kept_tokens,
-                    plan.reason.name,
-                    plan.checkpoint_position,
-                )
-                if shared and kept == shared:
-                    reason = "shared_prefix"
-                elif reloaded and kept:
-                    reason = "spill_reload"
-                # Room for the whole turn, so decoding never reallocates.
-                total = prompt.numel() + self._max_new_tokens(kwargs)
-                states = session.layers_for(plan)
-                # The cache owns them now; if the buffer moves to a larger arena,
-                # the old one is freed layer by layer instead of held to the end.
-                session.release_layers()
-                cache = self._bridge.to_cache(states, reserve=total)
-                del states
-                if self._bridge.needs_checkpoints:
-                    positions = _C.checkpoint_positions(prompt, kept, self._markers)
-                    checkpoints = self._prefill.run(model_input, cache, kept, positions)
-            else:
-                kept = 0
-                reason = "unsupported_layers" if single else "multiple_sequences"
-                cache = self._bridge.new_cache()
-            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
-            sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            reply = None
-            if messages is not None:
-                reply = self._decode_reply(sequences, prompt.numel())
-                history = [*messages, {"role": "assistant", "content": reply}]
-                session.set_messages(_core_messages(history))
-            if reuse:
-                cached_text = text if self._match == "text" and text is not None else None
-                self._store(
-                    session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text
-                )
+    def _plain_turn(self, session, kwargs, prompt, messages):
+        """Plain generate, passing no cache: for what kvchat cannot carry. The
+        session's cache is left as it was."""
+        output = self._model.generate(prompt.unsqueeze(0).to(self._model.device), **kwargs)
+        _, reply, record = self._finish(session, output, prompt, messages)
+        record.prefilled_tokens = prompt.numel()
+        return output, reply, record
 
-            record = _C.TurnRecord()
-            record.prompt_tokens = prompt.numel()
-            record.reused_tokens = kept
-            record.prefilled_tokens = prompt.numel() - kept
-            record.checkpoint_restored = restored
-            record.output_ids = sequences[0, prompt.numel() :].tolist()
-            record.generated_tokens = len(record.output_ids)
-            record.prefill_ms = timer.prefill_ms
-            record.total_ms = (time.perf_counter() - timer.started) * 1e3
-            record.reason = reason
-            session.record_turn(record)
-            if self._spill is not None:
-                self._spill.observe_prefill(record.prefilled_tokens, record.prefill_ms)
-        return output, reply
+    def _reuse_turn(self, session, kwargs, fresh, text, messages, max_new_tokens):
+        """A turn that starts from what the session (or a shared prefix, or the
+        spill) holds of the prompt and commits the new cache after it."""
+        # Text mode reads the session's cached text, so it matches under the lease.
+        prompt = fresh if text is None else self._text_prompt(session, text, fresh)
+        prompt = prompt.to("cpu", torch.long).contiguous()
+        self._check_context(prompt.numel(), max_new_tokens)
+        model_input = prompt.unsqueeze(0).to(self._model.device)
+        reloaded = (
+            self._spill is not None
+            and not session.resident
+            and self._spill.load_if_cheaper(
+                session, prompt, self._fingerprint, self._model.device, self._bridge
+            )
+        )
+        plan = session.plan(prompt)
+        # Another session's prefix, when it covers more than this plan keeps.
+        shared = self._core.share_prefix(session, prompt, self._markers, plan)
+        if shared:
+            plan = session.plan(prompt)
+        kept, reason = plan.kept_tokens, plan.reason.name
+        if shared and kept == shared:
+            reason = "shared_prefix"
+        elif reloaded and kept:
+            reason = "spill_reload"
+        # Room for the prompt and some of the reply; decoding grows it in
+        # amortized steps, so a large max_new_tokens reserves nothing up front.
+        total = prompt.numel() + max_new_tokens
+        reserve = min(total, _C.KvBuffer.grown_capacity(prompt.numel()))
+        # The session keeps its own states until the commit: a turn that fails
+        # leaves it as it was (appends never write where it can see).
+        cache = self._bridge.to_cache(session.layers_for(plan), reserve=reserve)
+        checkpoints = []
+        if self._bridge.needs_checkpoints:
+            positions = _C.checkpoint_positions(prompt, kept, self._markers)
+            checkpoints = self._prefill.run(model_input, cache, kept, positions)
+        output = self._model.generate(model_input, past_key_values=cache, **kwargs)
+        sequences, reply, record = self._finish(session, output, prompt, messages)
+        cached_text = text if self._match == "text" and text is not None else None
+        self._store(session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text)
+        if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
+            # The caller may run the returned cache on; the session must not see that.
+            self._bridge.detach_recurrent(cache)
+        record.reused_tokens = kept
+        record.prefilled_tokens = prompt.numel() - kept
+        record.checkpoint_restored = plan.checkpoint_position
+        record.reason = reason
+        return output, reply, record
 
     def _store(self, session, sequence, prompt_tokens, cache, kept, checkpoints, prompt_text):
         """Keeps the post-generation cache, which holds all but the last sampled token.

@@ -31,6 +31,14 @@ def validate_messages(messages) -> list[dict[str, str]]:
             raise ValueError(
                 f"messages[{i}]['content'] must be a string, got {type(content).__name__}"
             )
+        for key, text in (("role", role), ("content", content)):
+            try:
+                text.encode("utf-8")  # the core stores UTF-8; a lone surrogate has none
+            except UnicodeEncodeError as error:
+                raise ValueError(
+                    f"messages[{i}]['{key}'] is not valid Unicode text ({error.reason} at "
+                    f"index {error.start})"
+                ) from None
         clean.append(dict(message))
     return clean
 

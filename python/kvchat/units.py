@@ -33,6 +33,6 @@ def parse_bytes(value: int | str | None, name: str = "max_cache_bytes") -> int |
         if unit not in _UNITS:
             raise ValueError(f"{name} must look like '2GiB', '512MB' or '1000000', got {value!r}")
         count = int(float(match.group(1)) * _UNITS[unit])
-    if count <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+    if not 0 < count < 2**63:  # the core counts bytes in signed 64 bits
+        raise ValueError(f"{name} must be positive and below 2**63 bytes, got {value!r}")
     return count

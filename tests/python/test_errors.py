@@ -241,3 +241,28 @@ def test_parse_bytes_accepts_human_sizes():
     assert parse_bytes("512 MB") == 512 * 10**6
     assert parse_bytes(1000) == 1000
     assert parse_bytes(None) is None
+
+
+def test_session_id_that_is_not_unicode_text(mgr):
+    with pytest.raises(ValueError, match="session_id"):
+        mgr.chat("\ud800", [{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]"):
+        mgr.chat("s", [{"role": "user", "content": "bad \ud800 text"}])
+    assert mgr.sessions() == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "max_sessions",
+        "max_cache_bytes",
+        "max_checkpoints",
+        "max_checkpoint_bytes",
+        "min_shared_tokens",
+        "max_context_length",
+    ],
+)
+@pytest.mark.parametrize("size", [2**63, 2**64 + 5])
+def test_sizes_beyond_64_bits_name_the_argument(llama, tokenizer, name, size):
+    with pytest.raises(ValueError, match=name):
+        SessionManager(llama, tokenizer, **{name: size})

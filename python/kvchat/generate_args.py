@@ -1,0 +1,106 @@
+"""What a turn's ``generate`` arguments ask for, decided once per turn and
+before the session is touched.
+
+transformers validates generate arguments only inside ``generate``, after
+kvchat would have leased (or created) the session and built its cache; a typo
+there must not cost a session its cache. So the arguments are resolved here
+the way ``generate`` resolves them, with its own helpers, and a bad one raises
+before anything else happens.
+
+Some generation modes cannot continue from a pre-filled cache exactly:
+assisted decoding (transformers' candidate generator re-reads the cache
+wrongly), ``use_cache=False``, a ``cache_implementation`` of the caller's, and
+the prompt's hidden states or attentions (a reused turn computes them only for
+the uncached tail). Those turns run as plain ``generate``, with no cache
+passed, so they give exactly what ``model.generate`` gives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers.generation import GenerationMode
+
+logger = logging.getLogger("kvchat")
+
+# generate's own keyword parameters that are not generation-config fields.
+_GENERATE_PARAMETERS = (
+    "generation_config",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "trust_remote_code",
+    "tokenizer",
+    "assistant_tokenizer",
+)
+# Modes that decode one sequence token by token from the cache: what kvchat reuses for.
+_REUSABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    kwargs: dict  # what to pass to generate (never past_key_values)
+    max_new_tokens: int  # the most tokens this turn can generate, for context checks
+    plain_reason: str | None  # why the turn runs as plain generate; None: it reuses
+    why: str = ""  # the detail behind plain_reason, for the log
+
+
+def _check_max_new_tokens(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
+    return value
+
+
+def _int_or_zero(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateArgs:
+    """Resolves ``kwargs`` as ``model.generate`` would; raises ``ValueError`` for
+    what it would refuse (a misspelled argument, a bad value)."""
+    kwargs = dict(kwargs)
+    _check_max_new_tokens(kwargs.get("max_new_tokens"))
+    # "dynamic" is what kvchat's cache is: asking for it changes nothing.
+    if kwargs.get("cache_implementation") == "dynamic":
+        del kwargs["cache_implementation"]
+    mode_kwargs = {k: kwargs[k] for k in _GENERATE_PARAMETERS if k in kwargs}
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in mode_kwargs}
+    prepare = getattr(model, "_prepare_generation_config", None)
+    validate = getattr(model, "_validate_model_kwargs", None)
+    if prepare is None or validate is None:  # a transformers without these helpers
+        config, model_kwargs = model.generation_config, {}
+    else:
+        config, model_kwargs = prepare(mode_kwargs.get("generation_config"), **config_kwargs)
+        validate(dict(model_kwargs))
+
+    max_new = _check_max_new_tokens(config.max_new_tokens)
+    if max_new is None:
+        max_new = max(_int_or_zero(config.max_length) - prompt_tokens, 0)
+    assistant = mode_kwargs.get("assistant_model")
+    mode = config.get_generation_mode(assistant)
+
+    reason, why = None, ""
+    if mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE) or (
+        (config.num_return_sequences or 1) > 1
+    ):
+        # Beam search and several sequences reorder and widen the cache.
+        reason, why = "multiple_sequences", f"{mode.value}, {config.num_return_sequences} sequences"
+    elif mode not in _REUSABLE_MODES or mode_kwargs.get("custom_generate") is not None:
+        reason, why = "unsupported_generation", f"generation mode {mode.value}"
+    elif config.use_cache is False:
+        reason, why = "unsupported_generation", "use_cache=False"
+    elif config.cache_implementation is not None:
+        reason, why = (
+            "unsupported_generation",
+            f"cache_implementation={config.cache_implementation!r}",
+        )
+    elif config.output_hidden_states or config.output_attentions:
+        reason, why = "unsupported_generation", "the prompt's hidden states or attentions"
+    return GenerateArgs(kwargs, max_new, reason, why)

@@ -1,0 +1,81 @@
+"""A streamed turn: text pieces as they are generated, and a way to stop.
+
+``generate`` runs in a worker thread and feeds a ``TextIteratorStreamer``. A
+consumer that stops reading (``close()``, ``break`` out of a ``for`` loop, or
+dropping the stream, as a server does when its client disconnects) sets a flag
+that a stopping criterion reads after every token, so the worker stops within
+a token and commits what it generated: the session stays exact and is free for
+its next turn at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+
+class StopWhenSet(StoppingCriteria):
+    """Stops every sequence once ``event`` is set."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        stop = self.event.is_set()
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class ReplyStream(Iterator[str]):
+    """Iterates over the reply's text pieces; ``close()`` stops generation."""
+
+    def __init__(self, tokenizer, generate_kwargs: dict, run: Callable[[dict], object], name: str):
+        self._cancel = threading.Event()
+        self._streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        criteria = StoppingCriteriaList(
+            [*(generate_kwargs.get("stopping_criteria") or []), StopWhenSet(self._cancel)]
+        )
+        self.kwargs = dict(generate_kwargs, streamer=self._streamer, stopping_criteria=criteria)
+        self._failure: list[BaseException] = []
+        # The worker holds no reference to this object, so dropping it unread
+        # reaches __del__ while generation is still running.
+        self._worker = threading.Thread(
+            target=_work,
+            args=(run, self.kwargs, self._streamer, self._failure),
+            name=name,
+            daemon=True,
+        )
+
+    def start(self) -> ReplyStream:
+        self._worker.start()
+        return self
+
+    def __next__(self) -> str:
+        for text in self._streamer:
+            if text:
+                return text
+        self._worker.join()
+        if self._failure:
+            failure, self._failure = self._failure[0], []
+            raise failure
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stops generation within a token and waits until the turn is committed."""
+        self._cancel.set()
+        if self._worker.is_alive() and threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    def __del__(self):
+        # Dropped unread (a for loop left with break): stop, without waiting here.
+        self._cancel.set()
+
+
+def _work(run, kwargs, streamer, failure: list) -> None:
+    try:
+        run(kwargs)
+    except BaseException as error:  # re-raised in the consumer's thread
+        failure.append(error)
+        streamer.end()

@@ -1,0 +1,144 @@
+"""Generate arguments kvchat cannot serve from a cache run as plain generate,
+and bad ones are refused before the session is touched.
+
+Each test compares with plain ``model.generate`` given the same arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import _model
+from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.prompting import render_prompt
+
+
+def plain(model, tokenizer, messages, **kwargs):
+    prompt = render_prompt(tokenizer, messages)
+    out = model.generate(prompt.unsqueeze(0), max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
+    return tuple(out[0, prompt.numel() :].tolist())
+
+
+def turns_match_plain(mgr, model, tokenizer, turns=3, **kwargs):
+    """Several turns with ``kwargs``; each equals plain generate with them."""
+    messages = [SYSTEM]
+    for turn in range(turns):
+        messages.append(user_message(turn))
+        reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW, **kwargs)
+        assert mgr.last_turn("s").output_ids == plain(model, tokenizer, messages, **kwargs)
+        messages.append({"role": "assistant", "content": reply})
+    return mgr.last_turn("s")
+
+
+def test_prompt_lookup_decoding_is_exact(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    report = turns_match_plain(mgr, llama, tokenizer, prompt_lookup_num_tokens=3)
+    assert report.reason == "unsupported_generation" and report.reused_tokens == 0
+
+
+def test_assistant_model_decoding_is_exact(llama, tokenizer):
+    draft = _model("llama", seed=1)
+    mgr = SessionManager(llama, tokenizer)
+    report = turns_match_plain(mgr, llama, tokenizer, assistant_model=draft)
+    assert report.reason == "unsupported_generation"
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_use_cache_false_is_honoured(family, tokenizer):
+    model = _model(family)
+    mgr = SessionManager(model, tokenizer)
+    report = turns_match_plain(mgr, model, tokenizer, turns=2, use_cache=False)
+    assert report.reason == "unsupported_generation"
+
+
+def test_reuse_resumes_after_a_plain_turn(llama, tokenizer):
+    # A plain turn leaves the session's cache as it was; the next normal turn reuses it.
+    mgr = SessionManager(llama, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    messages.append(
+        {"role": "assistant", "content": mgr.chat("s", messages, max_new_tokens=MAX_NEW)}
+    )
+    cached = mgr.info("s").cached_tokens
+    messages.append(user_message(1))
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW, use_cache=False)
+    assert mgr.info("s").cached_tokens == cached
+    _, _, expected = reference_turn(llama, tokenizer, messages)
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert mgr.last_turn("s").output_ids == expected
+    assert mgr.last_turn("s").reused_tokens > 0
+
+
+@pytest.mark.parametrize("implementation", ["static", "dynamic"])
+def test_cache_implementation_is_served(implementation, llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    report = turns_match_plain(mgr, llama, tokenizer, cache_implementation=implementation)
+    # kvchat's own cache is dynamic: asking for it changes nothing. Anything else
+    # is the caller's own cache, so the turn runs as plain generate.
+    if implementation == "dynamic":
+        assert report.reason != "unsupported_generation" and report.reused_tokens > 0
+    else:
+        assert report.reason == "unsupported_generation"
+
+
+@pytest.mark.parametrize("output", ["output_hidden_states", "output_attentions"])
+def test_prompt_hidden_states_and_attentions_cover_the_whole_prompt(output, llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)  # something to reuse, were it allowed
+    messages += [{"role": "assistant", "content": "Fine."}, user_message(1)]
+    prompt = render_prompt(tokenizer, messages).unsqueeze(0)
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **{output: True})
+    got = mgr.generate(prompt, session_id="s", **kwargs)
+    want = llama.generate(prompt, **kwargs)
+    field = "hidden_states" if output == "output_hidden_states" else "attentions"
+    # The first step's entries cover every prompt token, as plain generate's do.
+    for ours, theirs in zip(getattr(got, field)[0], getattr(want, field)[0], strict=True):
+        assert ours.shape == theirs.shape
+        assert ours.shape[-2] == prompt.shape[1]
+        torch.testing.assert_close(ours, theirs)
+    assert mgr.last_turn("s").reason == "unsupported_generation"
+
+
+def test_misspelled_argument_leaves_every_session_as_it_was(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    before = (mgr.info("s"), mgr.messages("s"), mgr.last_turn("s"))
+    messages += [{"role": "assistant", "content": "Fine."}, user_message(1)]
+    with pytest.raises(ValueError, match="temprature"):
+        mgr.chat("s", messages, temprature=0.5)
+    with pytest.raises(ValueError, match="temprature"):
+        mgr.chat("new", messages, temprature=0.5)
+    prompt = render_prompt(tokenizer, messages).unsqueeze(0)
+    with pytest.raises(ValueError, match="temprature"):
+        mgr.generate(prompt, session_id="s", temprature=0.5)
+    with pytest.raises(ValueError, match="temprature"):
+        mgr.stream_chat("s", messages, temprature=0.5)
+    assert (mgr.info("s"), mgr.messages("s"), mgr.last_turn("s")) == before
+    assert mgr.sessions() == ["s"]
+
+
+def test_a_turn_that_fails_in_generate_leaves_the_session_as_it_was(tokenizer):
+    # Hybrid, so checkpoints and recurrent state are in play too.
+    model = _model("lfm2")
+    mgr = SessionManager(model, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    messages.append(
+        {"role": "assistant", "content": mgr.chat("s", messages, max_new_tokens=MAX_NEW)}
+    )
+    before = (mgr.info("s"), mgr.messages("s"), mgr.stats().resident_bytes)
+    messages.append(user_message(1))
+
+    class Boom(RuntimeError):
+        pass
+
+    def explode(input_ids, scores):
+        raise Boom("the model failed mid-turn")
+
+    with pytest.raises(Boom):
+        mgr.chat("s", messages, logits_processor=[explode])
+    assert (mgr.info("s"), mgr.messages("s"), mgr.stats().resident_bytes) == before
+    _, _, expected = reference_turn(model, tokenizer, messages)
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert mgr.last_turn("s").output_ids == expected
+    assert mgr.last_turn("s").reused_tokens > 0
