@@ -28,29 +28,41 @@ _MIX = 0x9E3779B97F4A7C15 - (1 << 64)
 _AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _content_sums(tensor: torch.Tensor) -> tuple[int, int]:
-    """(sum, position-weighted sum) of the tensor's raw words, mod 2**64."""
+def _to_int64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _content_sums(tensor: torch.Tensor, weights_by_device: dict) -> tuple[int, int]:
+    """(sum, position-weighted sum) of the tensor's raw words, mod 2**64.
+
+    Position i weighs i * _MIX. Per chunk starting at s that is
+    sum(w_j * (j * _MIX)) + s * _MIX * sum(w_j), so one weight vector per device
+    (kept in ``weights_by_device`` for one fingerprint) serves every chunk."""
     flat = tensor.detach().reshape(-1)
     words = flat.view(_AS_INTEGERS[flat.element_size()])
-    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    device = flat.device
+    if device not in weights_by_device:
+        weights_by_device[device] = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+        weights_by_device[device].mul_(_MIX)
+    weights = weights_by_device[device]
+    plain, weighted = 0, 0
     for start in range(0, words.numel(), _CHUNK):
         chunk = words[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(
-            start, start + chunk.numel(), dtype=torch.int64, device=flat.device
-        ).mul_(_MIX)
-        plain += chunk.sum()
         # Not in place: for 8-byte dtypes `chunk` is a view of the weights themselves.
-        weighted += (chunk * weights).sum()
-    return int(plain), int(weighted)
+        chunk_sum = int(chunk.sum())
+        plain += chunk_sum
+        weighted += int((chunk * weights[: chunk.numel()]).sum()) + start * _MIX * chunk_sum
+    return _to_int64(plain), _to_int64(weighted)
 
 
 def weights_checksum(model) -> str:
     """A digest of every parameter and buffer: names, shapes, dtypes and contents."""
     digest = hashlib.sha256()
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    weights_by_device: dict = {}
     for name, tensor in tensors:
-        sums = None if tensor.is_meta else _content_sums(tensor)
+        sums = None if tensor.is_meta else _content_sums(tensor, weights_by_device)
         digest.update(json.dumps([name, list(tensor.shape), str(tensor.dtype), sums]).encode())
     return digest.hexdigest()
 

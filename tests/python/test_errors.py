@@ -211,6 +211,24 @@ README_ROWS = {
         "test_persistence.py::test_garbage_and_foreign_files_are_rejected",
         "test_persistence.py::test_a_different_model_is_rejected",
     ],
+    "`load` of a file with any header": [
+        "test_file_validation.py::test_checkpoint_dtype_changed_in_the_header_is_refused",
+        "test_file_validation.py::test_recurrent_slots_changed_in_the_metadata_are_refused",
+        "test_file_validation.py::test_a_file_signed_anew_is_still_checked_against_the_model",
+        "test_file_validation.py::test_every_one_byte_header_change_is_refused_or_harmless",
+        "test_fingerprint.py::test_file_from_a_model_differing_in_a_middle_layer_is_refused",
+    ],
+    "a misspelled or invalid `generate` argument": [
+        "test_generate_args.py::test_misspelled_argument_leaves_every_session_as_it_was"
+    ],
+    "`session_id` or message text that is not valid Unicode": [
+        "test_session_id_that_is_not_unicode_text"
+    ],
+    "a size argument of 2**63": ["test_sizes_beyond_64_bits_name_the_argument"],
+    "a turn that raises inside `generate`": [
+        "test_generate_args.py::test_a_turn_that_fails_in_generate_leaves_the_session_as_it_was",
+        "test_budget_accounting.py::test_cancelled_turns_pin_nothing",
+    ],
     "core: KV tensors": ["test_core_tensor_checks_name_the_argument"],
     "core: a crop": ["test_core_positions_out_of_range"],
 }
