@@ -116,6 +116,7 @@ void bind_chat_session(py::module_& m) {
           py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{},
           py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
+      .def("release_layers", &ChatSession::release_layers, no_gil())
       .def("cached_state", &ChatSession::cached_state, no_gil())
       .def("restore", &ChatSession::restore, py::arg("state"), no_gil())
       .def_property_readonly("resident", py::cpp_function(&ChatSession::resident, no_gil()))

@@ -190,6 +190,14 @@ CachedState ChatSession::take_cache() {
   return out;
 }
 
+void ChatSession::release_layers() {
+  std::vector<LayerStatePtr> released;
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ids_.clear();
+  cached_text_.clear();
+  released.swap(layers_);
+}
+
 namespace {
 
 bool starts_with(const std::vector<int64_t>& ids, const int64_t* prefix, int64_t n) {

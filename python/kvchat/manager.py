@@ -399,8 +399,7 @@ class SessionManager:
 
         Everything that can be refused is refused before the session is leased,
         so bad input leaves nothing behind; a turn that fails after that leaves
-        the session's cache as it was, since the session keeps its own states
-        until the commit replaces them.
+        the session with its history and no cache (never half a turn).
         """
         self._check_context(fresh.numel(), args.max_new_tokens)
         plain = args.plain_reason or (None if self._bridge.supported else "unsupported_layers")
@@ -478,17 +477,28 @@ class SessionManager:
         # amortized steps, so a large max_new_tokens reserves nothing up front.
         total = prompt.numel() + max_new_tokens
         reserve = min(total, _C.KvBuffer.grown_capacity(prompt.numel()))
-        # The session keeps its own states until the commit: a turn that fails
-        # leaves it as it was (appends never write where it can see).
-        cache = self._bridge.to_cache(session.layers_for(plan), reserve=reserve)
-        checkpoints = []
-        if self._bridge.needs_checkpoints:
-            positions = _C.checkpoint_positions(prompt, kept, self._markers)
-            checkpoints = self._prefill.run(model_input, cache, kept, positions)
-        output = self._model.generate(model_input, past_key_values=cache, **kwargs)
-        sequences, reply, record = self._finish(session, output, prompt, messages)
-        cached_text = text if self._match == "text" and text is not None else None
-        self._store(session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text)
+        states = session.layers_for(plan)
+        # The cache owns them now, so a buffer that moves to a larger arena frees
+        # the old one at once instead of holding both (the turn's peak memory).
+        session.release_layers()
+        try:
+            cache = self._bridge.to_cache(states, reserve=reserve)
+            del states
+            checkpoints = []
+            if self._bridge.needs_checkpoints:
+                positions = _C.checkpoint_positions(prompt, kept, self._markers)
+                checkpoints = self._prefill.run(model_input, cache, kept, positions)
+            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
+            sequences, reply, record = self._finish(session, output, prompt, messages)
+            cached_text = text if self._match == "text" and text is not None else None
+            self._store(
+                session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text
+            )
+        except BaseException:
+            # Half a turn is never kept: the session drops its cache (checkpoints
+            # too, so the budget counts nothing it cannot evict); history stays.
+            session.invalidate_cache()
+            raise
         if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
             # The caller may run the returned cache on; the session must not see that.
             self._bridge.detach_recurrent(cache)

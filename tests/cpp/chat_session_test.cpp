@@ -111,6 +111,23 @@ TEST(ChatSession, NonFiniteKvInTheNewRegionIsNotTrusted) {
   EXPECT_EQ(s.cache_info().trusted_tokens, 4);
 }
 
+TEST(ChatSession, ReleasedLayersLeaveCheckpointsThatStayEvictable) {
+  ChatSession s("h", 2);
+  auto ids = iota_ids(30);
+  s.commit(ids.data(), 30, {testing::attention_layer(30), testing::recurrent_layer(30)}, 0,
+           kMarkers, kRule, {{10, {nullptr, testing::recurrent_layer(10)}}});
+  auto layers = s.layers_for(s.plan(ids.data(), 30));
+  s.release_layers();
+  EXPECT_TRUE(s.cached_ids().empty());
+  EXPECT_EQ(s.cache_info().checkpoints, 1);
+  // Whatever the budget counts must be evictable: checkpoints alone keep the
+  // session resident, and a failed turn's invalidate_cache frees them.
+  EXPECT_TRUE(s.resident());
+  s.invalidate_cache();
+  EXPECT_FALSE(s.resident());
+  EXPECT_EQ(s.cache_info().nbytes, 0);
+}
+
 TEST(ChatSession, CommitGivesBackRoomLeftOverFromDecoding) {
   // A turn reserved room for 4096 tokens and used 42: the session keeps 42
   // (plus at most grown_capacity's headroom), not the reservation.

@@ -1,9 +1,14 @@
 """Shared fixtures: tiny float64 models (exactness needs float64, see DESIGN.md)
-and a reference that runs plain model.generate on the full conversation."""
+and a reference that runs plain model.generate on the full conversation.
+
+KVCHAT_TEST_DEVICE (default cpu) puts the models on another device, such as
+cuda; `make test-gpu` runs the exactness, hybrid, sharing, persistence and
+generate-argument tests that way."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -15,9 +20,12 @@ def tokenizer():
     return tiny_tokenizer()
 
 
+DEVICE = torch.device(os.environ.get("KVCHAT_TEST_DEVICE", "cpu"))
+
+
 @functools.cache
 def _model(family: str, seed: int = 0):
-    return tiny_model(family, dtype=torch.float64, seed=seed)
+    return tiny_model(family, dtype=torch.float64, seed=seed).to(DEVICE)
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])

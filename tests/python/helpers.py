@@ -11,7 +11,9 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer brie
 def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW):
     """Plain generate on the full conversation, no cache: (reply text, prompt ids, output ids)."""
     prompt = render_prompt(tokenizer, messages)
-    out = model.generate(prompt.unsqueeze(0), max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(
+        prompt.unsqueeze(0).to(model.device), max_new_tokens=max_new_tokens, do_sample=False
+    )
     output_ids = out[0, prompt.numel() :]
     return (
         tokenizer.decode(output_ids, skip_special_tokens=True),

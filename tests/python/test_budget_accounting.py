@@ -55,11 +55,13 @@ def test_cancelled_turns_pin_nothing(tokenizer):
         sid = f"cancelled-{i}"
         messages = [LONG_SYSTEM, user_message(i)]
         messages.append({"role": "assistant", "content": mgr.chat(sid, messages, max_new_tokens=4)})
-        before = mgr.info(sid)
+        history = mgr.messages(sid)
         with pytest.raises(Cancelled):
             mgr.chat(sid, messages + [user_message(i + 1)], streamer=CancellingStreamer())
-        # The failed turn left the session as it was (it may since have been evicted).
-        assert mgr.info(sid) == before
+        # The failed turn kept the history and dropped the whole cache, checkpoints too.
+        info = mgr.info(sid)
+        assert mgr.messages(sid) == history
+        assert (info.cached_tokens, info.nbytes, info.resident) == (0, 0, False)
         stats = mgr.stats()
         held = sum(mgr.info(s).nbytes for s in mgr.sessions())
         assert stats.resident_bytes == held <= budget

@@ -226,7 +226,7 @@ README_ROWS = {
     ],
     "a size argument of 2**63": ["test_sizes_beyond_64_bits_name_the_argument"],
     "a turn that raises inside `generate`": [
-        "test_generate_args.py::test_a_turn_that_fails_in_generate_leaves_the_session_as_it_was",
+        "test_generate_args.py::test_a_turn_that_fails_in_generate_leaves_no_half_state",
         "test_budget_accounting.py::test_cancelled_turns_pin_nothing",
     ],
     "core: KV tensors": ["test_core_tensor_checks_name_the_argument"],

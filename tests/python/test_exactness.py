@@ -52,10 +52,10 @@ def test_generate_prefills_exactly_the_new_tokens(family_model):
     # the last generated token (never run through the model) plus the new ids.
     mgr = SessionManager(family_model)
     torch.manual_seed(1)
-    prompt = torch.randint(10, 600, (1, 50))
+    prompt = torch.randint(10, 600, (1, 50)).to(family_model.device)
     out1 = mgr.generate(prompt, session_id="g", max_new_tokens=8, do_sample=False)
     assert torch.equal(out1, family_model.generate(prompt, max_new_tokens=8, do_sample=False))
-    extra = torch.randint(10, 600, (1, 17))
+    extra = torch.randint(10, 600, (1, 17)).to(family_model.device)
     turn2 = torch.cat([out1, extra], dim=1)
     out2 = mgr.generate(turn2, session_id="g", max_new_tokens=8, do_sample=False)
     assert torch.equal(out2, family_model.generate(turn2, max_new_tokens=8, do_sample=False))

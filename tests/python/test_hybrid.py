@@ -39,7 +39,10 @@ def reference_turn_with(model, tokenizer, messages, **generate_kwargs):
         return reference_turn(model, tokenizer, messages)
     prompt = render_prompt(tokenizer, messages)
     out = model.generate(
-        prompt.unsqueeze(0), max_new_tokens=MAX_NEW, do_sample=False, **generate_kwargs
+        prompt.unsqueeze(0).to(model.device),
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        **generate_kwargs,
     )
     return None, prompt, tuple(out[0, prompt.numel() :].tolist())
 
@@ -151,7 +154,10 @@ def test_text_mode_keeps_the_whole_cache_when_retokenization_differs(any_family,
         t = mgr.last_turn("s")
         used = torch.tensor(session("s").cached_ids()[: t.prompt_tokens])
         plain = model.generate(
-            used.unsqueeze(0), max_new_tokens=MAX_NEW, do_sample=False, suppress_tokens=suppress
+            used.unsqueeze(0).to(model.device),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            suppress_tokens=suppress,
         )
         assert t.output_ids == tuple(plain[0, t.prompt_tokens :].tolist()), (family, turn)
         if cached is not None:

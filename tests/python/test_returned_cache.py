@@ -17,7 +17,7 @@ def test_running_the_returned_cache_on_leaves_the_session_exact(family, tokenize
     model = _model(family)
     mgr = SessionManager(model, tokenizer)
     messages = [LONG_SYSTEM, user_message(0)]
-    prompt = render_prompt(tokenizer, messages).unsqueeze(0)
+    prompt = render_prompt(tokenizer, messages).unsqueeze(0).to(model.device)
     out = mgr.generate(
         prompt,
         session_id="s",
@@ -29,7 +29,7 @@ def test_running_the_returned_cache_on_leaves_the_session_exact(family, tokenize
     cache, sequence = out.past_key_values, out.sequences
     with torch.no_grad():
         for _ in range(3):
-            position = torch.tensor([[sequence.shape[1] - 1]])
+            position = torch.tensor([[sequence.shape[1] - 1]], device=model.device)
             logits = model(
                 input_ids=sequence[:, -1:], past_key_values=cache, position_ids=position
             ).logits
@@ -38,7 +38,7 @@ def test_running_the_returned_cache_on_leaves_the_session_exact(family, tokenize
     # The next turn extends the cached ids exactly, so it runs on from the
     # session's own stored state rather than a checkpoint.
     follow_up = render_prompt(tokenizer, [user_message(1)])
-    ids = torch.cat([out.sequences, follow_up.unsqueeze(0)], dim=1)
+    ids = torch.cat([out.sequences, follow_up.unsqueeze(0).to(model.device)], dim=1)
     kwargs = dict(
         max_new_tokens=MAX_NEW, do_sample=False, return_dict_in_generate=True, output_logits=True
     )

@@ -107,6 +107,11 @@ class ChatSession {
   // Like invalidate_cache, but hands the cache to the caller (to spill it, or
   // to let it die outside a lock the caller holds).
   CachedState take_cache();
+  // Hands the layers to the turn in progress (after layers_for): drops the
+  // session's references to its ids and tensors, so storage the turn moves
+  // is freed at once, not held twice. Checkpoints stay for the commit. A turn
+  // that fails after this must invalidate_cache().
+  void release_layers();
   // Whether the session holds any tensors (layers or checkpoints).
   bool resident() const;
   // The cache as it stands (empty ids and layers when nothing is cached).
