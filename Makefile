@@ -14,7 +14,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: help deps build demo test test-cpp test-python lint format clean \
+.PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
 	bench bench-decode bench-overhead bench-notebook bench-sharing sanitize
 
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
+	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
 $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
@@ -52,6 +53,12 @@ test-python: build
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
+
+# The exactness, hybrid, sharing, persistence and generate-argument tests with
+# the models on CUDA (KVCHAT_TEST_DEVICE=cuda), float64 as on the CPU; the same
+# script runs the GPU benchmarks (bash benchmarks/gpu/run.sh bench).
+test-gpu:
+	bash benchmarks/gpu/run.sh tests
 
 # The GoogleTest suite under AddressSanitizer (leak checks on) and
 # UndefinedBehaviorSanitizer; any report fails the run.

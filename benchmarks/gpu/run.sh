@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything kvchat checks on a lent GPU machine, in one call from the repo root:
+#   bash benchmarks/gpu/run.sh [tests|bench|all]
+# The machine has no network: wheels it lacks (transformers 5.23) travel in .whl/
+# (see benchmarks/gpu/README.md). kvchat is built against the torch found there.
+# Logs and result files go to $OUT (the device tool's folder) or benchmarks/out/gpu.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-all}
+out=${OUT:-benchmarks/out/gpu}
+mkdir -p "$out"
+site=/tmp/kvchat-site
+export PYTHONUNBUFFERED=1
+
+# The image's default CXX (/opt/gcc) links libstdc++ statically and exports its
+# symbols from the extension; with torch's libstdc++ in the same process, an
+# ostream in the core then segfaults (seen in plan_reuse). Build with the
+# system compiler, which links libstdc++ dynamically like torch.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+
+if [ ! -f "$site/kvchat/_build_info.py" ]; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+  fi
+  # A build folder of its own: a CMake cache made with another compiler is never reused.
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation \
+    --no-deps --target "$site" --config-settings=build-dir=build/gpu-{wheel_tag} . 2>&1 | tail -5
+fi
+export PYTHONPATH="$site"
+python3 -c "import torch, transformers, kvchat; print('torch', torch.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  # The exactness suite on CUDA, float64 as on the CPU.
+  KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/python/test_exactness.py tests/python/test_hybrid.py tests/python/test_sharing.py \
+    tests/python/test_persistence.py tests/python/test_generate_args.py \
+    tests/python/test_returned_cache.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 benchmarks/fingerprint.py --model smollm2-135m --dtype bfloat16 --device cuda \
+    2>&1 | tee "$out/fingerprint.txt"
+  python3 benchmarks/multiturn.py --model smollm2-135m --turns 10 --device cuda \
+    --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn.txt" | tail -30
+  python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 --device cuda \
+    --dtype bfloat16 --out "$out" 2>&1 | tee "$out/decode.txt" | tail -20
+fi
