@@ -146,3 +146,26 @@ def test_a_turn_that_fails_in_generate_leaves_no_half_state(tokenizer):
     _, _, expected = reference_turn(model, tokenizer, messages)
     mgr.chat("s", messages, max_new_tokens=MAX_NEW)
     assert mgr.last_turn("s").output_ids == expected
+
+
+def test_a_model_kvchat_cannot_carry_runs_as_plain_generate_without_a_cache(tokenizer):
+    # Mamba2's cache holds only recurrent layers, and its generate refuses a
+    # past_key_values argument: the fallback must pass none (it used to crash).
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Mamba2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=16,
+        expand=2,
+        head_dim=16,
+        num_heads=8,
+        n_groups=1,
+        conv_kernel=4,
+    )
+    model = Mamba2ForCausalLM(config).to(torch.float64).eval()
+    mgr = SessionManager(model, tokenizer)
+    report = turns_match_plain(mgr, model, tokenizer, turns=2)
+    assert report.reason == "unsupported_layers" and report.reused_tokens == 0
