@@ -33,6 +33,7 @@ from . import _C  # noqa: E402
 from .manager import SessionManager  # noqa: E402
 from .persist import SessionFileError  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
+from .tier import Tier  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
 SessionBusy = _C.SessionBusy
@@ -46,6 +47,7 @@ __all__ = [
     "SessionFileError",
     "SessionInfo",
     "SessionManager",
+    "Tier",
     "TurnReport",
     "UnknownSessionError",
 ]

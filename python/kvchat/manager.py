@@ -27,6 +27,7 @@ from .prompting import (
 from .report import ManagerStats, SessionInfo, TurnReport
 from .spill import Spill
 from .streaming import ReplyStream
+from .tier import Tier
 from .timing import FirstTokenTimer
 from .units import parse_bytes
 
@@ -111,6 +112,7 @@ class SessionManager:
         share_prefixes: bool = True,
         min_shared_tokens: int = 32,
         spill_dir: str | os.PathLike | None = None,
+        tier: Tier | None = None,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -131,6 +133,8 @@ class SessionManager:
         spill_dir: a folder where evicted sessions' caches are written; a
             session's next turn reads its file back when the measured load
             time beats the measured prefill time for what it would reuse.
+        tier: any other storage tier for evicted sessions (a ``kvchat.Tier``;
+            ``spill_dir`` is shorthand for the disk one). One tier per manager.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -157,6 +161,11 @@ class SessionManager:
         if not isinstance(share_prefixes, bool):
             raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
         _positive_int(min_shared_tokens, "min_shared_tokens")
+        if tier is not None and not isinstance(tier, Tier):
+            raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
+        if tier is not None and spill_dir is not None:
+            raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
+        self._tier = tier or (Spill(spill_dir) if spill_dir is not None else Tier())
         self._model = model
         self._tokenizer = tokenizer
         self._match = match
@@ -169,10 +178,10 @@ class SessionManager:
             max_checkpoints=max_checkpoints,
             max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
             min_shared_tokens=min_shared_tokens if share_prefixes else 0,
-            keep_evicted=spill_dir is not None,
+            keep_evicted=self._tier.keeps_evicted,
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
-        self._spill = Spill(spill_dir) if spill_dir is not None else None
+        self._tier.bind(self._fingerprint, self._bridge, model.device)
         self._markers = turn_markers(tokenizer, model.generation_config)
         self._rule = _C.RepetitionRule()
         text_config = model.config.get_text_config()
@@ -258,9 +267,7 @@ class SessionManager:
 
     def stats(self) -> ManagerStats:
         stats = ManagerStats.from_core(self._core.stats())
-        if self._spill is not None:
-            stats = replace(stats, spill_writes=self._spill.writes, spill_loads=self._spill.loads)
-        return stats
+        return replace(stats, spill_writes=self._tier.writes, spill_loads=self._tier.loads)
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo.from_core(self._core.find(_check_session_id(session_id)))
@@ -277,14 +284,12 @@ class SessionManager:
     def clear(self, session_id: str) -> None:
         """Drops the session's cache and history; keeps its system prompt."""
         self._core.clear(_check_session_id(session_id))
-        if self._spill is not None:
-            self._spill.forget(session_id)
+        self._tier.forget(session_id)
 
     def remove(self, session_id: str) -> None:
         """Forgets the session entirely."""
         self._core.remove(_check_session_id(session_id))
-        if self._spill is not None:
-            self._spill.forget(session_id)
+        self._tier.forget(session_id)
 
     # ------------------------------------------------------------ persistence
     def save(self, session_id: str, path: str | os.PathLike) -> None:
@@ -330,15 +335,13 @@ class SessionManager:
             else:
                 session.restore(saved.state)
             session.set_messages(_core_messages(messages))
-        self._flush_spill()
+        self._flush_evicted()
         return target
 
-    def _flush_spill(self) -> None:
-        """Writes what eviction queued to the spill folder, then lets it go."""
-        if self._spill is None:
-            return
+    def _flush_evicted(self) -> None:
+        """Hands what eviction queued to the tier, then lets it go."""
         for session_id, state in self._core.take_evicted():
-            self._spill.write(session_id, state, self._fingerprint, self._bridge.slots)
+            self._tier.put(session_id, state)
 
     @property
     def model(self):
@@ -420,11 +423,11 @@ class SessionManager:
                 record.prefill_ms = timer.prefill_ms
                 record.total_ms = (time.perf_counter() - timer.started) * 1e3
                 session.record_turn(record)
-            if self._spill is not None and plain is None:
-                self._spill.observe_prefill(record.prefilled_tokens, record.prefill_ms)
+            if plain is None:
+                self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
             return output, reply
         finally:
-            self._flush_spill()
+            self._flush_evicted()
 
     def _finish(self, session, output, prompt, messages):
         """(sequences, reply text, a turn record holding the counts) after generate."""
@@ -450,19 +453,19 @@ class SessionManager:
 
     def _reuse_turn(self, session, kwargs, fresh, text, messages, max_new_tokens):
         """A turn that starts from what the session (or a shared prefix, or the
-        spill) holds of the prompt and commits the new cache after it."""
+        tier) holds of the prompt and commits the new cache after it."""
         # Text mode reads the session's cached text, so it matches under the lease.
         prompt = fresh if text is None else self._text_prompt(session, text, fresh)
         prompt = prompt.to("cpu", torch.long).contiguous()
         self._check_context(prompt.numel(), max_new_tokens)
         model_input = prompt.unsqueeze(0).to(self._model.device)
-        reloaded = (
-            self._spill is not None
-            and not session.resident
-            and self._spill.load_if_cheaper(
-                session, prompt, self._fingerprint, self._model.device, self._bridge
-            )
-        )
+        reloaded = None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
+        if reloaded is not None:
+            try:  # the core checks it whole; a cache that does not fit is a miss
+                session.restore(reloaded)
+            except (ValueError, IndexError) as error:
+                logger.warning("kvchat: tier's cache for %r does not fit: %s", session.id, error)
+                reloaded = None
         plan = session.plan(prompt)
         # Another session's prefix, when it covers more than this plan keeps.
         shared = self._core.share_prefix(session, prompt, self._markers, plan)
@@ -471,7 +474,7 @@ class SessionManager:
         kept, reason = plan.kept_tokens, plan.reason.name
         if shared and kept == shared:
             reason = "shared_prefix"
-        elif reloaded and kept:
+        elif reloaded is not None and kept:
             reason = "spill_reload"
         # Room for the prompt and some of the reply; decoding grows it in
         # amortized steps, so a large max_new_tokens reserves nothing up front.

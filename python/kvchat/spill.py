@@ -20,6 +20,7 @@ import torch
 
 from . import _C
 from .persist import SessionFileError, read_metadata, read_session, write_session
+from .tier import Tier
 
 logger = logging.getLogger("kvchat")
 
@@ -32,15 +33,18 @@ def _blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * new
 
 
-class Spill:
+class Spill(Tier):
+    """The disk tier: one safetensors session file per evicted session."""
+
+    keeps_evicted = True
+
     def __init__(self, directory):
+        super().__init__()
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # one reader or writer of the folder at a time
         self._prefill_ms_per_token: float | None = None
         self._load_ms_per_byte = _DEFAULT_MS_PER_BYTE
-        self.writes = 0
-        self.loads = 0
 
     def path_for(self, session_id: str) -> Path:
         # Any string is a valid session id; a digest is always a valid file name.
@@ -52,11 +56,11 @@ class Spill:
         if tokens >= 16:  # shorter prefills are dominated by fixed costs
             self._prefill_ms_per_token = _blend(self._prefill_ms_per_token, ms / tokens)
 
-    def write(self, session_id: str, state: _C.CachedState, fingerprint: dict, slots) -> None:
+    def put(self, session_id: str, state: _C.CachedState) -> None:
         try:
             with self._lock:
                 path = self.path_for(session_id)
-                write_session(path, session_id, [], state, fingerprint, slots)
+                write_session(path, session_id, [], state, self.fingerprint, self.bridge.slots)
                 self.writes += 1
         except OSError as error:  # a full disk costs a prefill later, not correctness
             logger.warning("kvchat: could not spill session %r: %s", session_id, error)
@@ -65,34 +69,31 @@ class Spill:
         with self._lock:
             self.path_for(session_id).unlink(missing_ok=True)
 
-    def load_if_cheaper(
-        self, session, prompt: torch.Tensor, fingerprint: dict, device, bridge
-    ) -> bool:
-        """Restores the session's spilled cache when that beats prefilling what it
-        shares with ``prompt``. True when it did."""
-        path = self.path_for(session.id)
+    def find_if_cheaper(self, session_id: str, prompt: torch.Tensor) -> _C.CachedState | None:
+        """The session's spilled cache, when reading it beats prefilling what it
+        shares with ``prompt``; None otherwise."""
+        path = self.path_for(session_id)
         with self._lock:
             if not path.exists():
-                return False
+                return None
             try:
                 layout = json.loads(read_metadata(path)["cache"])
                 if layout is None:
-                    return False
+                    return None
                 ids = torch.tensor(layout["ids"], dtype=torch.long)
                 shared = _C.common_prefix_length(ids, prompt)
                 nbytes = path.stat().st_size
                 if self._prefill_ms_per_token is not None and (
                     nbytes * self._load_ms_per_byte >= shared * self._prefill_ms_per_token
                 ):
-                    return False
+                    return None
                 started = time.perf_counter()
-                saved = read_session(path, fingerprint, device, bridge)
-                session.restore(saved.state)
+                saved = read_session(path, self.fingerprint, self.device, self.bridge)
             except (SessionFileError, OSError, ValueError, KeyError, TypeError) as error:
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)
-                return False
+                return None
             ms = (time.perf_counter() - started) * 1e3
             self._load_ms_per_byte = _blend(self._load_ms_per_byte, ms / max(nbytes, 1))
             self.loads += 1
-            return True
+            return saved.state

@@ -1,0 +1,51 @@
+"""Storage tiers: where an evicted session's cache goes, and where that
+session's next turn may find it again.
+
+A tier is one object behind three calls, so a new one (disk, Redis, ...) plugs
+in without touching the turn code:
+
+- ``put(session_id, state)``: eviction dropped this session's cache from memory;
+- ``find_if_cheaper(session_id, prompt)``: the session holds nothing in memory
+  and starts a turn on ``prompt``; return a cache (a ``CachedState``) when
+  loading it beats prefilling what it shares with the prompt, else None;
+- ``forget(session_id)``: the session was cleared or removed.
+
+The manager restores what ``find_if_cheaper`` returns through the core, which
+checks it whole, and the turn then reuses only what is a true token prefix of
+the prompt: a tier can cost time, never correctness. ``bind`` hands the tier
+the model's fingerprint and cache bridge once, for checking what it reads.
+A tier serves one manager and guards itself: its calls come from any thread.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+class Tier:
+    """The interface, and the tier that keeps nothing (the default)."""
+
+    # Whether the core should queue evicted caches for put() (False: they are dropped).
+    keeps_evicted = False
+
+    def __init__(self):
+        self.writes = 0  # caches put
+        self.loads = 0  # caches found and handed back
+
+    def bind(self, fingerprint: dict, bridge, device: torch.device) -> None:
+        """The model this tier serves: what a stored cache must match."""
+        self.fingerprint, self.bridge, self.device = fingerprint, bridge, device
+
+    def put(self, session_id: str, state: _C.CachedState) -> None:
+        pass
+
+    def find_if_cheaper(self, session_id: str, prompt: torch.Tensor) -> _C.CachedState | None:
+        return None
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""

@@ -1,0 +1,67 @@
+"""A storage tier is one class: an in-memory one, written here in a few lines,
+brings evicted sessions back on their next turn with identical output."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from kvchat import SessionManager, Tier
+
+
+class MemoryTier(Tier):
+    """Keeps evicted caches in a dict (a test tier: it holds the tensors it is given)."""
+
+    keeps_evicted = True
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        self.caches = {}
+
+    def put(self, session_id, state):
+        with self._lock:
+            self.caches[session_id] = state
+            self.writes += 1
+
+    def find_if_cheaper(self, session_id, prompt):
+        with self._lock:
+            state = self.caches.get(session_id)
+            self.loads += state is not None
+            return state
+
+    def forget(self, session_id):
+        with self._lock:
+            self.caches.pop(session_id, None)
+
+
+@pytest.mark.parametrize("family_name", ["llama", "lfm2"])
+def test_sessions_evicted_to_a_tier_come_back_exactly(family_name, tokenizer):
+    from conftest import _model
+
+    model = _model(family_name)
+    tier = MemoryTier()
+    mgr = SessionManager(model, tokenizer, max_sessions=1, share_prefixes=False, tier=tier)
+    conversations = {sid: [LONG_SYSTEM] for sid in ("a", "b", "c")}
+    reasons = []
+    for turn in range(3):
+        for sid, messages in conversations.items():
+            messages.append(user_message(turn))
+            _, _, expected = reference_turn(model, tokenizer, messages)
+            reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
+            assert mgr.last_turn(sid).output_ids == expected, (sid, turn)
+            reasons.append(mgr.last_turn(sid).reason)
+            messages.append({"role": "assistant", "content": reply})
+    stats = mgr.stats()
+    assert stats.evictions > 0 and stats.spill_writes > 0 and stats.spill_loads > 0
+    assert "spill_reload" in reasons
+    mgr.remove("a")
+    assert "a" not in tier.caches
+
+
+def test_tier_argument_errors(llama, tokenizer, tmp_path):
+    with pytest.raises(TypeError, match="tier"):
+        SessionManager(llama, tokenizer, tier=object())
+    with pytest.raises(ValueError, match="spill_dir or tier"):
+        SessionManager(llama, tokenizer, tier=MemoryTier(), spill_dir=tmp_path)
