@@ -25,17 +25,35 @@ void bind_chat_session(py::module_& m) {
       },
       py::arg("prompt_ids"), py::arg("begin"), py::arg("markers"));
 
+  // Built whole and read-only after: a stored record cannot be changed from Python.
   py::class_<TurnRecord>(m, "TurnRecord")
-      .def(py::init<>())
-      .def_readwrite("prompt_tokens", &TurnRecord::prompt_tokens)
-      .def_readwrite("reused_tokens", &TurnRecord::reused_tokens)
-      .def_readwrite("prefilled_tokens", &TurnRecord::prefilled_tokens)
-      .def_readwrite("generated_tokens", &TurnRecord::generated_tokens)
-      .def_readwrite("checkpoint_restored", &TurnRecord::checkpoint_restored)
-      .def_readwrite("prefill_ms", &TurnRecord::prefill_ms)
-      .def_readwrite("total_ms", &TurnRecord::total_ms)
-      .def_readwrite("reason", &TurnRecord::reason)
-      .def_readwrite("output_ids", &TurnRecord::output_ids);
+      .def(py::init([](int64_t prompt_tokens, int64_t reused_tokens, int64_t prefilled_tokens,
+                       std::vector<int64_t> output_ids, int64_t checkpoint_restored,
+                       double prefill_ms, double total_ms, std::string reason) {
+             TurnRecord r;
+             r.prompt_tokens = prompt_tokens;
+             r.reused_tokens = reused_tokens;
+             r.prefilled_tokens = prefilled_tokens;
+             r.generated_tokens = static_cast<int64_t>(output_ids.size());
+             r.output_ids = std::move(output_ids);
+             r.checkpoint_restored = checkpoint_restored;
+             r.prefill_ms = prefill_ms;
+             r.total_ms = total_ms;
+             r.reason = std::move(reason);
+             return r;
+           }),
+           py::kw_only(), py::arg("prompt_tokens"), py::arg("reused_tokens"),
+           py::arg("prefilled_tokens"), py::arg("output_ids"), py::arg("checkpoint_restored") = -1,
+           py::arg("prefill_ms") = 0.0, py::arg("total_ms") = 0.0, py::arg("reason"))
+      .def_readonly("prompt_tokens", &TurnRecord::prompt_tokens)
+      .def_readonly("reused_tokens", &TurnRecord::reused_tokens)
+      .def_readonly("prefilled_tokens", &TurnRecord::prefilled_tokens)
+      .def_readonly("generated_tokens", &TurnRecord::generated_tokens)
+      .def_readonly("checkpoint_restored", &TurnRecord::checkpoint_restored)
+      .def_readonly("prefill_ms", &TurnRecord::prefill_ms)
+      .def_readonly("total_ms", &TurnRecord::total_ms)
+      .def_readonly("reason", &TurnRecord::reason)
+      .def_readonly("output_ids", &TurnRecord::output_ids);
 
   py::class_<SessionCounters>(m, "SessionCounters")
       .def_readonly("requests", &SessionCounters::requests)

@@ -63,11 +63,17 @@ SessionManager::SessionManager(ManagerLimits limits) : limits_(limits) {
   TORCH_CHECK_VALUE(limits_.num_layers >= 0, "num_layers must be >= 0, got ", limits_.num_layers);
 }
 
-std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait) {
+std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait,
+                                                      bool create) {
   TORCH_CHECK_VALUE(!id.empty(), "session_id must be a non-empty string");
   std::shared_ptr<ChatSession> session;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // Looked up and leased under one lock: a session removed a moment ago is
+    // never brought back empty by a caller that only meant to read it.
+    if (!create && entries_.find(id) == entries_.end()) {
+      throw UnknownSessionError("unknown session_id '" + id + "'");
+    }
     auto& entry = entries_[id];
     if (!entry.session)
       entry.session = std::make_shared<ChatSession>(id, limits_.num_layers, limits_.checkpoints);

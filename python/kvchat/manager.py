@@ -299,10 +299,10 @@ class SessionManager:
         The write is atomic: an existing file at ``path`` is replaced whole."""
         _check_session_id(session_id)
         path = _check_path(path)
-        self._core.find(session_id)  # KeyError for an unknown session, before anything else
-        # A consistent snapshot under the lease; stored states are never written
-        # in place, so the file is written after it, without blocking the session.
-        with self._core.acquire(session_id, wait=self._wait) as session:
+        # A consistent snapshot under the lease (UnknownSessionError, creating
+        # nothing, for an unknown id); stored states are never written in place,
+        # so the file is written after it, without blocking the session.
+        with self._core.acquire(session_id, wait=self._wait, create=False) as session:
             messages = _as_dicts(session.messages())
             state = session.cached_state()
         write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
@@ -414,14 +414,17 @@ class SessionManager:
         try:
             with self._core.acquire(session_id, wait=self._wait) as session:
                 if plain is None:
-                    output, reply, record = self._reuse_turn(
+                    output, reply, counts = self._reuse_turn(
                         session, kwargs, fresh, text, messages, args.max_new_tokens
                     )
                 else:
-                    output, reply, record = self._plain_turn(session, kwargs, fresh, messages)
-                    record.reason = plain
-                record.prefill_ms = timer.prefill_ms
-                record.total_ms = (time.perf_counter() - timer.started) * 1e3
+                    output, reply, counts = self._plain_turn(session, kwargs, fresh, messages)
+                    counts["reason"] = plain
+                record = _C.TurnRecord(
+                    **counts,
+                    prefill_ms=timer.prefill_ms,
+                    total_ms=(time.perf_counter() - timer.started) * 1e3,
+                )
                 session.record_turn(record)
             if plain is None:
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
@@ -430,26 +433,26 @@ class SessionManager:
             self._flush_evicted()
 
     def _finish(self, session, output, prompt, messages):
-        """(sequences, reply text, a turn record holding the counts) after generate."""
+        """(sequences, reply text, the turn's counts so far) after generate."""
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
         reply = None
         if messages is not None:
             reply = self._decode_reply(sequences, prompt.numel())
             history = [*messages, {"role": "assistant", "content": reply}]
             session.set_messages(_core_messages(history))
-        record = _C.TurnRecord()
-        record.prompt_tokens = prompt.numel()
-        record.output_ids = sequences[0, prompt.numel() :].tolist()
-        record.generated_tokens = len(record.output_ids)
-        return sequences, reply, record
+        counts = {
+            "prompt_tokens": prompt.numel(),
+            "output_ids": sequences[0, prompt.numel() :].tolist(),
+        }
+        return sequences, reply, counts
 
     def _plain_turn(self, session, kwargs, prompt, messages):
         """Plain generate, passing no cache: for what kvchat cannot carry. The
         session's cache is left as it was."""
         output = self._model.generate(prompt.unsqueeze(0).to(self._model.device), **kwargs)
-        _, reply, record = self._finish(session, output, prompt, messages)
-        record.prefilled_tokens = prompt.numel()
-        return output, reply, record
+        _, reply, counts = self._finish(session, output, prompt, messages)
+        counts.update(reused_tokens=0, prefilled_tokens=prompt.numel())
+        return output, reply, counts
 
     def _reuse_turn(self, session, kwargs, fresh, text, messages, max_new_tokens):
         """A turn that starts from what the session (or a shared prefix, or the
@@ -492,7 +495,7 @@ class SessionManager:
                 positions = _C.checkpoint_positions(prompt, kept, self._markers)
                 checkpoints = self._prefill.run(model_input, cache, kept, positions)
             output = self._model.generate(model_input, past_key_values=cache, **kwargs)
-            sequences, reply, record = self._finish(session, output, prompt, messages)
+            sequences, reply, counts = self._finish(session, output, prompt, messages)
             cached_text = text if self._match == "text" and text is not None else None
             self._store(
                 session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text
@@ -505,11 +508,13 @@ class SessionManager:
         if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
             # The caller may run the returned cache on; the session must not see that.
             self._bridge.detach_recurrent(cache)
-        record.reused_tokens = kept
-        record.prefilled_tokens = prompt.numel() - kept
-        record.checkpoint_restored = plan.checkpoint_position
-        record.reason = reason
-        return output, reply, record
+        counts.update(
+            reused_tokens=kept,
+            prefilled_tokens=prompt.numel() - kept,
+            checkpoint_restored=plan.checkpoint_position,
+            reason=reason,
+        )
+        return output, reply, counts
 
     def _store(self, session, sequence, prompt_tokens, cache, kept, checkpoints, prompt_text):
         """Keeps the post-generation cache, which holds all but the last sampled token.

@@ -284,3 +284,49 @@ def test_session_id_that_is_not_unicode_text(mgr):
 def test_sizes_beyond_64_bits_name_the_argument(llama, tokenizer, name, size):
     with pytest.raises(ValueError, match=name):
         SessionManager(llama, tokenizer, **{name: size})
+
+
+def test_save_never_brings_back_a_session_removed_meanwhile(mgr, llama, tokenizer, tmp_path):
+    messages = [SYSTEM, user_message(0)]
+    mgr.chat("s", messages, max_new_tokens=4)
+
+    class RemovedAfterLookup:
+        """The core, with a session removed right after any lookup of it: another
+        thread's remove landing between a lookup and a lease."""
+
+        def __init__(self, core):
+            self._core = core
+
+        def find(self, session_id):
+            found = self._core.find(session_id)
+            self._core.remove(session_id)
+            return found
+
+        def __getattr__(self, name):
+            return getattr(self._core, name)
+
+    real, mgr._core = mgr._core, RemovedAfterLookup(mgr._core)
+    path = tmp_path / "s.safetensors"
+    try:
+        mgr.save("s", path)
+    except UnknownSessionError:
+        pass  # removed first: fine, as long as nothing came back
+    # Either the real session was saved whole, or nothing was: never an empty one.
+    if "s" in real.session_ids():
+        assert len(real.find("s").messages()) == 3
+    if path.exists():
+        fresh = SessionManager(llama, tokenizer)
+        fresh.load(path)
+        assert fresh.messages("s")[:2] == messages
+    # A lease that must not create never does.
+    with pytest.raises(UnknownSessionError):
+        real.acquire("ghost", create=False)
+    assert "ghost" not in real.session_ids()
+
+
+def test_turn_records_are_read_only(mgr):
+    mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=4)
+    record = mgr._core.find("s").last_turn()
+    with pytest.raises(AttributeError):
+        record.reused_tokens = 10**6
+    assert mgr.last_turn("s").reused_tokens == record.reused_tokens == 0

@@ -86,8 +86,10 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   explicit SessionManager(ManagerLimits limits);
 
   // Gets or creates the session and takes it for one turn. With wait=false a
-  // session already in use raises SessionBusyError instead of blocking.
-  std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true);
+  // session already in use raises SessionBusyError instead of blocking; with
+  // create=false an unknown id raises UnknownSessionError and creates nothing.
+  std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true,
+                                        bool create = true);
 
   std::shared_ptr<ChatSession> find(const std::string& id) const;  // UnknownSessionError
   bool contains(const std::string& id) const;
