@@ -165,7 +165,9 @@ class SessionManager:
             raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
         if tier is not None and spill_dir is not None:
             raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
-        self._tier = tier or (Spill(spill_dir) if spill_dir is not None else Tier())
+        if tier is None:
+            tier = Spill(spill_dir) if spill_dir is not None else Tier()
+        self._tier = tier
         self._model = model
         self._tokenizer = tokenizer
         self._match = match
@@ -221,14 +223,12 @@ class SessionManager:
         # Validate now, so bad input raises here rather than at the first next().
         text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        stream = ReplyStream(
-            self._tokenizer,
-            kwargs,
-            lambda kwargs: self._turn(session_id, args, ids, text=text, messages=messages),
+        stream = ReplyStream(self._tokenizer, kwargs)
+        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
+        return stream.start(
+            lambda: self._turn(session_id, args, ids, text=text, messages=messages),
             name=f"kvchat-stream-{session_id}",
         )
-        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
-        return stream.start()
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""

@@ -31,7 +31,9 @@ class StopWhenSet(StoppingCriteria):
 class ReplyStream(Iterator[str]):
     """Iterates over the reply's text pieces; ``close()`` stops generation."""
 
-    def __init__(self, tokenizer, generate_kwargs: dict, run: Callable[[dict], object], name: str):
+    def __init__(self, tokenizer, generate_kwargs: dict):
+        """``generate_kwargs`` plus this stream's streamer and stopping criterion
+        become ``self.kwargs``, what the turn passes to generate."""
         self._cancel = threading.Event()
         self._streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         criteria = StoppingCriteriaList(
@@ -39,16 +41,15 @@ class ReplyStream(Iterator[str]):
         )
         self.kwargs = dict(generate_kwargs, streamer=self._streamer, stopping_criteria=criteria)
         self._failure: list[BaseException] = []
+        self._worker: threading.Thread | None = None
+
+    def start(self, run: Callable[[], object], name: str) -> ReplyStream:
+        """Runs the turn ``run`` (which passes ``self.kwargs`` to generate) in a worker."""
         # The worker holds no reference to this object, so dropping it unread
         # reaches __del__ while generation is still running.
         self._worker = threading.Thread(
-            target=_work,
-            args=(run, self.kwargs, self._streamer, self._failure),
-            name=name,
-            daemon=True,
+            target=_work, args=(run, self._streamer, self._failure), name=name, daemon=True
         )
-
-    def start(self) -> ReplyStream:
         self._worker.start()
         return self
 
@@ -65,17 +66,18 @@ class ReplyStream(Iterator[str]):
     def close(self) -> None:
         """Stops generation within a token and waits until the turn is committed."""
         self._cancel.set()
-        if self._worker.is_alive() and threading.current_thread() is not self._worker:
-            self._worker.join()
+        worker = self._worker
+        if worker is not None and worker.is_alive() and threading.current_thread() is not worker:
+            worker.join()
 
     def __del__(self):
         # Dropped unread (a for loop left with break): stop, without waiting here.
         self._cancel.set()
 
 
-def _work(run, kwargs, streamer, failure: list) -> None:
+def _work(run, streamer, failure: list) -> None:
     try:
-        run(kwargs)
+        run()
     except BaseException as error:  # re-raised in the consumer's thread
         failure.append(error)
         streamer.end()
