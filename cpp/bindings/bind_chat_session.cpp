@@ -29,7 +29,7 @@ void bind_chat_session(py::module_& m) {
   py::class_<TurnRecord>(m, "TurnRecord")
       .def(py::init([](int64_t prompt_tokens, int64_t reused_tokens, int64_t prefilled_tokens,
                        std::vector<int64_t> output_ids, int64_t checkpoint_restored,
-                       double prefill_ms, double total_ms, std::string reason) {
+                       double prefill_ms, double total_ms, ReuseReason reason) {
              TurnRecord r;
              r.prompt_tokens = prompt_tokens;
              r.reused_tokens = reused_tokens;
@@ -39,7 +39,7 @@ void bind_chat_session(py::module_& m) {
              r.checkpoint_restored = checkpoint_restored;
              r.prefill_ms = prefill_ms;
              r.total_ms = total_ms;
-             r.reason = std::move(reason);
+             r.reason = reason;
              return r;
            }),
            py::kw_only(), py::arg("prompt_tokens"), py::arg("reused_tokens"),

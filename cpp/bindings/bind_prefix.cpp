@@ -9,7 +9,12 @@ void bind_prefix(py::module_& m) {
       .value("extend", ReuseReason::kExtend)
       .value("prompt_cached", ReuseReason::kPromptCached)
       .value("diverged", ReuseReason::kDiverged)
-      .value("invalidated", ReuseReason::kInvalidated);
+      .value("invalidated", ReuseReason::kInvalidated)
+      .value("shared_prefix", ReuseReason::kSharedPrefix)
+      .value("spill_reload", ReuseReason::kTierReload)
+      .value("unsupported_layers", ReuseReason::kUnsupportedLayers)
+      .value("multiple_sequences", ReuseReason::kMultipleSequences)
+      .value("unsupported_generation", ReuseReason::kUnsupportedGeneration);
 
   py::class_<ReusePlan>(m, "ReusePlan")
       .def_readonly("cached_tokens", &ReusePlan::cached_tokens)

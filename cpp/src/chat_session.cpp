@@ -12,7 +12,7 @@ void SessionCounters::add(const TurnRecord& turn) {
   reused_tokens += turn.reused_tokens;
   prefilled_tokens += turn.prefilled_tokens;
   generated_tokens += turn.generated_tokens;
-  if (turn.reason == to_string(ReuseReason::kInvalidated)) invalidations += 1;
+  if (turn.reason == ReuseReason::kInvalidated) invalidations += 1;
   if (turn.checkpoint_restored >= 0) checkpoint_restores += 1;
 }
 

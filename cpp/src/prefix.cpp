@@ -25,6 +25,16 @@ std::string to_string(ReuseReason reason) {
       return "diverged";
     case ReuseReason::kInvalidated:
       return "invalidated";
+    case ReuseReason::kSharedPrefix:
+      return "shared_prefix";
+    case ReuseReason::kTierReload:
+      return "spill_reload";
+    case ReuseReason::kUnsupportedLayers:
+      return "unsupported_layers";
+    case ReuseReason::kMultipleSequences:
+      return "multiple_sequences";
+    case ReuseReason::kUnsupportedGeneration:
+      return "unsupported_generation";
   }
   return "unknown";
 }

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from transformers.generation import GenerationMode
 
+from . import _C
+
 logger = logging.getLogger("kvchat")
 
 # generate's own keyword parameters that are not generation-config fields.
@@ -40,6 +42,7 @@ _GENERATE_PARAMETERS = (
     "tokenizer",
     "assistant_tokenizer",
 )
+_UNSUPPORTED = _C.ReuseReason.unsupported_generation
 # Modes that decode one sequence token by token from the cache: what kvchat reuses for.
 _REUSABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
@@ -48,7 +51,7 @@ _REUSABLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 class GenerateArgs:
     kwargs: dict  # what to pass to generate (never past_key_values)
     max_new_tokens: int  # the most tokens this turn can generate, for context checks
-    plain_reason: str | None  # why the turn runs as plain generate; None: it reuses
+    plain_reason: _C.ReuseReason | None  # why the turn runs as plain generate; None: it reuses
     why: str = ""  # the detail behind plain_reason, for the log
 
 
@@ -91,16 +94,14 @@ def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateAr
         (config.num_return_sequences or 1) > 1
     ):
         # Beam search and several sequences reorder and widen the cache.
-        reason, why = "multiple_sequences", f"{mode.value}, {config.num_return_sequences} sequences"
+        reason = _C.ReuseReason.multiple_sequences
+        why = f"{mode.value}, {config.num_return_sequences} sequences"
     elif mode not in _REUSABLE_MODES or mode_kwargs.get("custom_generate") is not None:
-        reason, why = "unsupported_generation", f"generation mode {mode.value}"
+        reason, why = _UNSUPPORTED, f"generation mode {mode.value}"
     elif config.use_cache is False:
-        reason, why = "unsupported_generation", "use_cache=False"
+        reason, why = _UNSUPPORTED, "use_cache=False"
     elif config.cache_implementation is not None:
-        reason, why = (
-            "unsupported_generation",
-            f"cache_implementation={config.cache_implementation!r}",
-        )
+        reason, why = _UNSUPPORTED, f"cache_implementation={config.cache_implementation!r}"
     elif config.output_hidden_states or config.output_attentions:
-        reason, why = "unsupported_generation", "the prompt's hidden states or attentions"
+        reason, why = _UNSUPPORTED, "the prompt's hidden states or attentions"
     return GenerateArgs(kwargs, max_new, reason, why)

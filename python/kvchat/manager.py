@@ -405,8 +405,10 @@ class SessionManager:
         the session with its history and no cache (never half a turn).
         """
         self._check_context(fresh.numel(), args.max_new_tokens)
-        plain = args.plain_reason or (None if self._bridge.supported else "unsupported_layers")
-        if args.plain_reason:
+        plain = args.plain_reason
+        if plain is None and not self._bridge.supported:
+            plain = _C.ReuseReason.unsupported_layers
+        if args.plain_reason is not None:
             logger.info("kvchat: %s runs as plain generate (%s)", session_id, args.why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()
@@ -474,11 +476,11 @@ class SessionManager:
         shared = self._core.share_prefix(session, prompt, self._markers, plan)
         if shared:
             plan = session.plan(prompt)
-        kept, reason = plan.kept_tokens, plan.reason.name
+        kept, reason = plan.kept_tokens, plan.reason
         if shared and kept == shared:
-            reason = "shared_prefix"
+            reason = _C.ReuseReason.shared_prefix
         elif reloaded is not None and kept:
-            reason = "spill_reload"
+            reason = _C.ReuseReason.spill_reload
         # Room for the prompt and some of the reply; decoding grows it in
         # amortized steps, so a large max_new_tokens reserves nothing up front.
         total = prompt.numel() + max_new_tokens

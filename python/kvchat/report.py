@@ -33,7 +33,7 @@ class TurnReport:
             ),
             prefill_ms=record.prefill_ms,
             total_ms=record.total_ms,
-            reason=record.reason,
+            reason=record.reason.name,
             output_ids=tuple(record.output_ids),
         )
 

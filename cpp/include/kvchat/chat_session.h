@@ -30,7 +30,7 @@ struct TurnRecord {
   int64_t checkpoint_restored = -1;  // token position of a restored checkpoint, or -1
   double prefill_ms = 0.0;           // time to first token
   double total_ms = 0.0;
-  std::string reason;  // to_string(ReuseReason)
+  ReuseReason reason = ReuseReason::kNoCache;
   std::vector<int64_t> output_ids;
 };
 

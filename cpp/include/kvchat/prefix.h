@@ -14,12 +14,20 @@ namespace kvchat {
 // Length of the longest common prefix of a[0:na) and b[0:nb).
 int64_t common_prefix_length(const int64_t* a, int64_t na, const int64_t* b, int64_t nb);
 
+// Every reason a turn reports, one enum: the planner chooses the first five;
+// the rest say where the kept tokens came from, or why a turn ran as plain
+// generate. to_string gives the name users see (TurnReport.reason).
 enum class ReuseReason {
-  kNoCache,       // nothing cached: prefill everything
-  kExtend,        // the cache is a strict prefix of the prompt: keep all of it
-  kPromptCached,  // the whole prompt is cached (a regenerate): keep all but its last token
-  kDiverged,      // the prompt departs from the cache: keep up to the divergence
-  kInvalidated,   // a check (corruption, repetition, layer limits) capped the reuse
+  kNoCache,                // nothing cached: prefill everything
+  kExtend,                 // the cache is a strict prefix of the prompt: keep all of it
+  kPromptCached,           // the whole prompt is cached (a regenerate): keep all but its last
+  kDiverged,               // the prompt departs from the cache: keep up to the divergence
+  kInvalidated,            // a check (corruption, repetition, layer limits) capped the reuse
+  kSharedPrefix,           // started from a prefix another session holds
+  kTierReload,             // started from the cache a storage tier gave back ("spill_reload")
+  kUnsupportedLayers,      // cache layers kvchat cannot carry: plain generate
+  kMultipleSequences,      // beam search or several sequences: plain generate
+  kUnsupportedGeneration,  // a generation mode a cache cannot serve exactly: plain generate
 };
 
 std::string to_string(ReuseReason reason);
