@@ -55,7 +55,8 @@ void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::Repetiti
     for (int r = 0; r < kRepeats; ++r) {
       kvchat::ManagerLimits limits{4, 0, kLayers};
       limits.min_shared_tokens = 32;
-      auto mgr = std::make_shared<kvchat::SessionManager>(limits);
+      auto mgr =
+          std::make_shared<kvchat::SessionManager>(limits, kvchat::TurnSettings{markers, rule});
       for (const std::string id : {"donor", "bench"}) {
         auto lease = mgr->acquire(id);
         lease->session()->commit(ids.data(), tokens, cached, 0, markers, rule);
@@ -64,7 +65,7 @@ void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::Repetiti
       auto& session = *lease->session();
       auto plan = session.plan(ids.data(), tokens + kNewTokens);  // timed in the table above
       auto t0 = clock_type::now();
-      mgr->share_prefix(session, ids.data(), tokens + kNewTokens, markers, plan);
+      mgr->share_prefix(session, ids.data(), tokens + kNewTokens, plan);
       auto t1 = clock_type::now();
       session.commit(ids.data(), tokens + kNewTokens, grown, plan.kept_tokens, markers, rule);
       auto t2 = clock_type::now();

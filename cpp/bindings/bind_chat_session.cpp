@@ -53,6 +53,7 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("prefill_ms", &TurnRecord::prefill_ms)
       .def_readonly("total_ms", &TurnRecord::total_ms)
       .def_readonly("reason", &TurnRecord::reason)
+      .def_readonly("cache_stored", &TurnRecord::cache_stored)
       .def_readonly("output_ids", &TurnRecord::output_ids);
 
   py::class_<SessionCounters>(m, "SessionCounters")

@@ -33,18 +33,22 @@ void bind_session_manager(py::module_& m) {
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
                        int64_t max_checkpoints, int64_t max_checkpoint_bytes,
-                       int64_t min_shared_tokens, bool keep_evicted) {
+                       int64_t min_shared_tokens, bool keep_evicted, TurnMarkers markers,
+                       RepetitionRule repetition, bool prefill_checkpoints) {
              TORCH_CHECK_VALUE(min_shared_tokens >= 0,
                                "min_shared_tokens must be >= 0 (0: no sharing), got ",
                                min_shared_tokens);
              return std::make_shared<SessionManager>(
                  ManagerLimits{max_sessions, max_cache_bytes, num_layers,
                                CheckpointPolicy{max_checkpoints, max_checkpoint_bytes},
-                               min_shared_tokens, keep_evicted});
+                               min_shared_tokens, keep_evicted},
+                 TurnSettings{std::move(markers), repetition, prefill_checkpoints});
            }),
            py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
            py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0,
-           py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false)
+           py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false,
+           py::arg("markers") = TurnMarkers{}, py::arg("repetition") = RepetitionRule{},
+           py::arg("prefill_checkpoints") = false)
       .def("take_evicted",
            [](SessionManager& m) {
              std::vector<EvictedCache> evicted;
@@ -59,12 +63,12 @@ void bind_session_manager(py::module_& m) {
       .def(
           "share_prefix",
           [](SessionManager& m, ChatSession& session, const at::Tensor& prompt_ids,
-             const TurnMarkers& markers, const ReusePlan& plan) {
+             const ReusePlan& plan) {
             auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
             py::gil_scoped_release release;
-            return m.share_prefix(session, data, n, markers, plan);
+            return m.share_prefix(session, data, n, plan);
           },
-          py::arg("session"), py::arg("prompt_ids"), py::arg("markers"), py::arg("plan"))
+          py::arg("session"), py::arg("prompt_ids"), py::arg("plan"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            py::arg("create") = true, no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"), no_gil())

@@ -17,6 +17,7 @@ void bind_radix_tree(py::module_& m);
 void bind_turn_checks(py::module_& m);
 void bind_chat_session(py::module_& m);
 void bind_session_manager(py::module_& m);
+void bind_turn(py::module_& m);  // after bind_session_manager: it adds methods
 
 // A 1-D int64 CPU contiguous tensor of token ids, as (data, length), so ids
 // cross the boundary without a copy. `name` is the argument the user passed.

@@ -51,4 +51,5 @@ PYBIND11_MODULE(_C, m) {
   kvchat::bind_turn_checks(m);
   kvchat::bind_chat_session(m);
   kvchat::bind_session_manager(m);
+  kvchat::bind_turn(m);
 }

@@ -54,7 +54,9 @@ void SessionLease::release() {
   manager_->release(id);
 }
 
-SessionManager::SessionManager(ManagerLimits limits) : limits_(limits) {
+SessionManager::SessionManager(ManagerLimits limits, TurnSettings settings)
+    : limits_(limits), settings_(std::move(settings)) {
+  check_markers(settings_.markers);
   TORCH_CHECK_VALUE(limits_.max_sessions >= 1, "max_sessions must be >= 1, got ",
                     limits_.max_sessions);
   TORCH_CHECK_VALUE(limits_.max_cache_bytes >= 0,
@@ -177,7 +179,7 @@ void SessionManager::drop_unused_prefixes_locked(Graveyard* dead) {
 }
 
 int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
-                                     const TurnMarkers& markers, const ReusePlan& own_plan) {
+                                     const ReusePlan& own_plan) {
   const int64_t min_tokens = limits_.min_shared_tokens;
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
   TORCH_CHECK_VALUE(own_plan.prompt_tokens == n, "plan is for a prompt of ", own_plan.prompt_tokens,
@@ -205,7 +207,7 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
   if (donor) {
     // Cut at a message boundary, so sessions that differ after the system
     // prompt all land on the same prefix instead of one each.
-    const int64_t cut = last_turn_boundary(prompt, n, donor_common, markers);
+    const int64_t cut = last_turn_boundary(prompt, n, donor_common, settings_.markers);
     SharedPrefixPtr made =
         cut >= min_tokens && cut > have ? donor->export_prefix(prompt, cut) : nullptr;
     if (made) {

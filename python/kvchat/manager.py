@@ -181,11 +181,13 @@ class SessionManager:
             max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
             min_shared_tokens=min_shared_tokens if share_prefixes else 0,
             keep_evicted=self._tier.keeps_evicted,
+            # Given once: the core uses them for every turn's cuts, checkpoints and checks.
+            markers=turn_markers(tokenizer, model.generation_config),
+            repetition=_C.RepetitionRule(),
+            prefill_checkpoints=self._bridge.needs_checkpoints,
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
         self._tier.bind(self._fingerprint, self._bridge, model.device)
-        self._markers = turn_markers(tokenizer, model.generation_config)
-        self._rule = _C.RepetitionRule()
         text_config = model.config.get_text_config()
         self._max_context = _positive_int(
             max_context_length, "max_context_length", allow_none=True
@@ -375,7 +377,7 @@ class SessionManager:
     def _text_prompt(self, session, text: str, fresh: torch.Tensor) -> torch.Tensor:
         """In text mode, the cached ids plus the new suffix's when the text extends
         the cached text; otherwise ``fresh``, the prompt's own tokenization."""
-        if self._match == "text":
+        if self._match == "text" and text is not None:
             cached_text = session.cached_text()
             if cached_text and text.startswith(cached_text):
                 suffix = tokenize_text(self._tokenizer, text[len(cached_text) :])
@@ -393,7 +395,7 @@ class SessionManager:
             )
 
     def _turn(self, session_id, args: GenerateArgs, fresh, *, text=None, messages=None):
-        """One turn: plan, build the cache, prefill to checkpoints, generate, store.
+        """One turn: the core's begin_turn, the model, the core's finish_turn.
 
         ``args``: the generate arguments, resolved (and so validated) by the caller;
         ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
@@ -401,8 +403,8 @@ class SessionManager:
         Returns generate's output and, for messages, the reply text.
 
         Everything that can be refused is refused before the session is leased,
-        so bad input leaves nothing behind; a turn that fails after that leaves
-        the session with its history and no cache (never half a turn).
+        so bad input leaves nothing behind; a turn that fails after begin_turn
+        leaves the session with its history and no cache (never half a turn).
         """
         self._check_context(fresh.numel(), args.max_new_tokens)
         plain = args.plain_reason
@@ -415,136 +417,80 @@ class SessionManager:
         kwargs = timer.attach(args.kwargs)
         try:
             with self._core.acquire(session_id, wait=self._wait) as session:
-                if plain is None:
-                    output, reply, counts = self._reuse_turn(
-                        session, kwargs, fresh, text, messages, args.max_new_tokens
-                    )
-                else:
-                    output, reply, counts = self._plain_turn(session, kwargs, fresh, messages)
-                    counts["reason"] = plain
-                record = _C.TurnRecord(
-                    **counts,
-                    prefill_ms=timer.prefill_ms,
-                    total_ms=(time.perf_counter() - timer.started) * 1e3,
+                # Text mode reads the session's cached text, so it matches under the lease.
+                prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
+                prompt = prompt.to("cpu", torch.long).contiguous()
+                self._check_context(prompt.numel(), args.max_new_tokens)
+                reloaded = None
+                if plain is None and not session.resident:
+                    reloaded = self._tier.find_if_cheaper(session.id, prompt)
+                plan = self._core.begin_turn(
+                    session, prompt, args.max_new_tokens, reloaded=reloaded, plain=plain
                 )
-                session.record_turn(record)
-            if plain is None:
+                if plan.reload_error:
+                    logger.warning(
+                        "kvchat: tier's cache for %r does not fit: %s",
+                        session_id,
+                        plan.reload_error,
+                    )
+                try:
+                    output, reply, result = self._run(plan, prompt, kwargs, text, messages)
+                    result = _C.TurnResult(
+                        **result,
+                        prefill_ms=timer.prefill_ms,
+                        total_ms=(time.perf_counter() - timer.started) * 1e3,
+                    )
+                    record = self._core.finish_turn(session, plan, result)
+                except BaseException:
+                    self._core.abort_turn(session, plan)
+                    raise
+            if not plan.plain:
+                if not record.cache_stored:
+                    logger.warning(
+                        "kvchat: the cache after %r's turn does not match its %d tokens; "
+                        "dropped it",
+                        session_id,
+                        prompt.numel() + record.generated_tokens,
+                    )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
             return output, reply
         finally:
             self._flush_evicted()
 
-    def _finish(self, session, output, prompt, messages):
-        """(sequences, reply text, the turn's counts so far) after generate."""
+    def _run(self, plan, prompt, kwargs, text, messages):
+        """The model's part of a turn: (generate's output, reply text, TurnResult fields).
+
+        A plain plan runs plain generate, passing no cache. Otherwise the cache
+        is built from the plan's layers, the uncached tail is prefilled to each
+        checkpoint position, and generate runs on from there."""
+        model_input = prompt.unsqueeze(0).to(self._model.device)
+        result = {}
+        if plan.plain:
+            output = self._model.generate(model_input, **kwargs)
+        else:
+            # Consumed: a buffer that moves to a larger arena frees the old one.
+            cache = self._bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
+            positions = plan.checkpoint_positions
+            if positions:
+                result["checkpoints"] = self._prefill.run(
+                    model_input, cache, plan.kept_tokens, positions
+                )
+            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
+            cached = cache.get_seq_length()
+            result.update(layers=self._bridge.from_cache(cache, cached), cached_tokens=cached)
+            if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
+                # The caller may run the returned cache on; the session must not see that.
+                self._bridge.detach_recurrent(cache)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        sequence = sequences[0].to("cpu", torch.long).contiguous()
+        result["sequence"] = sequence
+        if self._match == "text" and text is not None and not plan.plain:
+            # The text of the cached ids, for the next turn's prefix match.
+            cached_ids = sequence[prompt.numel() : result["cached_tokens"]]
+            result["text"] = text + self._tokenizer.decode(cached_ids, skip_special_tokens=False)
         reply = None
         if messages is not None:
             reply = self._decode_reply(sequences, prompt.numel())
             history = [*messages, {"role": "assistant", "content": reply}]
-            session.set_messages(_core_messages(history))
-        counts = {
-            "prompt_tokens": prompt.numel(),
-            "output_ids": sequences[0, prompt.numel() :].tolist(),
-        }
-        return sequences, reply, counts
-
-    def _plain_turn(self, session, kwargs, prompt, messages):
-        """Plain generate, passing no cache: for what kvchat cannot carry. The
-        session's cache is left as it was."""
-        output = self._model.generate(prompt.unsqueeze(0).to(self._model.device), **kwargs)
-        _, reply, counts = self._finish(session, output, prompt, messages)
-        counts.update(reused_tokens=0, prefilled_tokens=prompt.numel())
-        return output, reply, counts
-
-    def _reuse_turn(self, session, kwargs, fresh, text, messages, max_new_tokens):
-        """A turn that starts from what the session (or a shared prefix, or the
-        tier) holds of the prompt and commits the new cache after it."""
-        # Text mode reads the session's cached text, so it matches under the lease.
-        prompt = fresh if text is None else self._text_prompt(session, text, fresh)
-        prompt = prompt.to("cpu", torch.long).contiguous()
-        self._check_context(prompt.numel(), max_new_tokens)
-        model_input = prompt.unsqueeze(0).to(self._model.device)
-        reloaded = None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
-        if reloaded is not None:
-            try:  # the core checks it whole; a cache that does not fit is a miss
-                session.restore(reloaded)
-            except (ValueError, IndexError) as error:
-                logger.warning("kvchat: tier's cache for %r does not fit: %s", session.id, error)
-                reloaded = None
-        plan = session.plan(prompt)
-        # Another session's prefix, when it covers more than this plan keeps.
-        shared = self._core.share_prefix(session, prompt, self._markers, plan)
-        if shared:
-            plan = session.plan(prompt)
-        kept, reason = plan.kept_tokens, plan.reason
-        if shared and kept == shared:
-            reason = _C.ReuseReason.shared_prefix
-        elif reloaded is not None and kept:
-            reason = _C.ReuseReason.spill_reload
-        # Room for the prompt and some of the reply; decoding grows it in
-        # amortized steps, so a large max_new_tokens reserves nothing up front.
-        total = prompt.numel() + max_new_tokens
-        reserve = min(total, _C.KvBuffer.grown_capacity(prompt.numel()))
-        states = session.layers_for(plan)
-        # The cache owns them now, so a buffer that moves to a larger arena frees
-        # the old one at once instead of holding both (the turn's peak memory).
-        session.release_layers()
-        try:
-            cache = self._bridge.to_cache(states, reserve=reserve)
-            del states
-            checkpoints = []
-            if self._bridge.needs_checkpoints:
-                positions = _C.checkpoint_positions(prompt, kept, self._markers)
-                checkpoints = self._prefill.run(model_input, cache, kept, positions)
-            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
-            sequences, reply, counts = self._finish(session, output, prompt, messages)
-            cached_text = text if self._match == "text" and text is not None else None
-            self._store(
-                session, sequences[0], prompt.numel(), cache, kept, checkpoints, cached_text
-            )
-        except BaseException:
-            # Half a turn is never kept: the session drops its cache (checkpoints
-            # too, so the budget counts nothing it cannot evict); history stays.
-            session.invalidate_cache()
-            raise
-        if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
-            # The caller may run the returned cache on; the session must not see that.
-            self._bridge.detach_recurrent(cache)
-        counts.update(
-            reused_tokens=kept,
-            prefilled_tokens=prompt.numel() - kept,
-            checkpoint_restored=plan.checkpoint_position,
-            reason=reason,
-        )
-        return output, reply, counts
-
-    def _store(self, session, sequence, prompt_tokens, cache, kept, checkpoints, prompt_text):
-        """Keeps the post-generation cache, which holds all but the last sampled token.
-
-        prompt_text: the prompt's text in text mode, else None; the text of the
-        cached ids is then stored for the next turn's prefix match.
-        """
-        cached = cache.get_seq_length()
-        if cached != sequence.numel() - 1:
-            # Never store a cache whose ids we cannot name exactly.
-            logger.warning(
-                "kvchat: cache holds %d tokens for a sequence of %d; dropping it",
-                cached,
-                sequence.numel(),
-            )
-            session.invalidate_cache()
-            return
-        ids = sequence[:cached].to("cpu", torch.long).contiguous()
-        text = ""
-        if prompt_text is not None:
-            generated = self._tokenizer.decode(ids[prompt_tokens:], skip_special_tokens=False)
-            text = prompt_text + generated
-        session.commit(
-            ids,
-            self._bridge.from_cache(cache, cached),
-            kept,
-            self._markers,
-            self._rule,
-            checkpoints,
-            text,
-        )
+            result["messages"] = _core_messages(history)
+        return output, reply, result

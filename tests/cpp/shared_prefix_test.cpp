@@ -82,14 +82,14 @@ TEST(SharedAttention, RejectsMismatchedTail) {
 std::shared_ptr<SessionManager> sharing_manager(int64_t max_bytes = 0) {
   ManagerLimits limits{16, max_bytes, 2};
   limits.min_shared_tokens = 4;
-  return std::make_shared<SessionManager>(limits);
+  return std::make_shared<SessionManager>(limits, TurnSettings{kMarkers});
 }
 
 // share_prefix with the session's own plan for `prompt`, as a turn calls it.
 int64_t share(SessionManager& mgr, SessionLease& lease, const std::vector<int64_t>& prompt) {
   auto& session = *lease.session();
   const auto n = static_cast<int64_t>(prompt.size());
-  return mgr.share_prefix(session, prompt.data(), n, kMarkers, session.plan(prompt.data(), n));
+  return mgr.share_prefix(session, prompt.data(), n, session.plan(prompt.data(), n));
 }
 
 void commit(SessionManager& mgr, const std::string& id, const std::vector<int64_t>& ids) {

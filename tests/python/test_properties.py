@@ -111,6 +111,7 @@ def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
         max_cache_bytes=budget,
         num_layers=LAYERS,
         min_shared_tokens=2 if share else 0,
+        markers=MARKERS,
     )
     conversations: dict[str, list[int]] = {}
     for op, sid, kind, at, new in ops:
@@ -122,28 +123,30 @@ def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
         prompt = edit(conversations.get(sid, []), kind, at, new)
         ids = torch.tensor(prompt, dtype=torch.long)
         with mgr.acquire(sid) as session:
-            plan = session.plan(ids)
-            if mgr.share_prefix(session, ids, MARKERS, plan):
+            # The turn path itself: begin_turn plans, shares and hands out layers.
+            plan = mgr.begin_turn(session, ids, 2)
+            if plan.reason == _C.ReuseReason.shared_prefix:
                 event("started from a shared prefix")
-                plan = session.plan(ids)
             kept = plan.kept_tokens
             assert kept <= len(prompt) - 1
-            assert kept <= plan.common_prefix
-            layers = session.layers_for(plan)
+            layers = plan.take_layers()
             if kept:
                 event(f"reused ({plan.reason.name})")
                 # What a turn reuses is exactly the prompt's own first tokens.
                 for layer in layers:
                     assert layer.num_tokens == kept
                     assert decoded(layer) == prompt[:kept]
+            else:
+                assert layers == []
             reply = [EOT, 3]  # the "generated" tokens; the last one is never cached
             full = prompt + reply[:-1]
-            session.commit(
-                torch.tensor(full, dtype=torch.long),
-                [encoded(full) for _ in range(LAYERS)],
-                kept,
-                MARKERS,
+            result = _C.TurnResult(
+                sequence=torch.tensor(prompt + reply, dtype=torch.long),
+                layers=[encoded(full) for _ in range(LAYERS)],
+                cached_tokens=len(full),
             )
+            record = mgr.finish_turn(session, plan, result)
+            assert record.cache_stored and record.reused_tokens == kept
             conversations[sid] = full
         stats = mgr.stats()
         if stats.evictions:

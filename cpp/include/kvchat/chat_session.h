@@ -31,6 +31,7 @@ struct TurnRecord {
   double prefill_ms = 0.0;           // time to first token
   double total_ms = 0.0;
   ReuseReason reason = ReuseReason::kNoCache;
+  bool cache_stored = false;  // whether the session kept the cache this turn left
   std::vector<int64_t> output_ids;
 };
 

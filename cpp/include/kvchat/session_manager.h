@@ -13,6 +13,7 @@
 #include "kvchat/chat_session.h"
 #include "kvchat/radix_tree.h"
 #include "kvchat/shared_prefix.h"
+#include "kvchat/turn.h"
 
 namespace kvchat {
 
@@ -83,7 +84,7 @@ class SessionLease {
 
 class SessionManager : public std::enable_shared_from_this<SessionManager> {
  public:
-  explicit SessionManager(ManagerLimits limits);
+  explicit SessionManager(ManagerLimits limits, TurnSettings settings = {});
 
   // Gets or creates the session and takes it for one turn. With wait=false a
   // session already in use raises SessionBusyError instead of blocking; with
@@ -100,11 +101,30 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   void remove(const std::string& id);
   ManagerStats stats() const;
   const ManagerLimits& limits() const { return limits_; }
+  const TurnSettings& settings() const { return settings_; }
   // Evicts least-recently-used idle sessions until the limits hold.
   void enforce_limits();
 
   // The caches evicted since the last call (with limits.keep_evicted).
   std::vector<EvictedCache> take_evicted();
+
+  // --- one turn (see turn.h); call with `session` leased ---
+  // Decides what the turn starts from. With `plain` (a reason), nothing is
+  // touched: the turn runs as plain generate. Otherwise: restores `reloaded`
+  // (a storage tier's copy of a non-resident session; one that does not fit is
+  // refused and named in reload_error), plans, starts from another session's
+  // prefix when that keeps more, and hands the layer states at the plan's
+  // point to the turn. After this, finish_turn or abort_turn must follow.
+  TurnPlan begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
+                      int64_t max_new_tokens, std::optional<CachedState> reloaded = std::nullopt,
+                      std::optional<ReuseReason> plain = std::nullopt);
+  // Checks and commits what the model left (a cache whose token count does
+  // not match the sequence is dropped, not stored), sets the messages, and
+  // records the turn. A commit that throws leaves the session with no cache.
+  TurnRecord finish_turn(ChatSession& session, const TurnPlan& plan, TurnResult result);
+  // A turn that failed after begin_turn: the session drops its cache (it
+  // handed its layers to the turn) and keeps its history.
+  void abort_turn(ChatSession& session, const TurnPlan& plan);
 
   // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
   // session leased, after planning (`own`: the session's plan for `prompt`):
@@ -112,7 +132,7 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // than `own` keeps, the session starts from it (by reference). Returns the
   // tokens it starts with, or 0; when not 0, plan again.
   int64_t share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
-                       const TurnMarkers& markers, const ReusePlan& own);
+                       const ReusePlan& own);
 
  private:
   friend class SessionLease;
@@ -138,6 +158,7 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   int64_t resident_bytes_locked() const;
 
   const ManagerLimits limits_;
+  const TurnSettings settings_;
   mutable std::mutex mutex_;  // guards entries_, clock_, counters below
   std::unordered_map<std::string, Entry> entries_;
   uint64_t clock_ = 0;

@@ -1,0 +1,63 @@
+// One turn, as the core sees it: SessionManager::begin_turn decides what the
+// turn starts from and hands out the layer states; the adapter runs the model;
+// SessionManager::finish_turn checks and commits what the model left and
+// records the turn. Between the two the session holds no layers, so a turn
+// that fails there calls abort_turn and the session keeps its history and no
+// cache: never half a turn.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvchat/chat_session.h"
+#include "kvchat/prefix.h"
+#include "kvchat/turn_checks.h"
+
+namespace kvchat {
+
+// Given once, when the manager is built.
+struct TurnSettings {
+  TurnMarkers markers;        // where messages end, for sharing cuts, checkpoints and checks
+  RepetitionRule repetition;  // what counts as a degenerate loop at commit
+  // Whether a turn snapshots checkpoints while prefilling its uncached tail
+  // (a model with layers that cannot crop back: sliding, conv, recurrent).
+  bool prefill_checkpoints = false;
+};
+
+// What begin_turn decided. The adapter builds its cache from take_layers(),
+// prefills to each checkpoint position, and generates.
+struct TurnPlan {
+  std::vector<int64_t> prompt;
+  int64_t kept_tokens = 0;           // reused from the cache; prefill starts here
+  int64_t checkpoint_restored = -1;  // position of a restored checkpoint, or -1
+  int64_t reserve = 0;               // tokens of room to give full-attention buffers
+  ReuseReason reason = ReuseReason::kNoCache;
+  bool plain = false;  // plain generate: no cache goes in, none is stored
+  std::string detail;  // the planner's sentence
+  // Why a storage tier's cache was refused (empty: none was, or none given).
+  std::string reload_error;
+  // Positions in (kept_tokens, prompt size) where the prefill snapshots.
+  std::vector<int64_t> checkpoint_positions;
+  std::vector<LayerStatePtr> layers;  // at kept_tokens; empty when nothing is kept
+
+  int64_t prompt_tokens() const { return static_cast<int64_t>(prompt.size()); }
+  // Hands the layers over (once), so the plan pins none of their storage.
+  std::vector<LayerStatePtr> take_layers();
+};
+
+// What the model produced, for finish_turn.
+struct TurnResult {
+  std::vector<int64_t> sequence;      // the prompt, then the generated ids
+  std::vector<LayerStatePtr> layers;  // the cache after generation (ignored if plain)
+  int64_t cached_tokens = 0;          // tokens those layers hold
+  std::vector<Checkpoint> checkpoints;
+  std::string text;  // what the cached ids render to, for text matching; empty: unknown
+  // The conversation after the turn (the reply included); none: leave it.
+  std::optional<std::vector<Message>> messages;
+  double prefill_ms = 0.0;
+  double total_ms = 0.0;
+};
+
+}  // namespace kvchat

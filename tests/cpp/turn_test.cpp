@@ -1,0 +1,204 @@
+// One turn through the manager: begin_turn, the model's part (faked here),
+// then finish_turn or abort_turn.
+#include "kvchat/turn.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "kvchat/kv_buffer.h"
+#include "kvchat/session_manager.h"
+#include "test_util.h"
+
+namespace kvchat {
+namespace {
+
+using testing::attention_layers;
+using testing::iota_ids;
+
+const TurnMarkers kMarkers{{2}, {}};
+
+std::shared_ptr<SessionManager> make_manager(bool prefill_checkpoints = false) {
+  return std::make_shared<SessionManager>(ManagerLimits{16, 0, 2},
+                                          TurnSettings{kMarkers, {}, prefill_checkpoints});
+}
+
+// What a model would leave after `prompt` and `generated` new tokens: the
+// sequence, and a cache of every token but the last.
+TurnResult model_output(const std::vector<int64_t>& prompt, int64_t generated) {
+  TurnResult result;
+  result.sequence = prompt;
+  for (int64_t i = 0; i < generated; ++i) result.sequence.push_back(500 + i);
+  result.cached_tokens = static_cast<int64_t>(result.sequence.size()) - 1;
+  result.layers = attention_layers(2, result.cached_tokens);
+  result.messages = std::vector<Message>{{"user", "hi"}, {"assistant", "yo"}};
+  return result;
+}
+
+TurnRecord run_turn(SessionManager& mgr, const std::string& id, const std::vector<int64_t>& prompt,
+                    int64_t generated = 3) {
+  auto lease = mgr.acquire(id);
+  auto& session = *lease->session();
+  auto plan = mgr.begin_turn(session, prompt.data(), prompt.size(), 16);
+  return mgr.finish_turn(session, plan, model_output(prompt, generated));
+}
+
+TEST(Turn, FirstTurnPrefillsAllAndCommits) {
+  auto mgr = make_manager();
+  const auto prompt = iota_ids(10);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), 10, 1000);
+  EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
+  EXPECT_EQ(plan.kept_tokens, 0);
+  EXPECT_TRUE(plan.layers.empty());
+  EXPECT_TRUE(plan.checkpoint_positions.empty());  // not asked for
+  EXPECT_EQ(plan.reserve, KvBuffer::grown_capacity(10));
+  auto record = mgr->finish_turn(session, plan, model_output(prompt, 3));
+  EXPECT_EQ(record.prompt_tokens, 10);
+  EXPECT_EQ(record.reused_tokens, 0);
+  EXPECT_EQ(record.prefilled_tokens, 10);
+  EXPECT_EQ(record.generated_tokens, 3);
+  EXPECT_EQ(record.output_ids, (std::vector<int64_t>{500, 501, 502}));
+  EXPECT_TRUE(record.cache_stored);
+  EXPECT_EQ(session.cached_ids().size(), 12u);
+  EXPECT_EQ(session.messages().size(), 2u);
+  ASSERT_TRUE(session.last_turn().has_value());
+  EXPECT_EQ(session.counters().requests, 1);
+}
+
+TEST(Turn, NextTurnKeepsTheCacheAndTheSessionHandsItsLayersOver) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);  // caches 12 tokens: the prompt, 500, 501
+  prompt.insert(prompt.end(), {500, 501, 502, 7, 8});
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  EXPECT_EQ(plan.reason, ReuseReason::kExtend);
+  EXPECT_EQ(plan.kept_tokens, 12);
+  ASSERT_EQ(plan.layers.size(), 2u);
+  EXPECT_EQ(plan.layers[0]->num_tokens(), 12);
+  EXPECT_EQ(plan.reserve, 15 + 4);   // the whole turn fits in less than the growth step
+  EXPECT_FALSE(session.resident());  // the turn holds the layers now
+  auto layers = plan.take_layers();
+  EXPECT_TRUE(plan.layers.empty());
+  auto record = mgr->finish_turn(session, plan, model_output(prompt, 2));
+  EXPECT_EQ(record.reused_tokens, 12);
+  EXPECT_EQ(record.prefilled_tokens, 3);
+  EXPECT_EQ(session.cached_ids().size(), 16u);
+}
+
+TEST(Turn, AbortLeavesTheHistoryAndNoCache) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  prompt.push_back(9);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  const auto before = session.messages();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  mgr->abort_turn(session, plan);  // say generate raised
+  EXPECT_FALSE(session.resident());
+  EXPECT_TRUE(session.cached_ids().empty());
+  EXPECT_EQ(session.messages().size(), before.size());
+  EXPECT_EQ(session.counters().requests, 1);  // the failed turn is not counted
+}
+
+TEST(Turn, PlainTurnLeavesTheCacheAlone) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  const auto ids = session.cached_ids();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4, std::nullopt,
+                              ReuseReason::kMultipleSequences);
+  EXPECT_TRUE(plan.plain);
+  EXPECT_TRUE(plan.layers.empty());
+  EXPECT_TRUE(session.resident());
+  auto record = mgr->finish_turn(session, plan, model_output(prompt, 2));
+  EXPECT_EQ(record.reason, ReuseReason::kMultipleSequences);
+  EXPECT_EQ(record.reused_tokens, 0);
+  EXPECT_EQ(record.prefilled_tokens, 10);
+  EXPECT_FALSE(record.cache_stored);
+  EXPECT_EQ(session.cached_ids(), ids);
+  mgr->abort_turn(session, plan);  // a plain turn that failed keeps the cache too
+  EXPECT_EQ(session.cached_ids(), ids);
+}
+
+TEST(Turn, ACacheThatDoesNotMatchTheSequenceIsDropped) {
+  auto mgr = make_manager();
+  const auto prompt = iota_ids(10);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), 10, 4);
+  auto result = model_output(prompt, 3);
+  result.cached_tokens -= 1;
+  result.layers = attention_layers(2, result.cached_tokens);
+  auto record = mgr->finish_turn(session, plan, std::move(result));
+  EXPECT_FALSE(record.cache_stored);
+  EXPECT_FALSE(session.resident());
+  EXPECT_EQ(session.messages().size(), 2u);  // the reply is still history
+}
+
+TEST(Turn, ACommitThatFailsInvalidatesAndThrows) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  prompt.push_back(9);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto result = model_output(prompt, 2);
+  result.layers = attention_layers(3, result.cached_tokens);  // the model has 2
+  EXPECT_THROW(mgr->finish_turn(session, plan, std::move(result)), c10::ValueError);
+  EXPECT_FALSE(session.resident());
+  EXPECT_EQ(session.counters().requests, 1);
+  auto wrong = model_output(iota_ids(11, 7), 2);  // not this plan's prompt
+  EXPECT_THROW(mgr->finish_turn(session, plan, std::move(wrong)), c10::ValueError);
+}
+
+TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
+  auto mgr = make_manager();
+  const auto prompt = iota_ids(10);
+  CachedState good{iota_ids(8), attention_layers(2, 8), {}, "", 8};
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), 10, 4, good);
+  EXPECT_EQ(plan.reason, ReuseReason::kTierReload);
+  EXPECT_EQ(plan.kept_tokens, 8);
+  EXPECT_TRUE(plan.reload_error.empty());
+  mgr->abort_turn(session, plan);
+
+  CachedState bad{iota_ids(8), attention_layers(3, 8), {}, "", 8};
+  plan = mgr->begin_turn(session, prompt.data(), 10, 4, bad);
+  EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
+  EXPECT_EQ(plan.kept_tokens, 0);
+  EXPECT_NE(plan.reload_error.find("layers"), std::string::npos) << plan.reload_error;
+}
+
+TEST(Turn, CheckpointPositionsCoverTheUncachedTail) {
+  auto mgr = make_manager(/*prefill_checkpoints=*/true);
+  std::vector<int64_t> prompt{10, 11, 2, 12, 13, 2, 14, 15};
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  // After each end-of-turn id, and before the last prompt token.
+  EXPECT_EQ(plan.checkpoint_positions, (std::vector<int64_t>{3, 6, 7}));
+}
+
+TEST(Turn, BadArgumentsAreRefusedBeforeAnythingChanges) {
+  auto mgr = make_manager();
+  const auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  EXPECT_THROW(mgr->begin_turn(session, prompt.data(), 0, 4), c10::ValueError);
+  EXPECT_THROW(mgr->begin_turn(session, prompt.data(), 10, 0), c10::ValueError);
+  EXPECT_TRUE(session.resident());
+  EXPECT_THROW(SessionManager(ManagerLimits{}, TurnSettings{TurnMarkers{{-1}, {}}}),
+               c10::ValueError);
+}
+
+}  // namespace
+}  // namespace kvchat
