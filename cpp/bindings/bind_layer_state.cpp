@@ -3,6 +3,55 @@
 
 namespace kvchat {
 
+namespace {
+
+// LayerMeta as a plain dict, so it can be stored as JSON:
+// {"kind": "hybrid", "tokens": 9, "tensors": 4, "parts": [...]}.
+py::dict meta_to_dict(const LayerMeta& meta) {
+  py::dict out;
+  out["kind"] = to_string(meta.kind);
+  out["tokens"] = meta.tokens;
+  out["tensors"] = meta.tensors;
+  py::list parts;
+  for (const auto& part : meta.parts) parts.append(meta_to_dict(part));
+  out["parts"] = parts;
+  return out;
+}
+
+int64_t count_field(const py::dict& d, const char* key) {
+  TORCH_CHECK_VALUE(d.contains(key), "layer meta has no '", key, "'");
+  py::object value = d[key];
+  TORCH_CHECK_VALUE(py::isinstance<py::int_>(value) && !py::isinstance<py::bool_>(value),
+                    "layer meta '", key, "' must be an int, got ",
+                    py::str(value).cast<std::string>());
+  return value.cast<int64_t>();
+}
+
+LayerMeta meta_from_dict(const py::handle& handle) {
+  TORCH_CHECK_VALUE(py::isinstance<py::dict>(handle), "layer meta must be a dict, got ",
+                    py::str(handle.get_type()).cast<std::string>());
+  const auto d = py::reinterpret_borrow<py::dict>(handle);
+  TORCH_CHECK_VALUE(d.contains("kind") && py::isinstance<py::str>(d["kind"]),
+                    "layer meta needs a 'kind' string");
+  const auto kind = d["kind"].cast<std::string>();
+  LayerMeta meta;
+  bool known = false;
+  for (auto k : {LayerKind::kAttention, LayerKind::kSlidingWindow, LayerKind::kRecurrent,
+                 LayerKind::kHybrid}) {
+    if (to_string(k) == kind) meta.kind = k, known = true;
+  }
+  TORCH_CHECK_VALUE(known, "layer meta has an unknown kind '", kind, "'");
+  meta.tokens = count_field(d, "tokens");
+  meta.tensors = count_field(d, "tensors");
+  if (d.contains("parts")) {
+    TORCH_CHECK_VALUE(py::isinstance<py::list>(d["parts"]), "layer meta 'parts' must be a list");
+    for (const auto& part : d["parts"].cast<py::list>()) meta.parts.push_back(meta_from_dict(part));
+  }
+  return meta;
+}
+
+}  // namespace
+
 void bind_layer_state(py::module_& m) {
   py::enum_<LayerKind>(m, "LayerKind")
       .value("attention", LayerKind::kAttention)
@@ -24,6 +73,15 @@ void bind_layer_state(py::module_& m) {
           py::arg("n"), py::arg("snapshot") = nullptr)
       .def("restored", &LayerState::restored, py::arg("n"), py::arg("snapshot") = nullptr)
       .def("tensors", &LayerState::tensors)
+      // Self-description: state.meta and state.tensors() rebuild it via from_state.
+      .def_property_readonly("meta", [](const LayerState& s) { return meta_to_dict(s.meta()); })
+      .def("parts", &LayerState::parts)
+      .def_static(
+          "from_state",
+          [](const py::handle& meta, std::vector<at::Tensor> tensors) {
+            return layer_state_from(meta_from_dict(meta), std::move(tensors));
+          },
+          py::arg("meta"), py::arg("tensors"))
       .def("nbytes", [](const LayerState& s) {
         StorageBytes seen;
         s.collect_storage(&seen);

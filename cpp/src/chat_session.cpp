@@ -204,28 +204,6 @@ bool starts_with(const std::vector<int64_t>& ids, const int64_t* prefix, int64_t
   return static_cast<int64_t>(ids.size()) >= n && std::equal(prefix, prefix + n, ids.begin());
 }
 
-std::shared_ptr<const AttentionState> as_attention(const LayerStatePtr& state) {
-  return std::dynamic_pointer_cast<const AttentionState>(state);
-}
-
-// `layer` on the shared `base` (same layer of a SharedPrefix); null when the
-// layer kind has nothing to share (sliding windows, recurrent state).
-LayerStatePtr on_shared(const LayerStatePtr& layer, const LayerStatePtr& base) {
-  if (auto attention = as_attention(layer)) {
-    auto shared = as_attention(base);
-    if (!shared || attention->prefix() == shared) return nullptr;
-    return AttentionState::on_prefix(shared, *attention);
-  }
-  const auto* hybrid = dynamic_cast<const HybridState*>(layer.get());
-  const auto* hybrid_base = dynamic_cast<const HybridState*>(base.get());
-  if (!hybrid || !hybrid_base) return nullptr;
-  auto attention = as_attention(hybrid->attention());
-  auto shared = as_attention(hybrid_base->attention());
-  if (!attention || !shared || attention->prefix() == shared) return nullptr;
-  return std::make_shared<HybridState>(AttentionState::on_prefix(shared, *attention),
-                                       hybrid->recurrent());
-}
-
 }  // namespace
 
 SharedPrefixPtr ChatSession::export_prefix(const int64_t* ids, int64_t n) const {
@@ -284,7 +262,7 @@ bool ChatSession::rebase_on(const SharedPrefix& prefix) {
   std::vector<LayerStatePtr> rebased = layers_;
   bool changed = false;
   for (size_t i = 0; i < rebased.size(); ++i) {
-    if (auto shared = on_shared(rebased[i], prefix.states[i])) {
+    if (auto shared = on_shared_prefix(rebased[i], prefix.states[i])) {
       rebased[i] = std::move(shared);
       changed = true;
     }

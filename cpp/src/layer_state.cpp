@@ -366,12 +366,109 @@ std::vector<at::Tensor> HybridState::tensors_from(int64_t begin) const {
   return all;
 }
 
+LayerMeta HybridState::meta() const {
+  LayerMeta out{kind(), num_tokens(), 0, {}};
+  for (const auto& part : parts()) {
+    out.parts.push_back(part->meta());
+    out.tensors += out.parts.back().tensors;
+  }
+  return out;
+}
+
+std::vector<LayerStatePtr> HybridState::parts() const {
+  if (!attention_) return {recurrent_};
+  return {attention_, recurrent_};
+}
+
+namespace {
+
+// The tensors [begin, begin + count) of `tensors`, named for errors.
+std::vector<at::Tensor> take(const std::vector<at::Tensor>& tensors, size_t begin, int64_t count) {
+  return {tensors.begin() + static_cast<std::ptrdiff_t>(begin),
+          tensors.begin() + static_cast<std::ptrdiff_t>(begin + count)};
+}
+
+}  // namespace
+
+LayerStatePtr layer_state_from(const LayerMeta& meta, std::vector<at::Tensor> tensors) {
+  const auto given = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK_VALUE(meta.tensors == given, "a ", to_string(meta.kind), " state of ", meta.tensors,
+                    " tensors was given ", given);
+  TORCH_CHECK_VALUE(meta.tokens >= 0, "a ", to_string(meta.kind), " state of ", meta.tokens,
+                    " tokens");
+  TORCH_CHECK_VALUE(meta.kind == LayerKind::kHybrid || meta.parts.empty(), "a ",
+                    to_string(meta.kind), " state has no parts, got ", meta.parts.size());
+  switch (meta.kind) {
+    case LayerKind::kAttention: {
+      TORCH_CHECK_VALUE(given == 2, "an attention state needs keys and values, got ", given,
+                        " tensors");
+      auto state = std::make_shared<AttentionState>(tensors[0], tensors[1]);
+      TORCH_CHECK_VALUE(state->num_tokens() == meta.tokens, "an attention state of ", meta.tokens,
+                        " tokens holds ", state->num_tokens());
+      return state;
+    }
+    case LayerKind::kSlidingWindow:
+      TORCH_CHECK_VALUE(given == 2, "a sliding-window state needs keys and values, got ", given,
+                        " tensors");
+      return std::make_shared<SlidingWindowState>(tensors[0], tensors[1], meta.tokens);
+    case LayerKind::kRecurrent:
+      return std::make_shared<RecurrentState>(std::move(tensors), meta.tokens);
+    case LayerKind::kHybrid: {
+      const auto n = meta.parts.size();
+      TORCH_CHECK_VALUE(n == 1 || n == 2, "a hybrid state has 1 or 2 parts, got ", n);
+      std::vector<LayerStatePtr> built;
+      size_t next = 0;
+      for (const auto& part : meta.parts) {
+        TORCH_CHECK_VALUE(part.tensors >= 0 && next + part.tensors <= tensors.size(),
+                          "a hybrid state's parts claim more tensors than its ", given);
+        TORCH_CHECK_VALUE(part.tokens == meta.tokens, "a hybrid state of ", meta.tokens,
+                          " tokens has a part of ", part.tokens);
+        built.push_back(layer_state_from(part, take(tensors, next, part.tensors)));
+        next += part.tensors;
+      }
+      auto attention = n == 2 ? built[0] : nullptr;
+      return std::make_shared<HybridState>(std::move(attention), built.back());
+    }
+  }
+  TORCH_CHECK_VALUE(false, "unknown layer kind ", static_cast<int>(meta.kind));
+}
+
+namespace {
+
+std::shared_ptr<const AttentionState> as_attention(const LayerStatePtr& state) {
+  return std::dynamic_pointer_cast<const AttentionState>(state);
+}
+
+}  // namespace
+
+LayerStatePtr on_shared_prefix(const LayerStatePtr& layer, const LayerStatePtr& base) {
+  if (auto attention = as_attention(layer)) {
+    auto shared = as_attention(base);
+    if (!shared || attention->prefix() == shared) return nullptr;
+    return AttentionState::on_prefix(shared, *attention);
+  }
+  const auto* hybrid = dynamic_cast<const HybridState*>(layer.get());
+  const auto* hybrid_base = dynamic_cast<const HybridState*>(base.get());
+  if (!hybrid || !hybrid_base) return nullptr;
+  auto attention = as_attention(hybrid->attention());
+  auto shared = as_attention(hybrid_base->attention());
+  if (!attention || !shared || attention->prefix() == shared) return nullptr;
+  return std::make_shared<HybridState>(AttentionState::on_prefix(shared, *attention),
+                                       hybrid->recurrent());
+}
+
+bool held_elsewhere(const LayerStatePtr& state) {
+  if (state.use_count() > 1) return true;
+  const auto* hybrid = dynamic_cast<const HybridState*>(state.get());
+  return hybrid && hybrid->attention().use_count() > 1;
+}
+
 void check_layers_consistent(const std::vector<LayerStatePtr>& layers, int64_t expected_tokens) {
   const LayerState* first_kv = nullptr;
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK_VALUE(layers[i] != nullptr, "layer ", i, " is missing");
-    const auto* hybrid = dynamic_cast<const HybridState*>(layers[i].get());
-    TORCH_CHECK_VALUE(!hybrid || hybrid->attention(), "layer ", i,
+    TORCH_CHECK_VALUE(layers[i]->kind() != LayerKind::kHybrid || layers[i]->parts().size() == 2,
+                      "layer ", i,
                       " is a hybrid snapshot without its attention part; a session needs the "
                       "live state");
     TORCH_CHECK_VALUE(layers[i]->num_tokens() == expected_tokens, "layer ", i, " holds ",

@@ -96,12 +96,12 @@ def _read_attention(layer, sliding: bool):
     return _C.AttentionState(layer.keys, layer.values)
 
 
-def _write_attention(layer, state) -> None:
+def _write_attention(layer, state, sliding: bool) -> None:
     keys, values = state.tensors()
     # Two positional arguments select the attention half of a hybrid layer.
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
-    if isinstance(state, _C.SlidingWindowState):
+    if sliding:
         layer.cumulative_length = state.num_tokens
 
 
@@ -239,15 +239,15 @@ class CacheBridge:
                 if state is not None:
                     states[index] = state = None
                 cache.layers[index] = BufferedLayer(buffer, reserve)
-            elif state is None:
-                continue
-            elif isinstance(state, _C.HybridState):
-                _write_attention(cache.layers[index], state.attention)
-                _write_recurrent(cache.layers[index], state.recurrent, self.templates[index].slots)
-            elif parts == ("recurrent",):
-                _write_recurrent(cache.layers[index], state, self.templates[index].slots)
-            else:
-                _write_attention(cache.layers[index], state)
+            elif state is not None:
+                # The layer's parts (this model's layout) say what each of the
+                # state's parts is: a hybrid gives (attention, recurrent).
+                layer = cache.layers[index]
+                for part, part_state in zip(parts, state.parts() or [state], strict=True):
+                    if part == "recurrent":
+                        _write_recurrent(layer, part_state, self.templates[index].slots)
+                    else:
+                        _write_attention(layer, part_state, sliding=part == "sliding")
         return cache
 
     def from_cache(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState]:

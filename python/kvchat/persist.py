@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from . import _C
 
 # 2: the checksum covers the metadata and tensor headers, not only tensor bytes.
-FORMAT = "kvchat-session-2"
+# 3: each layer state is stored as its own description (LayerState.meta).
+FORMAT = "kvchat-session-3"
 
 
 class SessionFileError(ValueError):
@@ -44,25 +45,17 @@ class SessionFile:
 
 # ----------------------------------------------------------------- encoding
 def _encode(state, name: str, tensors: dict) -> dict | None:
-    """A JSON description of ``state``; its tensors go into ``tensors`` under ``name``."""
+    """The state's own description (``state.meta``); its tensors go into
+    ``tensors`` as ``name.0``, ``name.1``, ... in the state's order."""
     if state is None:
         return None
-    if isinstance(state, _C.HybridState):
-        return {
-            "kind": "hybrid",
-            "attention": _encode(state.attention, f"{name}.a", tensors),
-            "recurrent": _encode(state.recurrent, f"{name}.r", tensors),
-        }
-    parts = state.tensors()
-    for j, tensor in enumerate(parts):
+    for j, tensor in enumerate(state.tensors()):
         tensors[f"{name}.{j}"] = tensor
-    if isinstance(state, _C.AttentionState):
-        return {"kind": "attention"}
-    if isinstance(state, _C.SlidingWindowState):
-        return {"kind": "sliding_window", "tokens": state.num_tokens}
-    if isinstance(state, _C.RecurrentState):
-        return {"kind": "recurrent", "tokens": state.num_tokens, "count": len(parts)}
-    raise TypeError(f"cannot save a layer state of type {type(state).__name__}")
+    return state.meta
+
+
+# The state kind each part of a model's layer template calls for.
+_PART_KIND = {"attention": "attention", "sliding": "sliding_window", "recurrent": "recurrent"}
 
 
 def _check_kv(keys, values, template, where: str) -> None:
@@ -82,59 +75,65 @@ def _check_kv(keys, values, template, where: str) -> None:
             f"{values.dtype} do not fit this model's [1, {template.kv_heads}, tokens, "
             f"{template.key_dim}/{template.value_dim}] {template.dtype}"
         )
+    if template.window is not None and keys.shape[2] > template.window:
+        raise ValueError(f"{where}: {keys.shape[2]} tokens in a window of {template.window}")
 
 
-def _tokens(desc: dict, where: str) -> int:
-    tokens = desc["tokens"]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"{where}: token count {tokens!r} is not a count")
-    return tokens
+def _check_part(part: str, tensors: list, template, where: str) -> None:
+    """One part's tensors against the model's layout for it."""
+    if part == "recurrent":
+        if len(tensors) != len(template.recurrent):
+            raise ValueError(
+                f"{where}: {len(tensors)} recurrent tensors, this model has "
+                f"{len(template.recurrent)}"
+            )
+        for j, (tensor, (shape, dtype)) in enumerate(zip(tensors, template.recurrent, strict=True)):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{where}.{j}: {tuple(tensor.shape)} {tensor.dtype}, this model's is {shape} "
+                    f"{dtype}"
+                )
+    else:
+        if len(tensors) != 2:
+            raise ValueError(f"{where}: an attention part needs keys and values")
+        _check_kv(*tensors, template, where)
 
 
-def _decode(desc, name: str, tensors: dict, template, snapshot: bool = False):
-    """The layer state ``desc`` describes, checked against the model's ``template``
+def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
+    """The layer state ``meta`` describes, checked against the model's ``template``
     for that layer. ``snapshot``: a checkpoint's, where a part that crops is absent."""
     parts = template.parts
-    if desc is None:
+    if meta is None:
         # Only a checkpoint may omit a layer, and only one that crops back.
         if snapshot and parts == ("attention",):
             return None
         raise ValueError(f"{name}: a {'/'.join(parts)} layer has no state")
-    kind = desc["kind"]
-    expected = {
-        ("attention",): "attention",
-        ("sliding",): "sliding_window",
-        ("recurrent",): "recurrent",
-    }.get(parts, "hybrid")
-    if kind != expected:
-        raise ValueError(f"{name}: a {kind!r} state for a {'/'.join(parts)} layer")
-    if kind == "hybrid":
-        attention = _decode(
-            desc["attention"], f"{name}.a", tensors, replace(template, parts=parts[:1]), snapshot
-        )
-        recurrent = _decode(
-            desc["recurrent"], f"{name}.r", tensors, replace(template, parts=parts[1:]), snapshot
-        )
-        return _C.HybridState(attention, recurrent)
-    if kind == "recurrent":
-        count = len(template.recurrent)
-        if desc["count"] != count:
-            raise ValueError(f"{name}: {desc['count']!r} recurrent tensors, this model has {count}")
-        states = [tensors[f"{name}.{j}"] for j in range(count)]
-        for j, (tensor, (shape, dtype)) in enumerate(zip(states, template.recurrent, strict=True)):
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(
-                    f"{name}.{j}: {tuple(tensor.shape)} {tensor.dtype}, this model's is {shape} "
-                    f"{dtype}"
-                )
-        return _C.RecurrentState(states, _tokens(desc, name))
-    keys, values = tensors[f"{name}.0"], tensors[f"{name}.1"]
-    _check_kv(keys, values, template, name)
-    if kind == "attention":
-        return _C.AttentionState(keys, values)
-    if keys.shape[2] > template.window:
-        raise ValueError(f"{name}: {keys.shape[2]} tokens in a window of {template.window}")
-    return _C.SlidingWindowState(keys, values, _tokens(desc, name))
+    if not isinstance(meta, dict):
+        raise ValueError(f"{name}: a state description must be a dict, got {meta!r}")
+    # Which parts the file's state has, in tensor order, against the template's.
+    kinds = [_PART_KIND[p] for p in parts]
+    if len(parts) > 1:
+        if snapshot and parts[0] == "attention":
+            kinds = kinds[1:]  # a hybrid snapshot keeps only what cannot crop
+        expected = ("hybrid", kinds)
+        got = (meta.get("kind"), [p.get("kind") for p in meta.get("parts") or []])
+    else:
+        expected, got = (kinds[0], []), (meta.get("kind"), meta.get("parts") or [])
+    if got != expected:
+        raise ValueError(f"{name}: a {got[0]!r} state {got[1]} for a {'/'.join(parts)} layer")
+    count = meta.get("tensors")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{name}: tensor count {count!r} is not a count")
+    states = [tensors[f"{name}.{j}"] for j in range(count)]
+    offset = 0
+    part_names = [p for p in parts if _PART_KIND[p] in kinds] if len(parts) > 1 else parts
+    for part, desc in zip(part_names, meta["parts"] or [meta], strict=True):
+        used = desc.get("tensors")
+        if isinstance(used, bool) or not isinstance(used, int) or used < 0:
+            raise ValueError(f"{name}: tensor count {used!r} is not a count")
+        _check_part(part, states[offset : offset + used], template, name)
+        offset += used
+    return _C.LayerState.from_state(meta, states)
 
 
 def _digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:

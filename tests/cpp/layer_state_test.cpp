@@ -185,5 +185,56 @@ TEST(CheckLayersConsistent, RecurrentStatesMayUseAWiderDtype) {
   EXPECT_NO_THROW(check_layers_consistent(layers, 4));
 }
 
+// Every kind rebuilds from its meta and tensors alone (what a session file holds).
+void expect_round_trip(const LayerStatePtr& state) {
+  auto rebuilt = layer_state_from(state->meta(), state->tensors());
+  EXPECT_EQ(rebuilt->kind(), state->kind());
+  EXPECT_EQ(rebuilt->num_tokens(), state->num_tokens());
+  const auto a = state->tensors(), b = rebuilt->tensors();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i]));
+  EXPECT_EQ(rebuilt->parts().size(), state->parts().size());
+}
+
+TEST(LayerMeta, EveryKindRebuildsFromItsMetaAndTensors) {
+  auto window =
+      std::make_shared<SlidingWindowState>(at::ones({1, 2, 4, 3}), at::zeros({1, 2, 4, 3}), 9);
+  auto hybrid =
+      std::make_shared<HybridState>(testing::attention_layer(7), testing::recurrent_layer(7));
+  expect_round_trip(testing::attention_layer(5));
+  expect_round_trip(window);
+  expect_round_trip(testing::recurrent_layer(6));
+  expect_round_trip(hybrid);
+  expect_round_trip(hybrid->snapshot());  // attention snapshot is empty: one part
+
+  const auto meta = hybrid->meta();
+  EXPECT_EQ(meta.tensors, 3);
+  ASSERT_EQ(meta.parts.size(), 2u);
+  EXPECT_EQ(meta.parts[0].kind, LayerKind::kAttention);
+  EXPECT_EQ(meta.parts[1].kind, LayerKind::kRecurrent);
+  EXPECT_EQ(window->meta().tokens, 9);
+}
+
+TEST(LayerMeta, RefusesMetaThatDoesNotFitTheTensors) {
+  auto attention = testing::attention_layer(5);
+  auto meta = attention->meta();
+  meta.tokens = 6;
+  EXPECT_THROW(layer_state_from(meta, attention->tensors()), c10::ValueError);
+  meta = attention->meta();
+  meta.tensors = 3;
+  EXPECT_THROW(layer_state_from(meta, attention->tensors()), c10::ValueError);
+  auto hybrid =
+      std::make_shared<HybridState>(testing::attention_layer(7), testing::recurrent_layer(7));
+  meta = hybrid->meta();
+  meta.parts[1].tokens = 3;
+  EXPECT_THROW(layer_state_from(meta, hybrid->tensors()), c10::ValueError);
+  meta = hybrid->meta();
+  meta.parts[0].tensors = 3;  // parts claim more than there are
+  EXPECT_THROW(layer_state_from(meta, hybrid->tensors()), c10::ValueError);
+  meta = hybrid->meta();
+  std::swap(meta.parts[0], meta.parts[1]);  // recurrent must come last
+  EXPECT_THROW(layer_state_from(meta, hybrid->tensors()), c10::ValueError);
+}
+
 }  // namespace
 }  // namespace kvchat

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvchat import _C
+from conftest import REUSE_FAMILIES, _model
+from helpers import LONG_SYSTEM, user_message
+from kvchat import _C, SessionManager
 
 
 def test_sliding_window_and_recurrent_states_crop_rules():
@@ -37,3 +39,40 @@ def test_session_restores_a_checkpoint_through_the_bindings():
     assert restored[1].tensors()[0][0, 0].item() == 12.0
     info = session.cache_info()
     assert info.checkpoints == 1 and info.checkpoint_bytes == 3 * 4
+
+
+@pytest.mark.parametrize("family", REUSE_FAMILIES)
+def test_every_stored_state_describes_itself_and_rebuilds_from_that(family, tokenizer):
+    """`state.meta` and `state.tensors()` are all a session file keeps of a state."""
+    mgr = SessionManager(_model(family), tokenizer)
+    mgr.chat("s", [LONG_SYSTEM, user_message(0)], max_new_tokens=6)
+    cached = mgr._core.find("s").cached_state()
+    states = list(cached.layers)
+    for checkpoint in cached.checkpoints:
+        states += [s for s in checkpoint.states if s is not None]
+    assert states
+    for state in states:
+        rebuilt = _C.LayerState.from_state(state.meta, state.tensors())
+        assert type(rebuilt) is type(state)
+        assert rebuilt.meta == state.meta
+        assert all(
+            torch.equal(a, b) for a, b in zip(rebuilt.tensors(), state.tensors(), strict=True)
+        )
+
+
+def test_a_malformed_description_is_a_value_error_naming_it():
+    kv = torch.zeros(1, 2, 6, 4)
+    meta = _C.AttentionState(kv, kv).meta
+    assert meta == {"kind": "attention", "tokens": 6, "tensors": 2, "parts": []}
+    cases = [
+        ("not a dict", "must be a dict"),
+        ({**meta, "kind": "mamba"}, "unknown kind 'mamba'"),
+        ({**meta, "tokens": "6"}, "'tokens' must be an int"),
+        ({**meta, "tensors": True}, "'tensors' must be an int"),
+        ({**meta, "tokens": 7}, "holds 6"),
+        ({"kind": "attention", "tensors": 2}, "no 'tokens'"),
+        ({**meta, "parts": [meta]}, "has no parts"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _C.LayerState.from_state(bad, [kv, kv])

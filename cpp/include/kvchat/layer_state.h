@@ -29,6 +29,18 @@ int64_t total_bytes(const StorageBytes& seen);
 // all of them, since commit checks every layer each turn.
 bool all_finite(const std::vector<at::Tensor>& tensors);
 
+// What a state is besides its tensors: with them, enough to rebuild it
+// (layer_state_from), as mlx-lm's caches pair `state` with `meta_state`. So
+// persistence and the cache bridge never ask for a concrete class.
+struct LayerMeta {
+  LayerKind kind = LayerKind::kAttention;
+  int64_t tokens = 0;   // num_tokens()
+  int64_t tensors = 0;  // how many of tensors() belong to this state (or part)
+  // A hybrid's parts in tensor order: its attention part (absent in a
+  // snapshot) and then its recurrent part. Empty for the other kinds.
+  std::vector<LayerMeta> parts;
+};
+
 class LayerState;
 // Shared, never mutated after construction (pybind11 needs a non-const holder).
 using LayerStatePtr = std::shared_ptr<LayerState>;
@@ -68,7 +80,26 @@ class LayerState {
   virtual LayerStatePtr without_slack() const { return nullptr; }
   virtual at::ScalarType dtype() const { return tensors().front().scalar_type(); }
   virtual at::Device device() const { return tensors().front().device(); }
+  // With tensors(), what layer_state_from rebuilds this state from.
+  virtual LayerMeta meta() const = 0;
+  // The states a hybrid is made of, in tensor order (attention, when present,
+  // then recurrent); empty for every other kind.
+  virtual std::vector<LayerStatePtr> parts() const { return {}; }
 };
+
+// The state `meta` describes, made of `tensors` (as tensors() gave them).
+// Throws ValueError naming what does not fit.
+LayerStatePtr layer_state_from(const LayerMeta& meta, std::vector<at::Tensor> tensors);
+
+// `layer` re-expressed on `base`, the same layer of a shared prefix, so it
+// stops holding its own copy of the prefix; null when the kind has nothing to
+// share (sliding windows, recurrent state) or it already sits on `base`. The
+// caller vouches that layer's first tokens are base's.
+LayerStatePtr on_shared_prefix(const LayerStatePtr& layer, const LayerStatePtr& base);
+
+// Whether a shared prefix's layer state is still held by some session (a
+// session rebased on a hybrid layer holds only its attention part).
+bool held_elsewhere(const LayerStatePtr& state);
 
 // Full attention: keys and values shaped [batch, kv_heads, tokens, head_dim].
 // Crops to any length with a view. When the tensors are views of KV buffer
@@ -105,6 +136,7 @@ class AttentionState final : public LayerState {
   LayerStatePtr without_slack() const override;
   at::ScalarType dtype() const override { return keys_.scalar_type(); }
   at::Device device() const override { return keys_.device(); }
+  LayerMeta meta() const override { return {kind(), num_tokens(), 2, {}}; }
   // Whole keys / values; a concatenation (copy) when on a shared prefix.
   at::Tensor keys() const;
   at::Tensor values() const;
@@ -140,6 +172,7 @@ class SlidingWindowState final : public LayerState {
   std::vector<at::Tensor> tensors() const override { return attention_.tensors(); }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   void collect_storage(StorageBytes* seen) const override { attention_.collect_storage(seen); }
+  LayerMeta meta() const override { return {kind(), num_tokens(), 2, {}}; }
 
  private:
   AttentionState attention_;  // the held tail, validated like full attention
@@ -159,6 +192,9 @@ class RecurrentState final : public LayerState {
   LayerStatePtr snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return tensors_; }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
+  LayerMeta meta() const override {
+    return {kind(), num_tokens(), static_cast<int64_t>(tensors_.size()), {}};
+  }
 
  private:
   std::vector<at::Tensor> tensors_;
@@ -187,6 +223,8 @@ class HybridState final : public LayerState {
   LayerStatePtr without_slack() const override;
   at::ScalarType dtype() const override;
   at::Device device() const override;
+  LayerMeta meta() const override;
+  std::vector<LayerStatePtr> parts() const override;
   const LayerStatePtr& attention() const { return attention_; }
   const LayerStatePtr& recurrent() const { return recurrent_; }
 
