@@ -1,7 +1,7 @@
-// Times the core's per-turn bookkeeping (plan, layers_for, commit) for one
-// session of 1k to 32k tokens, SmolLM2-135M-shaped: 30 layers, 3 KV heads of
-// 64; then what prefix sharing adds to a turn through the manager (the
-// share_prefix lookup, and the lease's settle: the rebase and the radix-tree
+// Times the core's per-turn bookkeeping (begin_turn: plan, share lookup and
+// layers; finish_turn: checks, commit and record) for one session of 1k to 32k tokens,
+// SmolLM2-135M-shaped: 30 layers, 3 KV heads of 64; then what prefix sharing adds to a turn through
+// the manager (the share_prefix lookup, and the lease's settle: the rebase and the radix-tree
 // update). Runs outside the test suite: `make bench-overhead`.
 #include <algorithm>
 #include <chrono>
@@ -84,36 +84,38 @@ void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::Repetiti
 int main() {
   const kvchat::TurnMarkers markers{{2}, {{1, 7, 5}}};
   const kvchat::RepetitionRule rule;
-  std::printf("%8s %12s %12s %12s %12s\n", "tokens", "plan us", "layers us", "commit us",
-              "total us");
+  std::printf("%8s %12s %12s %12s\n", "tokens", "begin us", "finish us", "total us");
   for (int64_t tokens : {1024, 4096, 8192, 16384, 32768}) {
     std::vector<int64_t> ids(tokens + kNewTokens);
     std::iota(ids.begin(), ids.end(), 10);
     auto cached = layers_of(tokens);
     auto grown = layers_of(tokens + kNewTokens);
-    std::vector<double> plan_us, layers_us, commit_us;
+    std::vector<double> begin_us, finish_us;
     for (int r = 0; r < kRepeats; ++r) {
-      kvchat::ChatSession session("bench", kLayers);
+      auto mgr = std::make_shared<kvchat::SessionManager>(kvchat::ManagerLimits{4, 0, kLayers},
+                                                          kvchat::TurnSettings{markers, rule});
+      auto lease = mgr->acquire("bench");
+      auto& session = *lease->session();
       session.commit(ids.data(), tokens, cached, 0, markers, rule);
-      using clock = std::chrono::steady_clock;
-      auto t0 = clock::now();
-      auto plan = session.plan(ids.data(), tokens + kNewTokens);
-      auto t1 = clock::now();
-      auto layers = session.layers_for(plan);
-      auto t2 = clock::now();
-      // After generation: the cache grew by the new tokens, checked from `kept`.
-      session.commit(ids.data(), tokens + kNewTokens, grown, plan.kept_tokens, markers, rule);
-      auto t3 = clock::now();
-      auto us = [](auto a, auto b) {
-        return std::chrono::duration<double, std::micro>(b - a).count();
-      };
-      plan_us.push_back(us(t0, t1));
-      layers_us.push_back(us(t1, t2));
-      commit_us.push_back(us(t2, t3));
+      // A turn of 200 new tokens: the prompt is the cached ids plus 199 more,
+      // and the reply's first token completes the 200 the cache grows by.
+      const int64_t prompt = tokens + kNewTokens - 1;
+      auto t0 = clock_type::now();
+      auto plan = mgr->begin_turn(session, ids.data(), prompt, 1);  // plan, share, layers
+      auto t1 = clock_type::now();
+      kvchat::TurnResult result;
+      result.sequence.assign(ids.begin(), ids.end());
+      result.sequence.push_back(3);
+      result.cached_tokens = tokens + kNewTokens;
+      result.layers = grown;
+      auto t2 = clock_type::now();
+      mgr->finish_turn(session, plan, std::move(result));  // checks, commit, record
+      auto t3 = clock_type::now();
+      begin_us.push_back(us_between(t0, t1));
+      finish_us.push_back(us_between(t2, t3));
     }
-    const double p = median_us(plan_us), l = median_us(layers_us), c = median_us(commit_us);
-    std::printf("%8lld %12.1f %12.1f %12.1f %12.1f\n", static_cast<long long>(tokens), p, l, c,
-                p + l + c);
+    const double b = median_us(begin_us), f = median_us(finish_us);
+    std::printf("%8lld %12.1f %12.1f %12.1f\n", static_cast<long long>(tokens), b, f, b + f);
   }
   sharing_overhead(markers, rule);
   return 0;
