@@ -7,9 +7,13 @@ void bind_chat_session(py::module_& m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
 
   py::class_<Message>(m, "Message")
-      .def(py::init<std::string, std::string>(), py::arg("role"), py::arg("content"))
+      .def(py::init([](std::string role, std::string content, std::string extras) {
+             return Message{std::move(role), std::move(content), std::move(extras)};
+           }),
+           py::arg("role"), py::arg("content"), py::arg("extras") = std::string{})
       .def_readonly("role", &Message::role)
-      .def_readonly("content", &Message::content);
+      .def_readonly("content", &Message::content)
+      .def_readonly("extras", &Message::extras);
 
   py::class_<Checkpoint>(m, "Checkpoint")
       .def(py::init<int64_t, std::vector<LayerStatePtr>>(), py::arg("position"), py::arg("states"))

@@ -178,6 +178,20 @@ void SessionManager::drop_unused_prefixes_locked(Graveyard* dead) {
   }
 }
 
+std::string SessionManager::share_scope(const std::string& id) const {
+  if (!limits_.isolate_namespaces) return {};
+  const auto slash = id.find('/');
+  return slash == std::string::npos ? id + "/" : id.substr(0, slash + 1);
+}
+
+namespace {
+
+bool starts_with(const std::string& text, const std::string& prefix) {
+  return text.compare(0, prefix.size(), prefix) == 0;
+}
+
+}  // namespace
+
 int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt, int64_t n,
                                      const ReusePlan& own_plan) {
   const int64_t min_tokens = limits_.min_shared_tokens;
@@ -191,13 +205,19 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
   std::shared_ptr<ChatSession> donor;
   int64_t donor_common = 0;
   int64_t have = own;  // the most any source gives so far
+  // Prefixes are keyed "<scope>prefix:<n>", so a scope sees only its own.
+  const std::string scope = share_scope(session.id());
+  const std::string prefix_scope = scope + "prefix:";
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto stored = prefix_index_.longest_stored_prefix(prompt, limit);
+    const auto stored = prefix_index_.longest_stored_prefix(
+        prompt, limit, [&](const std::string& key) { return starts_with(key, prefix_scope); });
     if (!stored.key.empty()) best = prefixes_.at(stored.key);
     if (best) have = std::max(have, best->num_tokens());
-    const auto common = session_index_.longest_common_prefix(
-        prompt, limit, [&](const std::string& key) { return key != session.id(); });
+    const auto common =
+        session_index_.longest_common_prefix(prompt, limit, [&](const std::string& key) {
+          return key != session.id() && starts_with(key, scope);
+        });
     auto found = entries_.find(common.key);
     if (common.length > have && found != entries_.end()) {
       donor = found->second.session;
@@ -213,7 +233,7 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
     if (made) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        const std::string key = "prefix:" + std::to_string(next_prefix_++);
+        const std::string key = prefix_scope + std::to_string(next_prefix_++);
         prefixes_[key] = made;
         prefix_index_.insert(key, made->ids);
       }
@@ -234,10 +254,13 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
 void SessionManager::settle(ChatSession& session) {
   if (limits_.min_shared_tokens <= 0) return;
   const auto ids = session.cached_ids();
+  const std::string prefix_scope = share_scope(session.id()) + "prefix:";
   SharedPrefixPtr prefix;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto stored = prefix_index_.longest_stored_prefix(ids.data(), ids.size());
+    const auto stored = prefix_index_.longest_stored_prefix(
+        ids.data(), ids.size(),
+        [&](const std::string& key) { return starts_with(key, prefix_scope); });
     if (!stored.key.empty()) prefix = prefixes_.at(stored.key);
   }
   if (prefix) session.rebase_on(*prefix);

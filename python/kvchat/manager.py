@@ -3,6 +3,7 @@ conversation's KV cache between turns and prefills only what is new."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -50,12 +51,23 @@ def _check_session_id(session_id) -> str:
     return session_id
 
 
-def _core_messages(messages: list[dict[str, str]]) -> list[_C.Message]:
-    return [_C.Message(m["role"], m["content"]) for m in messages]
+def _core_messages(messages: list[dict]) -> list[_C.Message]:
+    """The core keeps role and text; anything else (tool calls, a tool call id,
+    content None beside tool calls) rides along as JSON."""
+    out = []
+    for m in messages:
+        extras = {k: v for k, v in m.items() if k not in ("role", "content")}
+        if m["content"] is None:
+            extras["content"] = None
+        out.append(_C.Message(m["role"], m["content"] or "", json.dumps(extras) if extras else ""))
+    return out
 
 
-def _as_dicts(messages: list[_C.Message]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _as_dicts(messages: list[_C.Message]) -> list[dict]:
+    return [
+        {"role": m.role, "content": m.content, **(json.loads(m.extras) if m.extras else {})}
+        for m in messages
+    ]
 
 
 def _check_path(path) -> Path:
@@ -113,6 +125,7 @@ class SessionManager:
         min_shared_tokens: int = 32,
         spill_dir: str | os.PathLike | None = None,
         tier: Tier | None = None,
+        isolate_namespaces: bool = False,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -135,6 +148,9 @@ class SessionManager:
             time beats the measured prefill time for what it would reuse.
         tier: any other storage tier for evicted sessions (a ``kvchat.Tier``;
             ``spill_dir`` is shorthand for the disk one). One tier per manager.
+        isolate_namespaces: session ids of the form ``"namespace/name"`` share
+            prefixes only within their namespace, so one tenant's turns never
+            start from (or reveal) another's cache. ``kvchat serve`` sets it.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -160,6 +176,8 @@ class SessionManager:
             )
         if not isinstance(share_prefixes, bool):
             raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
+        if not isinstance(isolate_namespaces, bool):
+            raise TypeError(f"isolate_namespaces must be a bool, got {isolate_namespaces!r}")
         _positive_int(min_shared_tokens, "min_shared_tokens")
         if tier is not None and not isinstance(tier, Tier):
             raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
@@ -185,6 +203,7 @@ class SessionManager:
             markers=turn_markers(tokenizer, model.generation_config),
             repetition=_C.RepetitionRule(),
             prefill_checkpoints=self._bridge.needs_checkpoints,
+            isolate_namespaces=isolate_namespaces,
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
         self._tier.bind(self._fingerprint, self._bridge, model.device)
@@ -200,13 +219,20 @@ class SessionManager:
         messages: list[dict[str, str]],
         max_new_tokens: int = 128,
         do_sample: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
         **generate_kwargs,
     ) -> str:
-        """Answers the whole conversation ``messages``; returns the reply text."""
-        text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
+        """Answers the whole conversation ``messages``; returns the reply text.
+
+        ``tools`` and ``chat_template_kwargs`` (``{"enable_thinking": False}``,
+        say) go to the chat template; the rest goes to ``model.generate``."""
+        text, ids, messages = self._chat_text(
+            session_id, messages, max_new_tokens, tools, chat_template_kwargs
+        )
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         args = resolve_generate_args(self._model, kwargs, ids.numel())
-        _, reply = self._turn(session_id, args, ids, text=text, messages=messages)
+        _, reply, _ = self._turn(session_id, args, ids, text=text, messages=messages)
         return reply
 
     def stream_chat(
@@ -215,22 +241,29 @@ class SessionManager:
         messages: list[dict[str, str]],
         max_new_tokens: int = 128,
         do_sample: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
         **generate_kwargs,
     ) -> ReplyStream:
-        """Like chat(), but yields text pieces as they are generated.
+        """Like chat(), but yields text pieces as they are generated; once it is
+        exhausted or closed, ``stream.report`` is the turn's ``TurnReport``.
 
         Closing the stream (``close()``, leaving a ``for`` loop over it with
         ``break``, or dropping it) stops generation within a token; the
         session keeps what was generated and stays exact."""
         # Validate now, so bad input raises here rather than at the first next().
-        text, ids, messages = self._chat_text(session_id, messages, max_new_tokens)
+        text, ids, messages = self._chat_text(
+            session_id, messages, max_new_tokens, tools, chat_template_kwargs
+        )
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         stream = ReplyStream(self._tokenizer, kwargs)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
-        return stream.start(
-            lambda: self._turn(session_id, args, ids, text=text, messages=messages),
-            name=f"kvchat-stream-{session_id}",
-        )
+
+        def run() -> TurnReport:
+            _, _, record = self._turn(session_id, args, ids, text=text, messages=messages)
+            return TurnReport.from_core(record)
+
+        return stream.start(run, name=f"kvchat-stream-{session_id}")
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
@@ -258,7 +291,7 @@ class SessionManager:
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids must hold at least one token")
         args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
-        output, _ = self._turn(session_id, args, input_ids[0].long())
+        output, _, _ = self._turn(session_id, args, input_ids[0].long())
         return output
 
     # ------------------------------------------------------------ inspection
@@ -354,20 +387,30 @@ class SessionManager:
         return self._tokenizer
 
     # -------------------------------------------------------------- internals
-    def _chat_text(self, session_id, messages, max_new_tokens):
+    def _chat_text(self, session_id, messages, max_new_tokens, tools=None, template_kwargs=None):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
         _check_session_id(session_id)
         _positive_int(max_new_tokens, "max_new_tokens")
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
-        text = render_text(self._tokenizer, messages)
+        if tools is not None and not isinstance(tools, list):
+            raise TypeError(f"tools must be a list of tool specs, got {type(tools).__name__}")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}"
+            )
+
+        def render(messages):
+            return render_text(self._tokenizer, messages, tools, template_kwargs)
+
+        text = render(messages)
         ids = tokenize_text(self._tokenizer, text)
         if self._truncate and self._max_context is not None:
             while ids.numel() + max_new_tokens > self._max_context and (
                 shorter := _drop_oldest_turn(messages)
             ):
                 messages = shorter
-                text = render_text(self._tokenizer, messages)
+                text = render(messages)
                 ids = tokenize_text(self._tokenizer, text)
         return text, ids, messages
 
@@ -400,7 +443,7 @@ class SessionManager:
         ``args``: the generate arguments, resolved (and so validated) by the caller;
         ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
         ``text``, for ``messages``: the prompt text they came from (text mode).
-        Returns generate's output and, for messages, the reply text.
+        Returns generate's output, for messages the reply text, and the TurnRecord.
 
         Everything that can be refused is refused before the session is leased,
         so bad input leaves nothing behind; a turn that fails after begin_turn
@@ -453,7 +496,7 @@ class SessionManager:
                         prompt.numel() + record.generated_tokens,
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
-            return output, reply
+            return output, reply, record
         finally:
             self._flush_evicted()
 

@@ -11,8 +11,44 @@ from . import _C
 _ROLE_PROBE = [{"role": "user", "content": "x"}]
 
 
-def validate_messages(messages) -> list[dict[str, str]]:
-    """Checks the HF chat format: a non-empty list of {'role': str, 'content': str}."""
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")  # the core stores UTF-8; a lone surrogate has none
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{where} is not valid Unicode text ({error.reason} at index {error.start})"
+        ) from None
+    return value
+
+
+def _content(message: dict, where: str) -> str | None:
+    """The message's text: a string, or a list of text parts joined (as OpenAI
+    clients send it); None only for an assistant message that calls tools."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return None
+    if isinstance(content, list):
+        pieces = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"{where}[{j}] is a {kind or type(part).__name__!r} part; kvchat serves "
+                    f"text parts only"
+                )
+            pieces.append(_text(part.get("text"), f"{where}[{j}]['text']"))
+        return "".join(pieces)
+    return _text(content, where)
+
+
+def validate_messages(messages) -> list[dict]:
+    """Checks the chat format: a non-empty list of {'role': str, 'content': str} dicts.
+
+    As OpenAI clients send them, ``content`` may also be a list of text parts
+    (joined here), or None in an assistant message with ``tool_calls``; other
+    keys (``tool_calls``, ``tool_call_id``, ``name``) pass to the template."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(
             f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
@@ -24,22 +60,16 @@ def validate_messages(messages) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise TypeError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}]['role'] must be a non-empty string, got {role!r}")
-        if not isinstance(content, str):
+        _text(role, f"messages[{i}]['role']")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, list):
             raise ValueError(
-                f"messages[{i}]['content'] must be a string, got {type(content).__name__}"
+                f"messages[{i}]['tool_calls'] must be a list, got {type(tool_calls).__name__}"
             )
-        for key, text in (("role", role), ("content", content)):
-            try:
-                text.encode("utf-8")  # the core stores UTF-8; a lone surrogate has none
-            except UnicodeEncodeError as error:
-                raise ValueError(
-                    f"messages[{i}]['{key}'] is not valid Unicode text ({error.reason} at "
-                    f"index {error.start})"
-                ) from None
-        clean.append(dict(message))
+        clean.append(dict(message, content=_content(message, f"messages[{i}]['content']")))
     return clean
 
 
@@ -53,10 +83,19 @@ def require_chat_template(tokenizer) -> None:
         )
 
 
-def render_text(tokenizer, messages: list[dict[str, str]]) -> str:
-    """The conversation plus the generation prompt, as the chat template writes it."""
+def render_text(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> str:
+    """The conversation plus the generation prompt, as the chat template writes it.
+
+    ``tools`` (OpenAI-style function specs) and ``template_kwargs`` (such as
+    ``enable_thinking``) go to the template, as transformers passes them."""
     require_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        **(template_kwargs or {}),
+    )
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:
@@ -66,9 +105,9 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+def render_prompt(tokenizer, messages: list[dict], tools=None, template_kwargs=None):
     """Token ids of the conversation plus the generation prompt, 1-D int64."""
-    return tokenize_text(tokenizer, render_text(tokenizer, messages))
+    return tokenize_text(tokenizer, render_text(tokenizer, messages, tools, template_kwargs))
 
 
 def _as_list(value) -> list[int]:

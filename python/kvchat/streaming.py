@@ -41,14 +41,19 @@ class ReplyStream(Iterator[str]):
         )
         self.kwargs = dict(generate_kwargs, streamer=self._streamer, stopping_criteria=criteria)
         self._failure: list[BaseException] = []
+        self._result: list = []
         self._worker: threading.Thread | None = None
 
     def start(self, run: Callable[[], object], name: str) -> ReplyStream:
-        """Runs the turn ``run`` (which passes ``self.kwargs`` to generate) in a worker."""
+        """Runs the turn ``run`` (which passes ``self.kwargs`` to generate) in a
+        worker; what it returns becomes ``self.report``."""
         # The worker holds no reference to this object, so dropping it unread
         # reaches __del__ while generation is still running.
         self._worker = threading.Thread(
-            target=_work, args=(run, self._streamer, self._failure), name=name, daemon=True
+            target=_work,
+            args=(run, self._streamer, self._failure, self._result),
+            name=name,
+            daemon=True,
         )
         self._worker.start()
         return self
@@ -63,6 +68,16 @@ class ReplyStream(Iterator[str]):
             raise failure
         raise StopIteration
 
+    @property
+    def report(self):
+        """What the turn reported (a ``TurnReport``), once the stream is exhausted
+        or closed; None before that, or when the turn failed."""
+        return self._result[0] if self._result else None
+
+    def cancel(self) -> None:
+        """Stops generation within a token, without waiting (``close`` waits)."""
+        self._cancel.set()
+
     def close(self) -> None:
         """Stops generation within a token and waits until the turn is committed."""
         self._cancel.set()
@@ -75,9 +90,9 @@ class ReplyStream(Iterator[str]):
         self._cancel.set()
 
 
-def _work(run, streamer, failure: list) -> None:
+def _work(run, streamer, failure: list, result: list) -> None:
     try:
-        run()
+        result.append(run())
     except BaseException as error:  # re-raised in the consumer's thread
         failure.append(error)
         streamer.end()

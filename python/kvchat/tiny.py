@@ -18,9 +18,30 @@ TOKENIZER_FILE = "tiny_tokenizer.json"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML, as Qwen and many others use it.
+# ChatML; with ``tools`` it writes them into the system turn and renders tool
+# calls and tool results Hermes-style, as Qwen2.5's template does. Without
+# tools or tool messages it writes exactly plain ChatML.
 CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each call, return a JSON object with the name and arguments within "
+    "<tool_call></tool_call> tags.<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant\n{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}<tool_call>\n"
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": '
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

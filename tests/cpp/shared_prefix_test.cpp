@@ -79,9 +79,10 @@ TEST(SharedAttention, RejectsMismatchedTail) {
   EXPECT_THROW(AttentionState::on_prefix(prefix, *attention_layer(3)), c10::IndexError);
 }
 
-std::shared_ptr<SessionManager> sharing_manager(int64_t max_bytes = 0) {
+std::shared_ptr<SessionManager> sharing_manager(int64_t max_bytes = 0, bool isolate = false) {
   ManagerLimits limits{16, max_bytes, 2};
   limits.min_shared_tokens = 4;
+  limits.isolate_namespaces = isolate;
   return std::make_shared<SessionManager>(limits, TurnSettings{kMarkers});
 }
 
@@ -115,6 +116,23 @@ TEST(SharedPrefixManager, NewSessionStartsFromAnothersSystemPrompt) {
   EXPECT_EQ(stats.shared_prefixes, 1);
   EXPECT_EQ(stats.prefix_shares, 1);
   EXPECT_EQ(stats.shared_tokens, 6);
+}
+
+TEST(SharedPrefixManager, IsolatedNamespacesShareOnlyWithinThemselves) {
+  auto mgr = sharing_manager(0, /*isolate=*/true);
+  commit(*mgr, "tenant-a/x", conversation(50, 12));
+  const auto prompt = conversation(60, 9);
+  {
+    auto other = mgr->acquire("tenant-b/y");
+    EXPECT_EQ(share(*mgr, *other, prompt), 0);  // another tenant's cache: never
+  }
+  auto same = mgr->acquire("tenant-a/z");
+  EXPECT_EQ(share(*mgr, *same, prompt), 6);
+  same->release();
+  // The prefix made for tenant a is not offered to tenant b either.
+  auto other = mgr->acquire("tenant-b/w");
+  EXPECT_EQ(share(*mgr, *other, prompt), 0);
+  EXPECT_EQ(mgr->stats().prefix_shares, 1);
 }
 
 TEST(SharedPrefixManager, SharedStorageIsCountedOnceAndCopyOnWrite) {

@@ -19,6 +19,9 @@ namespace kvchat {
 struct Message {
   std::string role;
   std::string content;
+  // Anything else the message carries (tool calls, a tool call id, a name),
+  // as JSON the adapter writes and reads back; empty when there is nothing.
+  std::string extras;
 };
 
 // What one turn did; the Python adapter fills the timings.

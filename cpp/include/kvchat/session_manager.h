@@ -39,6 +39,9 @@ struct ManagerLimits {
   int64_t min_shared_tokens = 0;
   // Keep what eviction drops in a queue (take_evicted) for spilling to disk.
   bool keep_evicted = false;
+  // Sessions named "namespace/name" share prefixes only within their
+  // namespace (a server's tenants never reuse each other's caches).
+  bool isolate_namespaces = false;
 };
 
 // A session's cache as eviction found it, waiting to be spilled.
@@ -153,6 +156,9 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // longest shared prefix of its ids and indexes its ids for others.
   void settle(ChatSession& session);
   void enforce_limits_locked(Graveyard* dead);
+  // What a session id may share with: its namespace ("a/" of "a/b") when
+  // limits.isolate_namespaces, else everything ("").
+  std::string share_scope(const std::string& id) const;
   void forget_index_locked(const std::string& id);
   void drop_unused_prefixes_locked(Graveyard* dead);
   int64_t resident_bytes_locked() const;

@@ -1,0 +1,102 @@
+"""Messages as OpenAI clients send them, through SessionManager.chat: text
+parts, assistant tool calls with no content, tool results, tools and template
+arguments. The history keeps every field, and reuse works as for plain chat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import LONG_SYSTEM, MAX_NEW
+from kvchat import SessionManager
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+def _reference(model, tokenizer, messages, tools=None):
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids.to(model.device), max_new_tokens=MAX_NEW, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids.shape[1]
+
+
+def test_text_parts_are_joined_and_match_the_string_form(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]
+    got = mgr.chat("s", [LONG_SYSTEM, {"role": "user", "content": parts}], max_new_tokens=MAX_NEW)
+    want, _ = _reference(
+        llama, tokenizer, [LONG_SYSTEM, {"role": "user", "content": "Tell me a story."}]
+    )
+    assert got == want
+    assert mgr.messages("s")[1]["content"] == "Tell me a story."
+
+
+def test_a_tool_calling_exchange_is_exact_keeps_its_fields_and_reuses(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    messages = [LONG_SYSTEM, {"role": "user", "content": "Look it up."}]
+    previous = 0  # the last turn's prompt, all of which the next turn reuses
+    for turn in range(3):
+        stream = mgr.stream_chat("agent", messages, max_new_tokens=MAX_NEW, tools=TOOLS)
+        got = "".join(stream)
+        want, prompt_tokens = _reference(llama, tokenizer, messages, TOOLS)
+        assert got == want
+        report = stream.report  # the turn's own report, without racing last_turn()
+        assert report.prompt_tokens == prompt_tokens
+        assert report.reused_tokens >= previous, report
+        previous = prompt_tokens
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"turn": turn})},
+        ]
+    history = mgr.messages("agent")
+    assert history[2] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert history[3]["tool_call_id"] == "c1"
+
+
+def test_chat_template_kwargs_reach_the_template(llama):
+    from kvchat.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if shout %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    mgr = SessionManager(llama, tokenizer)
+    messages = [{"role": "user", "content": "tell me a story"}]
+    got = mgr.chat("s", messages, max_new_tokens=MAX_NEW, chat_template_kwargs={"shout": True})
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, shout=True
+    )
+    assert "TELL ME A STORY" in text
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = llama.generate(ids.to(llama.device), max_new_tokens=MAX_NEW, do_sample=False)
+    assert got == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert mgr.last_turn("s").prompt_tokens == ids.shape[1]
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+            r"\[0\] is a 'image_url' part",
+        ),
+        ({"role": "user", "content": None}, "must be a string"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": "x"},
+            "tool_calls'\\] must be a list",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": 3}]},
+            r"\['text'\] must be a string",
+        ),
+    ],
+)
+def test_malformed_client_messages_name_the_field(llama, tokenizer, message, match):
+    mgr = SessionManager(llama, tokenizer)
+    with pytest.raises(ValueError, match=match):
+        mgr.chat("s", [message])
+    assert mgr.sessions() == []
