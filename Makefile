@@ -11,7 +11,8 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # Order matters: torch first, so nothing below can pull a CUDA build of it.
 PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
-	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7"
+	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
+	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \

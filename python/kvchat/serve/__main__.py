@@ -1,0 +1,5 @@
+"""python -m kvchat.serve MODEL [options]"""
+
+from .cli import main
+
+main()

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible app: every conversation keeps its cache between turns.
+
+Generation runs in kvchat's stream worker threads, never on the event loop,
+so requests on different sessions run at once; a client that disconnects
+mid-stream closes its stream, which stops generation within a token and keeps
+the session exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .._C import SessionBusy
+from ..manager import SessionManager
+from . import protocol
+from .errors import APIError, api_error_handler
+from .metrics import Metrics
+from .sessions import SessionRouter, namespace
+
+logger = logging.getLogger("kvchat.serve")
+
+_DONE = object()
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 8 * 2**20
+    max_pending: int = 64  # requests generating or waiting at once; more get 429
+    default_max_tokens: int = 512
+
+
+def _stop_ids(manager: SessionManager) -> set[int]:
+    ids = manager.model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    tokenizer = manager.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
+    app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None)
+    app.add_exception_handler(APIError, api_error_handler)
+    router = SessionRouter(manager)
+    metrics = Metrics(manager)
+    stop_ids = _stop_ids(manager)
+    pending = threading.BoundedSemaphore(config.max_pending)
+    created = int(time.time())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        body = APIError(error.status_code, str(error.detail), code=code).body()
+        return JSONResponse(body, status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception):
+        logger.exception("kvchat serve: internal error on %s", request.url.path)
+        body = APIError(500, f"internal error: {type(error).__name__}", code="internal_error")
+        return JSONResponse(body.body(), status_code=500)
+
+    def caller(request: Request) -> str:
+        """The caller's namespace; 401 without a configured key."""
+        if not config.api_keys:
+            return namespace(None)
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        if key not in config.api_keys:
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+        return namespace(key)
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise APIError(
+                413,
+                f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
+                code="request_too_large",
+            )
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > config.max_body_bytes:
+                raise APIError(
+                    413,
+                    f"request body exceeds the limit of {config.max_body_bytes} bytes",
+                    code="request_too_large",
+                )
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(
+                400, f"the request body is not valid JSON: {error}", code="invalid_json"
+            ) from None
+
+    # ------------------------------------------------------------ endpoints
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        caller(request)
+        entry = {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvchat",
+        }
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def session_view(session_id: str, internal: str) -> dict:
+        info = manager.info(internal)
+        return {
+            "id": session_id,
+            "object": "session",
+            "cached_tokens": info.cached_tokens,
+            "nbytes": info.nbytes,
+            "messages": info.messages,
+            "requests": info.requests,
+        }
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request):
+        ns = caller(request)
+        data = []
+        for internal in manager.sessions():
+            session_id = router.external(ns, internal)
+            if session_id is not None:
+                data.append(session_view(session_id, internal))
+        return {"object": "list", "data": data}
+
+    def own_session(ns: str, session_id: str) -> str:
+        internal = router.internal(ns, session_id)
+        if internal not in manager.sessions():
+            raise APIError(
+                404, f"no session {session_id!r}", param="session_id", code="session_not_found"
+            )
+        return internal
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request):
+        internal = own_session(caller(request), session_id)
+        last = manager.last_turn(internal)
+        return {
+            **session_view(session_id, internal),
+            "history": manager.messages(internal),
+            "last_turn": None if last is None else dataclasses.asdict(last),
+        }
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request):
+        internal = own_session(caller(request), session_id)
+        try:
+            manager.remove(internal)
+        except SessionBusy:
+            raise APIError(
+                409,
+                f"session {session_id!r} is answering a request; try again",
+                param="session_id",
+                code="session_busy",
+            ) from None
+        except KeyError:
+            raise APIError(
+                404, f"no session {session_id!r}", param="session_id", code="session_not_found"
+            ) from None
+        router.forget(internal)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        ns = caller(request)
+        chat = protocol.parse_chat_request(await read_json(request))
+        if chat.model != config.model_name:
+            raise APIError(
+                404,
+                f"the model {chat.model!r} does not exist; this server serves "
+                f"{config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        header = request.headers.get("x-session-id")
+        explicit = chat.session_key or (header or None)
+        if not pending.acquire(blocking=False):
+            metrics.requests.labels("429").inc()
+            raise APIError(
+                429,
+                f"more than {config.max_pending} requests are in progress; retry later",
+                code="rate_limit_exceeded",
+            )
+        session = router.claim(ns, explicit, chat.messages)
+        max_tokens = chat.max_tokens or config.default_max_tokens
+        try:
+            stream, first = await start_turn(session, chat, max_tokens)
+        except BaseException:
+            pending.release()
+            if explicit is None:
+                router.settle(ns, session, None)
+            raise
+        cid = protocol.completion_id()
+        headers = {"X-Session-ID": router.external(ns, session) or session}
+        turn = _Turn(stream, first, chat, max_tokens, session, ns, explicit is None)
+        if chat.stream:
+            return StreamingResponse(
+                stream_body(turn, cid), media_type="text/event-stream", headers=headers
+            )
+        try:
+            content = await run_in_threadpool(turn.collect)
+        finally:
+            await run_in_threadpool(finish, turn)
+        body = protocol.completion(
+            cid, chat.model, content, turn.finish_reason(stop_ids), turn.report
+        )
+        return JSONResponse(body, headers=headers)
+
+    async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int):
+        """Starts the turn and waits for its first piece, so what is refused
+        before generation (a context overflow, say) is an error status."""
+        kwargs = dict(chat.generate_kwargs)
+        if chat.stop:
+            kwargs.update(stop_strings=chat.stop, tokenizer=manager.tokenizer)
+
+        def begin():
+            if chat.seed is not None:
+                torch.manual_seed(chat.seed)
+            stream = manager.stream_chat(
+                session,
+                chat.messages,
+                max_new_tokens=max_tokens,
+                tools=chat.tools,
+                chat_template_kwargs=chat.template_kwargs,
+                **kwargs,
+            )
+            return stream, next(stream, _DONE)
+
+        try:
+            return await run_in_threadpool(begin)
+        except ValueError as error:
+            code = "context_length_exceeded" if "max_context_length" in str(error) else None
+            raise APIError(400, str(error), param="messages", code=code) from None
+        except TypeError as error:
+            raise APIError(400, str(error)) from None
+
+    def finish(turn: _Turn) -> None:
+        """Waits for the turn to be committed, then counts it and frees its slot."""
+        if not turn._finished.acquire(blocking=False):
+            return
+        turn.stream.close()
+        pending.release()
+        report = turn.stream.report
+        metrics.requests.labels("200" if report is not None else "500").inc()
+        if report is not None:
+            metrics.observe(report)
+        if turn.auto:
+            history = None
+            if report is not None:
+                reply = {"role": "assistant", "content": turn.text}
+                history = [*turn.chat.messages, reply]
+            router.settle(turn.ns, turn.session, history)
+
+    async def stream_body(turn: _Turn, cid: str):
+        model = turn.chat.model
+        finished = False
+        try:
+            yield _sse(protocol.chunk(cid, model, {"role": "assistant", "content": ""}))
+            while True:
+                piece = await run_in_threadpool(turn.next_piece)
+                if piece is _DONE:
+                    break
+                if piece:
+                    yield _sse(protocol.chunk(cid, model, {"content": piece}))
+            # Committed and settled before [DONE], so the client's next turn finds it.
+            await run_in_threadpool(finish, turn)
+            finished = True
+            yield _sse(protocol.chunk(cid, model, {}, turn.finish_reason(stop_ids)))
+            if turn.chat.include_usage and turn.stream.report is not None:
+                yield _sse(protocol.usage_chunk(cid, model, turn.stream.report))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                # The client went away: stop generating within a token, and let
+                # a thread wait for the commit (nothing may block the loop here).
+                turn.stream.cancel()
+                threading.Thread(target=finish, args=(turn,), daemon=True).start()
+
+    return app
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _Turn:
+    """One request's turn: its stream, the stop-string trimming and the text sent."""
+
+    def __init__(self, stream, first, chat, max_tokens, session, ns, auto):
+        self.stream, self.chat, self.session, self.ns, self.auto = stream, chat, session, ns, auto
+        self.max_tokens = max_tokens
+        self._first = first
+        self._finished = threading.Lock()  # finish() runs once, whoever gets here first
+        self._trim = protocol.StopTrimmer(chat.stop)
+        self.text = ""
+
+    def next_piece(self):
+        """The next text to send ("" while held back), or _DONE."""
+        if self._trim.stopped:
+            return _DONE
+        if self._first is not None:
+            raw, self._first = self._first, None
+        else:
+            raw = next(self.stream, _DONE)
+        out = self._trim.flush() if raw is _DONE else self._trim.feed(raw)
+        self.text += out
+        if raw is _DONE:
+            return out if out else _DONE
+        return out
+
+    def collect(self) -> str:
+        while self.next_piece() is not _DONE:
+            pass
+        return self.text
+
+    @property
+    def report(self):
+        return self.stream.report
+
+    def finish_reason(self, stop_ids: set[int]) -> str:
+        report = self.stream.report
+        if self._trim.stopped or report is None:
+            return "stop"
+        hit_limit = report.generated_tokens >= self.max_tokens
+        ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
+        return "length" if hit_limit and not ended else "stop"

@@ -1,0 +1,121 @@
+"""The ``kvchat serve`` command line: load a model, build the manager, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..manager import SessionManager
+from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
+from ..units import parse_bytes
+
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "model",
+        help="a local checkpoint directory, or an embedded tiny model with random weights "
+        f"that writes whole words: tiny, tiny:FAMILY (FAMILY one of {', '.join(FAMILIES)})",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accept this bearer key (repeatable; also KVCHAT_API_KEYS, comma-separated); "
+        "each key sees only its own sessions",
+    )
+    limits = parser.add_argument_group("sessions (see SessionManager)")
+    limits.add_argument("--max-sessions", type=int, default=16)
+    limits.add_argument("--max-cache-bytes", help="e.g. 4GiB (default: no byte limit)")
+    limits.add_argument("--max-context-length", type=int)
+    limits.add_argument("--max-checkpoints", type=int, default=8)
+    limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
+    limits.add_argument("--no-share-prefixes", action="store_true")
+    server = parser.add_argument_group("requests")
+    server.add_argument("--default-max-tokens", type=int, default=512)
+    server.add_argument("--max-pending", type=int, default=64, help="more get 429")
+    server.add_argument("--max-body-bytes", default="8MiB", help="larger bodies get 413")
+    server.add_argument("--log-level", default="info")
+    return parser
+
+
+def load_model(spec: str, dtype: torch.dtype | None, device: str):
+    """(model, tokenizer) for a checkpoint directory or ``tiny[:family]``."""
+    if spec == "tiny" or spec.startswith("tiny:"):
+        family = spec.partition(":")[2] or "llama"
+        if family not in FAMILIES:
+            raise SystemExit(f"kvchat serve: unknown tiny family {family!r}; one of {FAMILIES}")
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(family, dtype=dtype or torch.float32, seed=0)
+        # Random weights: write whole words, so replies re-tokenize to the ids
+        # generated, as a trained model's do (and the cache is reused as it would be).
+        model.generation_config.suppress_tokens = words_only(tokenizer, model.config.vocab_size)
+        return model.to(device), tokenizer
+    path = Path(spec)
+    if not path.is_dir():
+        raise SystemExit(
+            f"kvchat serve: MODEL {spec!r} is neither a checkpoint directory nor tiny[:FAMILY]"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    return model.to(device).eval(), tokenizer
+
+
+def build_app(args: argparse.Namespace):
+    from . import ServeConfig, create_app
+
+    model, tokenizer = load_model(args.model, _DTYPES[args.dtype], args.device)
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
+    manager = SessionManager(
+        model,
+        tokenizer,
+        max_sessions=args.max_sessions,
+        max_cache_bytes=args.max_cache_bytes,
+        max_context_length=args.max_context_length,
+        max_checkpoints=args.max_checkpoints,
+        spill_dir=args.spill_dir,
+        share_prefixes=not args.no_share_prefixes,
+        isolate_namespaces=True,  # one API key never starts from another's cache
+    )
+    config = ServeConfig(
+        model_name=args.served_model_name or args.model,
+        api_keys=tuple(keys),
+        max_body_bytes=parse_bytes(args.max_body_bytes, "max_body_bytes"),
+        max_pending=args.max_pending,
+        default_max_tokens=args.default_max_tokens,
+    )
+    return create_app(manager, config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="kvchat serve", description="An OpenAI-compatible server over kvchat."
+        )
+    )
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,70 @@
+"""Prometheus metrics for /metrics: request and token counters, a TTFT
+histogram, and the manager's own counters read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _ManagerCollector:
+    """Reads SessionManager.stats() when scraped, so nothing can drift."""
+
+    def __init__(self, manager):
+        self._mgr = manager
+
+    def collect(self):
+        stats = self._mgr.stats()
+        yield GaugeMetricFamily(
+            "kvchat_hit_rate", "Reused / (reused + prefilled) prompt tokens", value=stats.hit_rate
+        )
+        yield CounterMetricFamily(
+            "kvchat_evictions", "Caches evicted to hold the limits", value=stats.evictions
+        )
+        yield GaugeMetricFamily(
+            "kvchat_resident_bytes", "Distinct cache bytes held", value=stats.resident_bytes
+        )
+        yield GaugeMetricFamily("kvchat_sessions", "Sessions known", value=stats.sessions)
+        yield GaugeMetricFamily(
+            "kvchat_resident_sessions", "Sessions holding a cache", value=stats.resident_sessions
+        )
+        yield CounterMetricFamily(
+            "kvchat_prefix_shares",
+            "Turns that started from another session's prefix",
+            value=stats.prefix_shares,
+        )
+
+
+class Metrics:
+    def __init__(self, manager):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvchat_requests",
+            "Chat completion requests by outcome",
+            ["status"],
+            registry=self.registry,
+        )
+        tokens = {
+            "prompt": "Prompt tokens of finished turns",
+            "reused": "Prompt tokens taken from a cache",
+            "prefilled": "Prompt tokens run through the model",
+            "generated": "Tokens generated",
+        }
+        self.tokens = {
+            kind: Counter(f"kvchat_{kind}_tokens", text, registry=self.registry)
+            for kind, text in tokens.items()
+        }
+        self.ttft = Histogram(
+            "kvchat_ttft_seconds",
+            "Time to first token (kvchat's planning and prefill included)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.registry.register(_ManagerCollector(manager))
+
+    def observe(self, report) -> None:
+        self.tokens["prompt"].inc(report.prompt_tokens)
+        self.tokens["reused"].inc(report.reused_tokens)
+        self.tokens["prefilled"].inc(report.prefilled_tokens)
+        self.tokens["generated"].inc(report.generated_tokens)
+        self.ttft.observe(report.prefill_ms / 1e3)

@@ -1,0 +1,292 @@
+"""The OpenAI chat-completions request, checked field by field, and the
+response and stream-chunk bodies. A field kvchat cannot serve is refused by
+name (400), never silently ignored."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..prompting import validate_messages
+from .errors import APIError
+
+# Accepted and ignored: they change nothing kvchat produces for one choice.
+_IGNORED = {
+    "store",
+    "metadata",
+    "parallel_tool_calls",
+    "service_tier",
+    "prediction",
+    "modalities",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "verbosity",
+}
+_HANDLED = {
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_tokens",
+    "repetition_penalty",
+    "stop",
+    "seed",
+    "n",
+    "user",
+    "prompt_cache_key",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+}
+
+
+def _bad(param: str, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _number(body: dict, name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _bad(name, f"{name} must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int = 2**62) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(name, f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _string(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 512:
+        raise _bad(name, f"{name} must be a non-empty string of at most 512 characters")
+    return value
+
+
+@dataclass
+class ChatRequest:
+    """What a request asks for, in kvchat's terms."""
+
+    model: str
+    messages: list[dict]
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    generate_kwargs: dict
+    stop: list[str]
+    tools: list | None
+    template_kwargs: dict | None
+    session_key: str | None  # prompt_cache_key, else user
+    seed: int | None
+    extra: dict = field(default_factory=dict)
+
+
+def parse_chat_request(body) -> ChatRequest:
+    """Checks every field; raises APIError(400) naming the first bad one."""
+    if not isinstance(body, dict):
+        raise _bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _HANDLED - _IGNORED)
+    if unknown:
+        raise _bad(unknown[0], f"unknown field {unknown[0]!r}", code="unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "model must be a non-empty string (see GET /v1/models)")
+    if "messages" not in body:
+        raise _bad("messages", "messages is required", code="missing_required_parameter")
+    try:
+        messages = validate_messages(body["messages"])
+    except (TypeError, ValueError) as error:
+        raise _bad("messages", str(error)) from None
+    for i, message in enumerate(messages):
+        if message["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}].role", f"unknown role {message['role']!r}")
+        if message["role"] == "developer":  # OpenAI's newer name for the system role
+            message["role"] = "system"
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise _bad(f"messages[{i}].tool_call_id", "a tool message needs its tool_call_id")
+
+    # What one text choice cannot carry.
+    if _integer(body, "n", 1, 128) not in (None, 1):
+        raise _bad("n", "kvchat serve returns one choice per request; n must be 1")
+    if body.get("logprobs"):
+        raise _bad("logprobs", "kvchat serve does not return logprobs")
+    if body.get("top_logprobs") is not None:
+        raise _bad("top_logprobs", "kvchat serve does not return logprobs")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "kvchat serve does not support logit_bias")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, -2.0, 2.0):
+            raise _bad(name, f"{name} is not supported; use repetition_penalty")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _bad("response_format", "kvchat serve answers in plain text only")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise _bad("tool_choice", "tool_choice must be 'auto' or 'none'")
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise _bad("tools", "tools must be a list of tool objects")
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"stream must be a boolean, got {stream!r}")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise _bad("stream_options", "stream_options is an object, and only with stream: true")
+    include_usage = bool((options or {}).get("include_usage", False))
+
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is None:
+        stop = []
+    if (
+        not isinstance(stop, list)
+        or len(stop) > 4
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad("stop", "stop must be a non-empty string or a list of up to 4 of them")
+
+    # Sampling: greedy when temperature is 0, as OpenAI's API documents.
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    top_k = _integer(body, "top_k", 0)
+    penalty = _number(body, "repetition_penalty", 0.01, 10.0)
+    kwargs: dict = {"do_sample": temperature is None or temperature > 0}
+    if temperature is None:
+        temperature = 1.0
+    if kwargs["do_sample"]:
+        kwargs["temperature"] = temperature
+        kwargs["top_p"] = 1.0 if top_p is None else top_p
+        kwargs["top_k"] = top_k or 0
+    if penalty is not None:
+        kwargs["repetition_penalty"] = penalty
+    min_tokens = _integer(body, "min_tokens", 0)
+    if min_tokens:
+        kwargs["min_new_tokens"] = min_tokens
+
+    session_key = _string(body, "prompt_cache_key") or _string(body, "user")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        generate_kwargs=kwargs,
+        stop=stop,
+        tools=tools,
+        template_kwargs=template_kwargs,
+        session_key=session_key,
+        seed=_integer(body, "seed", -(2**63), 2**63 - 1),
+    )
+
+
+# ----------------------------------------------------------------- responses
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage(report) -> dict:
+    """OpenAI's usage; cached_tokens is what the session reused (0, not absent)."""
+    return {
+        "prompt_tokens": report.prompt_tokens,
+        "completion_tokens": report.generated_tokens,
+        "total_tokens": report.prompt_tokens + report.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": report.reused_tokens},
+    }
+
+
+def completion(cid: str, model: str, content: str, finish_reason: str, report) -> dict:
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(report),
+    }
+
+
+def chunk(cid: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def usage_chunk(cid: str, model: str, report) -> dict:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(report),
+    }
+
+
+class StopTrimmer:
+    """Cuts the reply at the first stop string, as OpenAI does (the stop string
+    is not returned). Fed streamed pieces, it holds back only what could still
+    be the start of a stop string."""
+
+    def __init__(self, stop: list[str]):
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self._pending += piece
+        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self._pending, self.stopped = self._pending[:cut], "", True
+            return out
+        safe = len(self._pending) - self._hold
+        out, self._pending = self._pending[: max(safe, 0)], self._pending[max(safe, 0) :]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out

@@ -1,0 +1,97 @@
+"""Which session a request belongs to, and whose sessions a caller may see.
+
+First match wins: ``prompt_cache_key``, ``user``, the ``X-Session-ID`` header.
+Otherwise the request continues the session whose whole conversation so far
+(every message, and the reply kvchat returned) is a prefix of its messages; if
+none is, it starts a new session, which the core starts from the longest
+prefix any session holds. A session is claimed for the length of a turn, so a
+second request that forks the same conversation gets a session of its own and
+never takes over, and so destroys, another conversation's cache.
+
+With API keys, every session id is namespaced by a hash of the key: a caller
+can only list, read, delete or continue its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import uuid
+
+_KEPT = ("role", "content", "tool_calls", "tool_call_id", "name")
+
+
+def _digests(messages: list[dict]) -> list[str]:
+    """digest[k]: of messages[:k], for every k; None-valued fields and fields a
+    client adds on the way back (refusal, annotations) do not count."""
+    h = hashlib.sha256()
+    out = [h.hexdigest()]
+    for message in messages:
+        kept = {k: message[k] for k in _KEPT if message.get(k) is not None}
+        h.update(json.dumps(kept, sort_keys=True, ensure_ascii=False).encode())
+        out.append(h.hexdigest())
+    return out
+
+
+def namespace(api_key: str | None) -> str:
+    if api_key is None:
+        return "open"
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class SessionRouter:
+    """Maps requests to the manager's session ids (``<namespace>/<id>``)."""
+
+    def __init__(self, manager):
+        self._mgr = manager
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
+        self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
+        self._claimed: dict[str, tuple[str, str]] = {}  # session -> key, while a turn runs
+
+    @staticmethod
+    def internal(ns: str, session_id: str) -> str:
+        return f"{ns}/{session_id}"
+
+    @staticmethod
+    def external(ns: str, internal_id: str) -> str | None:
+        prefix = f"{ns}/"
+        return internal_id[len(prefix) :] if internal_id.startswith(prefix) else None
+
+    def claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
+        """The session (internal id) this request's turn runs on."""
+        if explicit is not None:
+            return self.internal(ns, explicit)
+        digests = _digests(messages)
+        with self._lock:
+            # The longest conversation a session holds, short of the last message.
+            for k in range(len(messages) - 1, 0, -1):
+                session = self._open.pop((ns, digests[k]), None)
+                if session is not None:
+                    self._claimed[session] = self._key_of.pop(session)
+                    if session in self._mgr.sessions():
+                        return session
+        return self.internal(ns, f"auto-{uuid.uuid4().hex[:16]}")
+
+    def settle(self, ns: str, session: str, conversation: list[dict] | None) -> None:
+        """After a turn: ``conversation`` (its messages and the reply) is what the
+        session now holds; None when the turn failed, and it holds what it held."""
+        with self._lock:
+            key = self._claimed.pop(session, None)
+            if conversation is not None:
+                key = (ns, _digests(conversation)[-1])
+            if key is None:
+                return
+            old = self._key_of.pop(session, None)
+            if old is not None:
+                self._open.pop(old, None)
+            self._open[key] = session
+            self._key_of[session] = key
+
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._claimed.pop(session, None)
+            key = self._key_of.pop(session, None)
+            if key is not None:
+                self._open.pop(key, None)

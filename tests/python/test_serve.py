@@ -1,0 +1,528 @@
+"""kvchat serve end to end: a real uvicorn server in a subprocess on a free
+127.0.0.1 port, driven by the official ``openai`` client and by httpx. Replies
+are compared with plain ``model.generate`` on the full conversation (float64
+tiny models, greedy), and ``cached_tokens`` with what the session reused."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import DEVICE, _model
+from helpers import LONG_SYSTEM, reference_turn, user_message
+from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
+
+MAX_NEW = 12
+KEY_A, KEY_B = "key-a", "key-b"
+
+
+@functools.cache
+def _reference(family: str):
+    """The model `kvchat serve tiny:FAMILY --dtype float64` serves, for plain generate."""
+    model = tiny_model(family, dtype=torch.float64, seed=0).to(DEVICE)
+    model.generation_config.suppress_tokens = words_only(tiny_tokenizer(), model.config.vocab_size)
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m kvchat.serve MODEL ...` in a subprocess; stopped by stop()."""
+
+    def __init__(self, model: str, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        command = [sys.executable, "-m", "kvchat.serve", model, "--dtype", "float64"]
+        command += ["--device", str(DEVICE), "--port", str(self.port), *flags]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvchat serve exited: {self.process.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("kvchat serve did not answer /health in 180 s")
+
+    def client(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def get(self, path: str, key: str = KEY_A, **kwargs) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers=_auth(key), timeout=60, **kwargs)
+
+    def post(self, path: str, key: str | None = KEY_A, **kwargs) -> httpx.Response:
+        headers = {**_auth(key), **kwargs.pop("headers", {})}
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=120, **kwargs)
+
+    def session(self, session_id: str, key: str = KEY_A) -> dict:
+        response = self.get(f"/v1/sessions/{session_id}", key)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+
+
+def _auth(key: str | None) -> dict:
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+def _start(model: str, *flags: str):
+    server = Server(model, "--api-key", KEY_A, *flags)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    yield from _start(
+        "tiny:llama",
+        "--api-key",
+        KEY_B,
+        "--max-context-length",
+        "4096",
+        "--max-body-bytes",
+        "256KiB",
+        "--max-sessions",
+        "64",  # every session these tests make stays resident
+    )
+
+
+@pytest.fixture(scope="module")
+def falcon_server():
+    yield from _start("tiny:falcon_h1")
+
+
+def _family(server: Server) -> str:
+    return server.model.partition(":")[2]
+
+
+def _ask(client, messages, key, stream, **extra):
+    """(reply text, usage) through the openai client, streamed or not."""
+    kwargs = dict(model=client.server_model, messages=messages, max_tokens=MAX_NEW, temperature=0)
+    if key is not None:
+        kwargs["prompt_cache_key"] = key
+    kwargs.update(extra)
+    if not stream:
+        response = client.chat.completions.create(**kwargs)
+        assert response.choices[0].finish_reason in ("stop", "length")
+        return response.choices[0].message.content, response.usage
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            usage = chunk.usage
+    assert finish in ("stop", "length")
+    return "".join(pieces), usage
+
+
+def _client(server: Server, key: str = KEY_A):
+    client = server.client(key)
+    client.server_model = server.model
+    return client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("which", ["llama_server", "falcon_server"])
+def test_an_eight_turn_conversation_is_exact_and_reports_cached_tokens(
+    which, stream, tokenizer, request
+):
+    server = request.getfixturevalue(which)
+    model = _reference(_family(server))
+    client = _client(server)
+    key = f"conversation-{stream}"
+    messages = [LONG_SYSTEM]
+    for turn in range(8):
+        messages.append(user_message(turn))
+        reply, usage = _ask(client, messages, key, stream)
+        want, prompt, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
+        assert reply == want, f"turn {turn}"
+        assert usage.prompt_tokens == prompt.numel()
+        cached = usage.prompt_tokens_details.cached_tokens
+        last = server.session(key)["last_turn"]
+        assert cached == last["reused_tokens"]
+        assert usage.completion_tokens == last["generated_tokens"]
+        if turn == 0:  # nothing of its own yet; another conversation's system prompt, maybe
+            assert last["reason"] in ("no_cache", "shared_prefix")
+        else:
+            assert cached > 0.9 * usage.prompt_tokens, f"turn {turn}: {last}"
+        messages.append({"role": "assistant", "content": reply})
+
+
+def test_a_tool_calling_conversation_is_exact_and_reuses(llama_server, tokenizer):
+    model, client = _reference("llama"), _client(llama_server)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [LONG_SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
+    previous_prompt = 0
+    for turn in range(6):
+        reply, usage = _ask(client, messages, "agent", stream=turn % 2 == 1, tools=tools)
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids.to(model.device), max_new_tokens=MAX_NEW, do_sample=False)
+        assert reply == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        cached = usage.prompt_tokens_details.cached_tokens
+        if turn:
+            # Everything the last turn's prompt held is reused, tool calls included.
+            assert cached >= previous_prompt, f"turn {turn}"
+        previous_prompt = usage.prompt_tokens
+        if turn % 2 == 0:  # the model "called" a tool, and the tool answered
+            call = {
+                "id": f"call_{turn}",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+            }
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": "sunny"})
+        else:
+            messages.append({"role": "assistant", "content": reply})
+            messages.append({"role": "user", "content": f"And tomorrow ({turn})?"})
+
+
+def test_eight_concurrent_clients_get_their_own_exact_replies(llama_server, tokenizer):
+    model = _reference("llama")
+    results: dict[int, list] = {}
+
+    def conversation(i: int) -> None:
+        client = _client(llama_server)
+        messages = [{"role": "system", "content": f"You are assistant number {i}."}]
+        replies = []
+        for turn in range(3):
+            messages.append(user_message(turn + i))
+            reply, usage = _ask(client, messages, f"client-{i}", stream=(i + turn) % 2 == 0)
+            replies.append((list(messages), reply, usage.prompt_tokens_details.cached_tokens))
+            messages.append({"role": "assistant", "content": reply})
+        results[i] = replies
+
+    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(results) == list(range(8))
+    for i, replies in results.items():
+        for turn, (messages, reply, cached) in enumerate(replies):
+            want, _, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
+            assert reply == want, f"client {i} turn {turn}"
+            assert (cached > 0) == (turn > 0)
+
+
+def test_a_client_that_disconnects_stops_generation_and_the_session_stays_exact(
+    llama_server, tokenizer
+):
+    model = _reference("llama")
+    messages = [LONG_SYSTEM, user_message(0)]
+    body = {
+        "model": "tiny:llama",
+        "messages": messages,
+        "max_tokens": 3000,
+        "min_tokens": 3000,
+        "stream": True,
+        "prompt_cache_key": "leaver",
+    }
+    received = ""
+    with httpx.stream(
+        "POST",
+        f"{llama_server.url}/v1/chat/completions",
+        json=body,
+        headers=_auth(KEY_A),
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                received += delta.get("content") or ""
+                if len(received) > 20:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 60
+    while llama_server.session("leaver")["requests"] < 1:
+        assert time.monotonic() < deadline, "the cancelled turn was never committed"
+        time.sleep(0.1)
+    last = llama_server.session("leaver")["last_turn"]
+    assert last["generated_tokens"] < 200, last  # stopped within a few tokens, not 3000
+
+    # The next turn starts from what the session holds and equals plain generate.
+    history = llama_server.session("leaver")["history"]
+    follow = [*history, user_message(1)]
+    reply, usage = _ask(_client(llama_server), follow, "leaver", stream=False)
+    want, _, _ = reference_turn(model, tokenizer, follow, MAX_NEW)
+    assert reply == want
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_without_a_key_a_conversation_continues_its_own_session(llama_server, tokenizer):
+    client = _client(llama_server)
+    # A conversation no other test has, so no other session holds more of it.
+    system = {"role": "system", "content": LONG_SYSTEM["content"] + " (auto)"}
+    messages, sessions = [system], []
+    for turn in range(3):
+        messages.append(user_message(turn))
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny:llama", messages=messages, max_tokens=MAX_NEW, temperature=0
+        )
+        sessions.append(raw.headers["x-session-id"])
+        completion = raw.parse()
+        if turn:
+            assert completion.usage.prompt_tokens_details.cached_tokens > 0
+        messages.append({"role": "assistant", "content": completion.choices[0].message.content})
+    assert len(set(sessions)) == 1 and sessions[0].startswith("auto-")
+    # A fork of an earlier point is a conversation of its own: it never takes
+    # over the session (which would destroy its cache), and that one continues.
+    fork = [*messages[:3], {"role": "user", "content": "Something else entirely."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny:llama", messages=fork, max_tokens=MAX_NEW, temperature=0
+    )
+    assert raw.headers["x-session-id"] != sessions[0]
+    # It starts from the longest prefix another session holds (the system prompt).
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
+    messages.append(user_message(3))
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny:llama", messages=messages, max_tokens=MAX_NEW, temperature=0
+    )
+    assert raw.headers["x-session-id"] == sessions[0]
+    last = llama_server.session(sessions[0])["last_turn"]
+    assert last["reason"] == "extend", last
+
+
+def test_api_keys_namespace_sessions(llama_server):
+    client_a, client_b = _client(llama_server, KEY_A), _client(llama_server, KEY_B)
+    _ask(client_a, [user_message(0)], "mine", stream=False)
+    before = llama_server.session("mine", KEY_A)
+    assert "mine" in [s["id"] for s in llama_server.get("/v1/sessions", KEY_A).json()["data"]]
+    assert "mine" not in [s["id"] for s in llama_server.get("/v1/sessions", KEY_B).json()["data"]]
+    assert llama_server.get("/v1/sessions/mine", KEY_B).status_code == 404
+    deleted = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=_auth(KEY_B))
+    assert deleted.status_code == 404
+    # The same key name from B is B's own session: A's is untouched, and B
+    # never starts from A's cache, not even from a shared system prompt.
+    _, usage = _ask(client_a, [LONG_SYSTEM, user_message(2)], "a-long", stream=False)
+    _, usage = _ask(client_b, [LONG_SYSTEM, user_message(3)], "mine", stream=False)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert llama_server.session("mine", KEY_A) == before
+    ok = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=_auth(KEY_A))
+    assert ok.status_code == 200 and ok.json()["deleted"] is True
+    assert llama_server.get("/v1/sessions/mine", KEY_A).status_code == 404
+    assert llama_server.get("/v1/sessions/mine", KEY_B).status_code == 200
+
+
+def test_metrics_are_prometheus_text(llama_server):
+    _ask(_client(llama_server), [user_message(5)], "metrics", stream=False)
+    text = llama_server.get("/metrics").text
+    for name in (
+        "kvchat_requests_total",
+        "kvchat_prompt_tokens_total",
+        "kvchat_reused_tokens_total",
+        "kvchat_prefilled_tokens_total",
+        "kvchat_hit_rate",
+        "kvchat_evictions_total",
+        "kvchat_resident_bytes",
+        "kvchat_ttft_seconds_bucket",
+    ):
+        assert name in text, name
+    models = llama_server.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny:llama"
+
+
+# ------------------------------------------------------------------ errors
+def _chat_body(**fields) -> dict:
+    return {"model": "tiny:llama", "messages": [user_message(0)], "max_tokens": 4, **fields}
+
+
+# README "Bad requests" row -> (request, status, error code, param)
+SERVE_ERROR_CASES = {
+    "malformed JSON": [({"content": b"{not json"}, 400, "invalid_json", None)],
+    "a field of the wrong type": [
+        ({"json": _chat_body(temperature="hot")}, 400, "invalid_value", "temperature"),
+        ({"json": _chat_body(messages="hi")}, 400, "invalid_value", "messages"),
+        ({"json": _chat_body(stream="yes")}, 400, "invalid_value", "stream"),
+        ({"json": _chat_body(max_tokens=0)}, 400, "invalid_value", "max_tokens"),
+        ({"json": [1, 2]}, 400, "invalid_value", None),
+    ],
+    "an unknown `model`": [({"json": _chat_body(model="gpt-9")}, 404, "model_not_found", "model")],
+    "prompt + `max_tokens` over": [
+        ({"json": _chat_body(max_tokens=10**6)}, 400, "context_length_exceeded", "messages")
+    ],
+    "a missing or wrong API key": [
+        ({"json": _chat_body(), "key": None}, 401, "invalid_api_key", None),
+        ({"json": _chat_body(), "key": "wrong"}, 401, "invalid_api_key", None),
+    ],
+    "a field kvchat cannot serve": [
+        ({"json": _chat_body(n=2)}, 400, "invalid_value", "n"),
+        ({"json": _chat_body(logprobs=True)}, 400, "invalid_value", "logprobs"),
+        ({"json": _chat_body(frobnicate=1)}, 400, "unknown_parameter", "frobnicate"),
+        (
+            {
+                "json": _chat_body(
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+                            ],
+                        }
+                    ]
+                )
+            },
+            400,
+            "invalid_value",
+            "messages",
+        ),
+    ],
+    "a body over `--max-body-bytes`": [
+        (
+            {"json": _chat_body(messages=[{"role": "user", "content": "x" * 300_000}])},
+            413,
+            "request_too_large",
+            None,
+        ),
+    ],
+    "an unknown session": [
+        ({"path": "/v1/sessions/ghost", "method": "GET"}, 404, "session_not_found", "session_id")
+    ],
+}
+
+
+def _send(server: Server, request: dict) -> httpx.Response:
+    request = dict(request)
+    key = request.pop("key", KEY_A)
+    method = request.pop("method", "POST")
+    path = request.pop("path", "/v1/chat/completions")
+    headers = {**_auth(key), "Content-Type": "application/json"}
+    return httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **request)
+
+
+@pytest.mark.parametrize("row", list(SERVE_ERROR_CASES))
+def test_bad_requests_get_openai_errors_and_touch_nothing(row, llama_server):
+    _ask(_client(llama_server), [user_message(7)], "witness", stream=False)
+    witness = llama_server.session("witness")
+    sessions = llama_server.get("/v1/sessions").json()["data"]
+    for request, status, code, param in SERVE_ERROR_CASES[row]:
+        response = _send(llama_server, request)
+        assert response.status_code == status, (row, request, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["code"], error["param"]) == (code, param), error
+        assert error["message"]
+    if row == "prompt + `max_tokens` over":
+        assert "max_context_length=4096" in error["message"] and "1000000" in error["message"]
+    # The server is up, and no session was created or changed.
+    assert llama_server.get("/health").status_code == 200
+    assert llama_server.session("witness") == witness
+    assert llama_server.get("/v1/sessions").json()["data"] == sessions
+
+
+def test_too_many_requests_at_once_get_429():
+    server = Server("tiny:llama", "--max-pending", "1")
+    try:
+        body = _chat_body(max_tokens=3000, min_tokens=3000, stream=True, prompt_cache_key="long")
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=body, timeout=60
+        ) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
+            second = server.post("/v1/chat/completions", key=None, json=_chat_body())
+            assert second.status_code == 429
+            assert second.json()["error"]["code"] == "rate_limit_exceeded"
+        # Once the first is gone, requests are served again.
+        deadline = time.monotonic() + 60
+        while (
+            third := server.post("/v1/chat/completions", key=None, json=_chat_body())
+        ).status_code == 429:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert third.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_model_that_fails_gets_500_and_the_session_keeps_its_history(tokenizer):
+    from fastapi.testclient import TestClient
+    from kvchat import SessionManager
+    from kvchat.serve import ServeConfig, create_app
+
+    model = _model("llama")
+    manager = SessionManager(model, tokenizer, isolate_namespaces=True)
+    app = create_app(manager, ServeConfig(model_name="tiny"))
+    client = TestClient(app, raise_server_exceptions=False)
+    body = {"model": "tiny", "messages": [user_message(0)], "max_tokens": 4, "user": "u"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    history = client.get("/v1/sessions/u").json()["history"]
+    original = model.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    model.generate = broken
+    try:
+        failed = client.post("/v1/chat/completions", json={**body, "messages": history})
+    finally:
+        model.generate = original
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "server_error"
+    session = client.get("/v1/sessions/u").json()
+    assert session["history"] == history and session["cached_tokens"] == 0
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_every_readme_bad_request_row_is_covered():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("### Bad requests", 1)[1].split("\n#", 1)[0]
+    rows = [
+        line.split("|")[1].strip()
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| request") and "---" not in line
+    ]
+    extra = {
+        "more requests at once than `--max-pending`": "test_too_many_requests_at_once_get_429",
+        "the model fails": "test_a_model_that_fails_gets_500_and_the_session_keeps_its_history",
+    }
+    assert len(rows) == len(SERVE_ERROR_CASES) + len(extra)
+    for row in rows:
+        keys = [k for k in [*SERVE_ERROR_CASES, *extra] if row.startswith(k)]
+        assert len(keys) == 1, f"README row {row!r} has no test"
