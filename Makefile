@@ -12,7 +12,8 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
-	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27"
+	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
+	"selenium>=4.20"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
@@ -31,8 +32,9 @@ $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PY_DEPS)
-	@dpkg -s libgtest-dev >/dev/null 2>&1 || \
-		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgtest-dev cmake)
+	@dpkg -s libgtest-dev chromium chromium-driver >/dev/null 2>&1 || \
+		($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install \
+		-y -q libgtest-dev cmake chromium chromium-driver)
 	@touch $@
 
 deps: $(BUILD)/.deps

@@ -43,7 +43,7 @@ void ChatSession::add_message(const std::string& role, const std::string& conten
   if (role == "system") {
     system_prompt_ = content;
   } else {
-    messages_.push_back({role, content});
+    messages_.push_back({role, content, {}});
   }
 }
 
@@ -71,7 +71,7 @@ void ChatSession::clear_messages() {
 std::vector<Message> ChatSession::messages() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<Message> all;
-  if (system_prompt_) all.push_back({"system", *system_prompt_});
+  if (system_prompt_) all.push_back({"system", *system_prompt_, {}});
   all.insert(all.end(), messages_.begin(), messages_.end());
   return all;
 }

@@ -14,10 +14,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -112,6 +113,14 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             ) from None
 
     # ------------------------------------------------------------ endpoints
+    page = resources.files("kvchat.serve").joinpath("static", "index.html").read_text("utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        """A chat page with no build step: replies stream in, and each turn shows
+        what the server reused and prefilled, and the time to first token."""
+        return HTMLResponse(page)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
