@@ -117,5 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    app = build_app(args)
+    try:
+        app = build_app(args)
+    except (TypeError, ValueError) as error:  # a bad flag value: say which, no traceback
+        parser.error(str(error))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
