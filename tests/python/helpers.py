@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvchat.prompting import render_prompt
 
 MAX_NEW = 12
@@ -56,3 +58,11 @@ LONG_SYSTEM = {
         "asked, in two sentences at most."
     ),
 }
+
+
+def readme_table_rows(heading: str) -> list[str]:
+    """The first cell of each body row of the README table under ``heading``."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [line.split("|")[1].strip() for line in lines[2:]]  # past the header and rule

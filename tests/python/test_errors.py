@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import SYSTEM, user_message
+from helpers import SYSTEM, readme_table_rows, user_message
 from kvchat import _C, SessionBusy, SessionManager, UnknownSessionError
 from kvchat.tiny import CHATML_TEMPLATE, tiny_tokenizer
 
@@ -235,13 +234,7 @@ README_ROWS = {
 
 
 def test_every_readme_row_is_covered():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split("## Errors", 1)[1].split("\n## ", 1)[0]
-    rows = [
-        line.split("|")[1].strip()
-        for line in table.splitlines()
-        if line.startswith("| ") and not line.startswith("| input") and "---" not in line
-    ]
+    rows = readme_table_rows("## Errors")
     assert len(rows) == len(README_ROWS)
     for row in rows:
         keys = [key for key in README_ROWS if row.startswith(key)]

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from conftest import DEVICE, _model
-from helpers import LONG_SYSTEM, reference_turn, user_message
+from helpers import LONG_SYSTEM, readme_table_rows, reference_turn, user_message
 from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
 
 MAX_NEW = 12
@@ -509,15 +509,7 @@ def test_a_model_that_fails_gets_500_and_the_session_keeps_its_history(tokenizer
 
 
 def test_every_readme_bad_request_row_is_covered():
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split("### Bad requests", 1)[1].split("\n#", 1)[0]
-    rows = [
-        line.split("|")[1].strip()
-        for line in table.splitlines()
-        if line.startswith("| ") and not line.startswith("| request") and "---" not in line
-    ]
+    rows = readme_table_rows("### Bad requests")
     extra = {
         "more requests at once than `--max-pending`": "test_too_many_requests_at_once_get_429",
         "the model fails": "test_a_model_that_fails_gets_500_and_the_session_keeps_its_history",
