@@ -17,14 +17,14 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
-	bench bench-decode bench-overhead bench-notebook bench-sharing sanitize
+	bench bench-decode bench-overhead bench-notebook bench-sharing bench-serve sanitize
 
 help:
 	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
-	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing - see benchmarks/RESULTS.md"
+	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
@@ -78,6 +78,12 @@ bench: build
 
 bench-decode: build
 	$(PY) benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192
+
+# transformers serve, the peer, needs its serving extra's accelerate and rich.
+bench-serve: build
+	$(PY) -m pip install -q "accelerate>=1.1.0" rich
+	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
+	$(PY) benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
 
 bench-sharing: build
 	$(PY) benchmarks/sharing.py --model smollm2-135m --sessions 16 --system-tokens 1000

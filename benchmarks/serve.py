@@ -7,7 +7,7 @@ whole turn's time, generated tokens and ``usage.prompt_tokens_details.
 cached_tokens`` where the server reports it. Every server runs alone, one
 after the other, on the same machine.
 
-    python benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
+    python benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4   # make bench-serve
     python benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
 """
 
