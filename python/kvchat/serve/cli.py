@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -118,7 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     try:
-        app = build_app(args)
+        # Built on a thread that then exits: the main thread (uvicorn's event loop)
+        # then never starts an OpenMP team, whose idle workers would make each
+        # turn's threads wait to be woken on every op (2x per token on small CPU models).
+        with ThreadPoolExecutor(1) as builder:
+            app = builder.submit(build_app, args).result()
     except (TypeError, ValueError) as error:  # a bad flag value: say which, no traceback
         parser.error(str(error))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
