@@ -9,6 +9,7 @@ the session exact.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import threading
@@ -84,7 +85,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             raise APIError(
                 401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
-        if key not in config.api_keys:
+        # Compared in constant time, so response timing reveals nothing of a key.
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in config.api_keys):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
         return namespace(key)
 
@@ -96,7 +98,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 f"request body of {declared} bytes exceeds the limit of {config.max_body_bytes}",
                 code="request_too_large",
             )
-        body = b""
+        body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > config.max_body_bytes:
@@ -106,7 +108,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                     code="request_too_large",
                 )
         try:
-            return json.loads(body)
+            return json.loads(bytes(body))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(
                 400, f"the request body is not valid JSON: {error}", code="invalid_json"
@@ -158,7 +160,10 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         for internal in manager.sessions():
             session_id = router.external(ns, internal)
             if session_id is not None:
-                data.append(session_view(session_id, internal))
+                try:
+                    data.append(session_view(session_id, internal))
+                except KeyError:  # removed since the listing began
+                    continue
         return {"object": "list", "data": data}
 
     def own_session(ns: str, session_id: str) -> str:
@@ -172,12 +177,17 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request):
         internal = own_session(caller(request), session_id)
-        last = manager.last_turn(internal)
-        return {
-            **session_view(session_id, internal),
-            "history": manager.messages(internal),
-            "last_turn": None if last is None else dataclasses.asdict(last),
-        }
+        try:
+            last = manager.last_turn(internal)
+            return {
+                **session_view(session_id, internal),
+                "history": manager.messages(internal),
+                "last_turn": None if last is None else dataclasses.asdict(last),
+            }
+        except KeyError:  # removed a moment ago
+            raise APIError(
+                404, f"no session {session_id!r}", param="session_id", code="session_not_found"
+            ) from None
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request):
@@ -211,6 +221,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="model_not_found",
             )
         header = request.headers.get("x-session-id")
+        if header is not None and not 0 < len(header) <= 512:
+            raise APIError(400, "X-Session-ID must be 1 to 512 characters", param="X-Session-ID")
         explicit = chat.session_key or (header or None)
         if not pending.acquire(blocking=False):
             metrics.requests.labels("429").inc()
