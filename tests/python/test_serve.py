@@ -380,6 +380,12 @@ SERVE_ERROR_CASES = {
         ({"json": _chat_body(stream="yes")}, 400, "invalid_value", "stream"),
         ({"json": _chat_body(max_tokens=0)}, 400, "invalid_value", "max_tokens"),
         ({"json": [1, 2]}, 400, "invalid_value", None),
+        (
+            {"json": _chat_body(), "headers": {"X-Session-ID": "x" * 600}},
+            400,
+            "invalid_value",
+            "X-Session-ID",
+        ),
     ],
     "an unknown `model`": [({"json": _chat_body(model="gpt-9")}, 404, "model_not_found", "model")],
     "prompt + `max_tokens` over": [
@@ -430,7 +436,7 @@ def _send(server: Server, request: dict) -> httpx.Response:
     key = request.pop("key", KEY_A)
     method = request.pop("method", "POST")
     path = request.pop("path", "/v1/chat/completions")
-    headers = {**_auth(key), "Content-Type": "application/json"}
+    headers = {**_auth(key), "Content-Type": "application/json", **request.pop("headers", {})}
     return httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **request)
 
 

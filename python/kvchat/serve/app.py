@@ -222,7 +222,12 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             )
         header = request.headers.get("x-session-id")
         if header is not None and not 0 < len(header) <= 512:
-            raise APIError(400, "X-Session-ID must be 1 to 512 characters", param="X-Session-ID")
+            raise APIError(
+                400,
+                "X-Session-ID must be 1 to 512 characters",
+                param="X-Session-ID",
+                code="invalid_value",
+            )
         explicit = chat.session_key or (header or None)
         if not pending.acquire(blocking=False):
             metrics.requests.labels("429").inc()
