@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -524,3 +525,29 @@ def test_every_readme_bad_request_row_is_covered():
     for row in rows:
         keys = [k for k in [*SERVE_ERROR_CASES, *extra] if row.startswith(k)]
         assert len(keys) == 1, f"README row {row!r} has no test"
+
+
+def test_idle_sessions_expire_but_never_mid_turn():
+    server = Server("tiny:llama", "--session-ttl", "1")
+    try:
+        body = _chat_body(prompt_cache_key="idle")
+        assert server.post("/v1/chat/completions", key=None, json=body).status_code == 200
+        long = _chat_body(max_tokens=3000, min_tokens=3000, stream=True, prompt_cache_key="busy")
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=long, timeout=60
+        ) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            deadline = time.monotonic() + 30
+            while server.get("/v1/sessions/idle", key=None).status_code == 200:
+                assert time.monotonic() < deadline, "the idle session never expired"
+                time.sleep(0.2)
+            # Idle for longer than the TTL, but in a turn: still there.
+            time.sleep(1.5)
+            assert server.get("/v1/sessions/busy", key=None).status_code == 200
+        metrics = server.get("/metrics", key=None).text
+        assert "kvchat_sessions_expired_total" in metrics
+        expired = re.search(r"^kvchat_sessions_expired_total (\S+)$", metrics, re.M)
+        assert float(expired.group(1)) >= 1
+    finally:
+        server.stop()

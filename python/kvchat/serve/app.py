@@ -8,6 +8,8 @@ the session exact.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -28,6 +30,7 @@ from .._C import SessionBusy
 from ..manager import SessionManager
 from . import protocol
 from .errors import APIError, api_error_handler
+from .expiry import IdleExpiry
 from .metrics import Metrics
 from .sessions import SessionRouter, namespace
 
@@ -43,6 +46,7 @@ class ServeConfig:
     max_body_bytes: int = 8 * 2**20
     max_pending: int = 64  # requests generating or waiting at once; more get 429
     default_max_tokens: int = 512
+    session_ttl: float = 24 * 3600.0  # seconds a session may sit unused; 0: forever
 
 
 def _stop_ids(manager: SessionManager) -> set[int]:
@@ -55,10 +59,23 @@ def _stop_ids(manager: SessionManager) -> set[int]:
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
-    app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None)
-    app.add_exception_handler(APIError, api_error_handler)
     router = SessionRouter(manager)
     metrics = Metrics(manager)
+    expiry = IdleExpiry(manager, router, config.session_ttl)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        sweeper = None
+        if config.session_ttl > 0:
+            sweeper = asyncio.create_task(expiry.run(metrics.expired.inc))
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+
+    app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_exception_handler(APIError, api_error_handler)
     stop_ids = _stop_ids(manager)
     pending = threading.BoundedSemaphore(config.max_pending)
     created = int(time.time())
@@ -237,6 +254,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="rate_limit_exceeded",
             )
         session = router.claim(ns, explicit, chat.messages)
+        expiry.touch(session)
         max_tokens = chat.max_tokens or config.default_max_tokens
         try:
             stream, first = await start_turn(session, chat, max_tokens)
@@ -295,6 +313,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             return
         turn.stream.close()
         pending.release()
+        expiry.touch(turn.session)
         report = turn.stream.report
         metrics.requests.labels("200" if report is not None else "500").inc()
         if report is not None:

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("requests")
     server.add_argument("--default-max-tokens", type=int, default=512)
     server.add_argument("--max-pending", type=int, default=64, help="more get 429")
+    server.add_argument(
+        "--session-ttl",
+        type=float,
+        default=24 * 3600.0,
+        help="seconds a session may sit unused before it is removed (0: never)",
+    )
     server.add_argument("--max-body-bytes", default="8MiB", help="larger bodies get 413")
     server.add_argument("--log-level", default="info")
     return parser
@@ -84,6 +90,8 @@ def load_model(spec: str, dtype: torch.dtype | None, device: str):
 def build_app(args: argparse.Namespace):
     from . import ServeConfig, create_app
 
+    if args.session_ttl < 0:
+        raise ValueError(f"--session-ttl must be >= 0 seconds (0: never), got {args.session_ttl}")
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype], args.device)
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
@@ -104,6 +112,7 @@ def build_app(args: argparse.Namespace):
         max_body_bytes=parse_bytes(args.max_body_bytes, "max_body_bytes"),
         max_pending=args.max_pending,
         default_max_tokens=args.default_max_tokens,
+        session_ttl=args.session_ttl,
     )
     return create_app(manager, config)
 

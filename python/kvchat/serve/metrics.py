@@ -54,6 +54,11 @@ class Metrics:
             kind: Counter(f"kvchat_{kind}_tokens", text, registry=self.registry)
             for kind, text in tokens.items()
         }
+        self.expired = Counter(
+            "kvchat_sessions_expired",
+            "Sessions removed after --session-ttl seconds unused",
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "kvchat_ttft_seconds",
             "Time to first token (kvchat's planning and prefill included)",
