@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
@@ -69,6 +70,11 @@ def validate_messages(messages) -> list[dict]:
             raise ValueError(
                 f"messages[{i}]['tool_calls'] must be a list, got {type(tool_calls).__name__}"
             )
+        extras = {k: v for k, v in message.items() if k not in ("role", "content")}
+        try:  # the history keeps these as JSON
+            json.dumps(extras)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"messages[{i}] has a field that is not JSON data: {error}") from None
         clean.append(dict(message, content=_content(message, f"messages[{i}]['content']")))
     return clean
 

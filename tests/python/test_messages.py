@@ -93,6 +93,10 @@ def test_chat_template_kwargs_reach_the_template(llama):
             {"role": "user", "content": [{"type": "text", "text": 3}]},
             r"\['text'\] must be a string",
         ),
+        (
+            {"role": "user", "content": "hi", "name": object()},
+            r"messages\[0\] has a field that is not JSON",
+        ),
     ],
 )
 def test_malformed_client_messages_name_the_field(llama, tokenizer, message, match):
