@@ -214,10 +214,9 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
         prompt, limit, [&](const std::string& key) { return starts_with(key, prefix_scope); });
     if (!stored.key.empty()) best = prefixes_.at(stored.key);
     if (best) have = std::max(have, best->num_tokens());
-    const auto common =
-        session_index_.longest_common_prefix(prompt, limit, [&](const std::string& key) {
-          return key != session.id() && starts_with(key, scope);
-        });
+    const auto common = session_index_.longest_common_prefix(
+        prompt, limit,
+        [&](const std::string& key) { return key != session.id() && starts_with(key, scope); });
     auto found = entries_.find(common.key);
     if (common.length > have && found != entries_.end()) {
       donor = found->second.session;
