@@ -7,7 +7,7 @@ whole turn's time, generated tokens and ``usage.prompt_tokens_details.
 cached_tokens`` where the server reports it. Every server runs alone, one
 after the other, on the same machine.
 
-    python benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4   # make bench-serve
+    python benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
     python benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
 """
 
@@ -17,17 +17,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import torch
+from kvchat.serve.process import ServerProcess
 from kvchat.tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from tqdm import tqdm
 from workload import PRESETS, load_model, make_conversation
@@ -71,47 +69,21 @@ def checkpoint(name: str) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, kind: str, path: Path):
-        self.kind, self.port = kind, _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        if kind == "kvchat":
-            command = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", "float32"]
-            command += ["--port", str(self.port), "--max-sessions", "64"]
-            self.model = str(path)
-        else:
-            command = [shutil.which("transformers") or "transformers", "serve", str(path)]
-            command += ["--port", str(self.port), "--host", "127.0.0.1"]
-            command += ["--continuous-batching"] if kind == "transformers-cb" else []
-            self.model = str(path)
-        self.log = open(OUT / f"serve-{kind}.log", "w")  # noqa: SIM115 (closed in stop)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{kind} exited; see {self.log.name}")
-            try:  # transformers serve's /v1/models can 500 without a hub cache: poll /health
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{kind} did not come up")
+        self.kind, self.model = kind, str(path)
 
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
+        def command(port: int) -> list[str]:
+            if kind == "kvchat":
+                argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", "float32"]
+                return argv + ["--port", str(port), "--max-sessions", "64"]
+            argv = [shutil.which("transformers") or "transformers", "serve", str(path)]
+            argv += ["--port", str(port), "--host", "127.0.0.1"]
+            return argv + (["--continuous-batching"] if kind == "transformers-cb" else [])
+
+        # transformers serve's /v1/models can 500 without a hub cache; /health is polled.
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        super().__init__(command, log=OUT / f"serve-{kind}.log", env=env, timeout=600)
 
 
 def converse(server: Server, conversation, key: str, rows: list, lock) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +18,7 @@ import pytest
 import torch
 from conftest import DEVICE, _model
 from helpers import LONG_SYSTEM, readme_table_rows, reference_turn, user_message
+from kvchat.serve.process import ServerProcess
 from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
 
 MAX_NEW = 12
@@ -34,35 +33,17 @@ def _reference(family: str):
     return model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServerProcess):
     """`python -m kvchat.serve MODEL ...` in a subprocess; stopped by stop()."""
 
     def __init__(self, model: str, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        command = [sys.executable, "-m", "kvchat.serve", model, "--dtype", "float64"]
-        command += ["--device", str(DEVICE), "--port", str(self.port), *flags]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        super().__init__(
+            lambda port: (
+                [sys.executable, "-m", "kvchat.serve", model, "--dtype", "float64"]
+                + ["--device", str(DEVICE), "--port", str(port), *flags]
+            )
         )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvchat serve exited: {self.process.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("kvchat serve did not answer /health in 180 s")
 
     def client(self, key: str = KEY_A) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
@@ -78,16 +59,6 @@ class Server:
         response = self.get(f"/v1/sessions/{session_id}", key)
         assert response.status_code == 200, response.text
         return response.json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process.stdout.close()
 
 
 def _auth(key: str | None) -> dict:
