@@ -110,15 +110,18 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
         raise ValueError(f"{name}: a {'/'.join(parts)} layer has no state")
     if not isinstance(meta, dict):
         raise ValueError(f"{name}: a state description must be a dict, got {meta!r}")
-    # Which parts the file's state has, in tensor order, against the template's.
-    kinds = [_PART_KIND[p] for p in parts]
+    # The parts the state must have, in tensor order: a hybrid snapshot keeps
+    # only what cannot crop, so its full-attention part is absent.
+    names = list(parts)
+    if len(parts) > 1 and snapshot and parts[0] == "attention":
+        names = names[1:]
+    descs = meta.get("parts") or []
     if len(parts) > 1:
-        if snapshot and parts[0] == "attention":
-            kinds = kinds[1:]  # a hybrid snapshot keeps only what cannot crop
-        expected = ("hybrid", kinds)
-        got = (meta.get("kind"), [p.get("kind") for p in meta.get("parts") or []])
+        expected = ("hybrid", [_PART_KIND[p] for p in names])
+        got = (meta.get("kind"), [d.get("kind") for d in descs])
     else:
-        expected, got = (kinds[0], []), (meta.get("kind"), meta.get("parts") or [])
+        expected, got = (_PART_KIND[parts[0]], []), (meta.get("kind"), descs)
+        descs = [meta]
     if got != expected:
         raise ValueError(f"{name}: a {got[0]!r} state {got[1]} for a {'/'.join(parts)} layer")
     count = meta.get("tensors")
@@ -126,8 +129,7 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
         raise ValueError(f"{name}: tensor count {count!r} is not a count")
     states = [tensors[f"{name}.{j}"] for j in range(count)]
     offset = 0
-    part_names = [p for p in parts if _PART_KIND[p] in kinds] if len(parts) > 1 else parts
-    for part, desc in zip(part_names, meta["parts"] or [meta], strict=True):
+    for part, desc in zip(names, descs, strict=True):
         used = desc.get("tensors")
         if isinstance(used, bool) or not isinstance(used, int) or used < 0:
             raise ValueError(f"{name}: tensor count {used!r} is not a count")
