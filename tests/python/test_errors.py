@@ -107,6 +107,7 @@ def test_past_key_values_is_refused(mgr):
         ({"min_shared_tokens": 0}, ValueError, "min_shared_tokens"),
         ({"min_shared_tokens": "8"}, ValueError, "min_shared_tokens"),
         ({"share_prefixes": "yes"}, TypeError, "share_prefixes"),
+        ({"isolate_namespaces": 1}, TypeError, "isolate_namespaces"),
     ],
 )
 def test_bad_constructor_arguments(llama, tokenizer, kwargs, error, match):
@@ -192,6 +193,10 @@ README_ROWS = {
     "unknown `session_id`": ["test_unknown_session_id"],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
     "`messages` not a list": ["test_malformed_messages"],
+    "a content part that is not text": [
+        "test_messages.py::test_malformed_client_messages_name_the_field",
+        "test_messages.py::test_tools_and_template_kwargs_of_the_wrong_type_name_the_argument",
+    ],
     "tokenizer without a `chat_template`": ["test_tokenizer_without_chat_template"],
     "prompt + `max_new_tokens` over": [
         "test_prompt_longer_than_max_context_length",

@@ -104,3 +104,13 @@ def test_malformed_client_messages_name_the_field(llama, tokenizer, message, mat
     with pytest.raises(ValueError, match=match):
         mgr.chat("s", [message])
     assert mgr.sessions() == []
+
+
+def test_tools_and_template_kwargs_of_the_wrong_type_name_the_argument(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(TypeError, match="tools must be a list"):
+        mgr.chat("s", messages, tools={"name": "x"})
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        mgr.stream_chat("s", messages, chat_template_kwargs=["enable_thinking"])
+    assert mgr.sessions() == []
