@@ -110,15 +110,16 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
         raise ValueError(f"{name}: a {'/'.join(parts)} layer has no state")
     if not isinstance(meta, dict):
         raise ValueError(f"{name}: a state description must be a dict, got {meta!r}")
-    # The parts the state must have, in tensor order: a hybrid snapshot keeps
-    # only what cannot crop, so its full-attention part is absent.
+    # The parts the state must have, in tensor order. A hybrid checkpoint
+    # keeps only what cannot crop, so its full-attention part is absent; but
+    # a shared prefix adopted as a checkpoint holds every part.
     names = list(parts)
-    if len(parts) > 1 and snapshot and parts[0] == "attention":
-        names = names[1:]
     descs = meta.get("parts") or []
+    if len(parts) > 1 and snapshot and parts[0] == "attention" and len(descs) < len(parts):
+        names = names[1:]
     if len(parts) > 1:
         expected = ("hybrid", [_PART_KIND[p] for p in names])
-        got = (meta.get("kind"), [d.get("kind") for d in descs])
+        got = (meta.get("kind"), [d.get("kind") if isinstance(d, dict) else d for d in descs])
     else:
         expected, got = (_PART_KIND[parts[0]], []), (meta.get("kind"), descs)
         descs = [meta]
@@ -165,27 +166,34 @@ def _owned_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def encode_state(state, slots) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """(layout, tensors) for a session's cache: the layout names each state's
+    tensors, which are the session's own (views, not copies). None: no cache."""
+    tensors: dict[str, torch.Tensor] = {}
+    if state is None or not state.ids:
+        return None, tensors
+    layout = {
+        "ids": list(state.ids),
+        "text": state.text,
+        "trusted_tokens": state.trusted_tokens,
+        "slots": slots,
+        "layers": [_encode(s, f"layer.{i}", tensors) for i, s in enumerate(state.layers)],
+        "checkpoints": [
+            {
+                "position": cp.position,
+                "states": [
+                    _encode(s, f"checkpoint.{c}.{i}", tensors) for i, s in enumerate(cp.states)
+                ],
+            }
+            for c, cp in enumerate(state.checkpoints)
+        ],
+    }
+    return layout, tensors
+
+
 def write_session(path, session_id, messages, state, fingerprint, slots) -> None:
     """Writes the file atomically: a reader sees the old file or the new one."""
-    tensors: dict[str, torch.Tensor] = {}
-    layout = None
-    if state is not None and state.ids:
-        layout = {
-            "ids": list(state.ids),
-            "text": state.text,
-            "trusted_tokens": state.trusted_tokens,
-            "slots": slots,
-            "layers": [_encode(s, f"layer.{i}", tensors) for i, s in enumerate(state.layers)],
-            "checkpoints": [
-                {
-                    "position": cp.position,
-                    "states": [
-                        _encode(s, f"checkpoint.{c}.{i}", tensors) for i, s in enumerate(cp.states)
-                    ],
-                }
-                for c, cp in enumerate(state.checkpoints)
-            ],
-        }
+    layout, tensors = encode_state(state, slots)
     tensors = _owned_cpu(tensors)
     metadata = {
         "format": FORMAT,
@@ -236,6 +244,50 @@ def read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
         ) from error
 
 
+def to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """CPU tensors on ``device``: through pinned memory and non-blocking copies
+    on CUDA, so a load costs one sync at its end rather than one per tensor."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {name: t.to(device) for name, t in tensors.items()}
+    out = {
+        name: t if t.device == device else t.pin_memory().to(device, non_blocking=True)
+        for name, t in tensors.items()
+    }
+    torch.cuda.current_stream(device).synchronize()  # the pinned buffers may go after this
+    return out
+
+
+def decode_state(layout: dict, tensors: dict[str, torch.Tensor], bridge, device):
+    """The ``CachedState`` an ``encode_state`` layout and its (CPU) tensors
+    describe, every state checked against the model's layer templates; raises
+    ValueError naming what does not fit."""
+    templates = bridge.templates
+    if layout["slots"] != bridge.slots:
+        raise ValueError(
+            f"it records recurrent tensors {layout['slots']}, this model fills {bridge.slots}"
+        )
+    if len(layout["layers"]) != len(templates):
+        raise ValueError(f"it has {len(layout['layers'])} layers, the model {len(templates)}")
+    tensors = to_device(tensors, device)
+    layers = [
+        _decode(d, f"layer.{i}", tensors, templates[i]) for i, d in enumerate(layout["layers"])
+    ]
+    checkpoints = []
+    for c, cp in enumerate(layout["checkpoints"]):
+        if len(cp["states"]) != len(templates):
+            raise ValueError(f"checkpoint {c} has the wrong layers")
+        states = [
+            _decode(d, f"checkpoint.{c}.{i}", tensors, templates[i], snapshot=True)
+            for i, d in enumerate(cp["states"])
+        ]
+        checkpoints.append(_C.Checkpoint(cp["position"], states))
+    text = layout["text"]
+    if not isinstance(text, str):
+        raise ValueError("its cached text is not a string")
+    return _C.CachedState(layout["ids"], layers, checkpoints, text, layout["trusted_tokens"])
+
+
 def _read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
     metadata = read_metadata(path)
     saved = json.loads(metadata["fingerprint"])
@@ -257,35 +309,12 @@ def _read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
         raise SessionFileError(f"path {str(path)!r} is corrupted: its checksum does not match")
     messages = json.loads(metadata["messages"])
     layout = json.loads(metadata["cache"])
-    templates = bridge.templates
     state = None
     if layout is not None:
-        if layout["slots"] != bridge.slots:
-            raise SessionFileError(
-                f"path {str(path)!r} records recurrent tensors {layout['slots']}, this model "
-                f"fills {bridge.slots}"
-            )
-        if len(layout["layers"]) != len(templates):
-            raise SessionFileError(
-                f"path {str(path)!r} has {len(layout['layers'])} layers, the model {len(templates)}"
-            )
-        tensors = {name: t.to(device) for name, t in tensors.items()}
-        layers = [
-            _decode(d, f"layer.{i}", tensors, templates[i]) for i, d in enumerate(layout["layers"])
-        ]
-        checkpoints = []
-        for c, cp in enumerate(layout["checkpoints"]):
-            if len(cp["states"]) != len(templates):
-                raise SessionFileError(f"path {str(path)!r}: checkpoint {c} has the wrong layers")
-            states = [
-                _decode(d, f"checkpoint.{c}.{i}", tensors, templates[i], snapshot=True)
-                for i, d in enumerate(cp["states"])
-            ]
-            checkpoints.append(_C.Checkpoint(cp["position"], states))
-        text = layout["text"]
-        if not isinstance(text, str):
-            raise SessionFileError(f"path {str(path)!r}: cached text is not a string")
-        state = _C.CachedState(layout["ids"], layers, checkpoints, text, layout["trusted_tokens"])
+        try:
+            state = decode_state(layout, tensors, bridge, device)
+        except ValueError as error:
+            raise SessionFileError(f"path {str(path)!r}: {error}") from error
     session_id = metadata["session_id"]
     if not isinstance(session_id, str) or not isinstance(messages, list):
         raise SessionFileError(f"path {str(path)!r} has a malformed session id or messages")

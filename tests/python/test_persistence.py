@@ -51,6 +51,26 @@ def test_save_load_continues_exactly(family, tokenizer, tmp_path):
     assert fresh.last_turn("s").reused_tokens == stayed.last_turn("s").reused_tokens > 0
 
 
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_5"])
+def test_a_session_started_from_a_shared_prefix_saves_and_loads(family, tokenizer, tmp_path):
+    """A hybrid session that started from another session's prefix holds that
+    prefix as a checkpoint, attention part included; its file loads (it was
+    refused as 'a hybrid state [attention, recurrent]' before)."""
+    model = _model(family)
+    stayed = SessionManager(model, tokenizer)
+    run_turns(stayed, "donor", [LONG_SYSTEM], 1)
+    messages = run_turns(stayed, "s", [LONG_SYSTEM], 1, start=3)
+    assert stayed.last_turn("s").reason == "shared_prefix"
+    stayed.save("s", tmp_path / "s.safetensors")
+    fresh = SessionManager(model, tokenizer)
+    fresh.load(tmp_path / "s.safetensors")
+    messages.append(user_message(4))
+    _, _, expected = reference_turn(model, tokenizer, messages)
+    fresh.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert fresh.last_turn("s").output_ids == expected
+    assert fresh.last_turn("s").reused_tokens > 0
+
+
 RESTART = textwrap.dedent(
     """
     import json, sys, torch
