@@ -32,6 +32,7 @@ _check_torch_matches_build()
 from . import _C  # noqa: E402
 from .manager import SessionManager  # noqa: E402
 from .persist import SessionFileError  # noqa: E402
+from .redis_tier import RedisTier  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
 from .tier import Tier  # noqa: E402
 
@@ -46,6 +47,7 @@ __all__ = [
     "SessionBusy",
     "SessionFileError",
     "SessionInfo",
+    "RedisTier",
     "SessionManager",
     "Tier",
     "TurnReport",

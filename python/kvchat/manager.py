@@ -126,6 +126,7 @@ class SessionManager:
         spill_dir: str | os.PathLike | None = None,
         tier: Tier | None = None,
         isolate_namespaces: bool = False,
+        store: str | None = None,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -148,6 +149,11 @@ class SessionManager:
             time beats the measured prefill time for what it would reuse.
         tier: any other storage tier for evicted sessions (a ``kvchat.Tier``;
             ``spill_dir`` is shorthand for the disk one). One tier per manager.
+        store: a ``redis://host:port/db`` URL: session snapshots go to Redis
+            after every turn (off the turn's path), and a turn starts from the
+            stored one when it covers more of the prompt than this process
+            holds, so several processes serve the same conversations. Shorthand
+            for ``tier=kvchat.RedisTier(url)``, which takes the settings.
         isolate_namespaces: session ids of the form ``"namespace/name"`` share
             prefixes only within their namespace, so one tenant's turns never
             start from (or reveal) another's cache. ``kvchat serve`` sets it.
@@ -183,6 +189,14 @@ class SessionManager:
             raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
         if tier is not None and spill_dir is not None:
             raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
+        if store is not None:
+            if not isinstance(store, str):
+                raise TypeError(f"store must be a redis:// URL string, got {store!r}")
+            if tier is not None or spill_dir is not None:
+                raise ValueError("give one of store, spill_dir or tier (one tier per manager)")
+            from .redis_tier import RedisTier
+
+            tier = RedisTier(store)
         if tier is None:
             tier = Spill(spill_dir) if spill_dir is not None else Tier()
         self._tier = tier
@@ -261,7 +275,7 @@ class SessionManager:
 
         def run() -> TurnReport:
             _, _, record = self._turn(session_id, args, ids, text=text, messages=messages)
-            return TurnReport.from_core(record)
+            return TurnReport.from_core(record, self._tier.reload_reason)
 
         return stream.start(run, name=f"kvchat-stream-{session_id}")
 
@@ -298,11 +312,11 @@ class SessionManager:
     def last_turn(self, session_id: str) -> TurnReport | None:
         """What the session's last turn reused, prefilled and generated."""
         record = self._core.find(_check_session_id(session_id)).last_turn()
-        return None if record is None else TurnReport.from_core(record)
+        return None if record is None else TurnReport.from_core(record, self._tier.reload_reason)
 
     def stats(self) -> ManagerStats:
         stats = ManagerStats.from_core(self._core.stats())
-        return replace(stats, spill_writes=self._tier.writes, spill_loads=self._tier.loads)
+        return replace(stats, **self._tier.counters())
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo.from_core(self._core.find(_check_session_id(session_id)))
@@ -321,10 +335,23 @@ class SessionManager:
         self._core.clear(_check_session_id(session_id))
         self._tier.forget(session_id)
 
-    def remove(self, session_id: str) -> None:
-        """Forgets the session entirely."""
+    def remove(self, session_id: str, local_only: bool = False) -> None:
+        """Forgets the session entirely. ``local_only``: only in this process;
+        a shared store keeps its snapshot for other processes (an idle timeout
+        on one server replica wants this)."""
         self._core.remove(_check_session_id(session_id))
-        self._tier.forget(session_id)
+        if not (local_only and self._tier.shared):
+            self._tier.forget(session_id)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until the tier has written every snapshot queued so far (the
+        Redis store writes in the background). False if ``timeout`` ran out."""
+        return self._tier.flush(timeout)
+
+    def close(self) -> None:
+        """Writes what the tier has queued and stops its writer. The manager
+        should not be used afterwards."""
+        self._tier.close()
 
     # ------------------------------------------------------------ persistence
     def save(self, session_id: str, path: str | os.PathLike) -> None:
@@ -464,9 +491,7 @@ class SessionManager:
                 prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
                 prompt = prompt.to("cpu", torch.long).contiguous()
                 self._check_context(prompt.numel(), args.max_new_tokens)
-                reloaded = None
-                if plain is None and not session.resident:
-                    reloaded = self._tier.find_if_cheaper(session.id, prompt)
+                reloaded = self._from_tier(session, prompt) if plain is None else None
                 plan = self._core.begin_turn(
                     session, prompt, args.max_new_tokens, reloaded=reloaded, plain=plain
                 )
@@ -487,6 +512,12 @@ class SessionManager:
                 except BaseException:
                     self._core.abort_turn(session, plan)
                     raise
+                snapshot = None
+                if self._tier.writes_turns and not plan.plain and record.cache_stored:
+                    # References, not copies: stored states are never written in place.
+                    snapshot = (session.cached_state(), _as_dicts(session.messages()))
+            if snapshot is not None:
+                self._tier.turn_finished(session_id, *snapshot)
             if not plan.plain:
                 if not record.cache_stored:
                     logger.warning(
@@ -499,6 +530,18 @@ class SessionManager:
             return output, reply, record
         finally:
             self._flush_evicted()
+
+    def _from_tier(self, session, prompt: torch.Tensor):
+        """A cache from the tier, or None: asked when the session holds nothing
+        here, or for a shared tier (other processes write it) always, saying
+        how much of the prompt the session holds here."""
+        if not self._tier.shared:
+            return None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
+        have, local = 0, None
+        if session.resident:
+            local = session.cached_state()  # references: what the tier need not fetch
+            have = _C.common_prefix_length(torch.tensor(local.ids, dtype=torch.long), prompt)
+        return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
     def _run(self, plan, prompt, kwargs, text, messages):
         """The model's part of a turn: (generate's output, reply text, TurnResult fields).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from . import _C
 
@@ -22,7 +22,12 @@ class TurnReport:
     output_ids: tuple[int, ...]  # the generated token ids
 
     @classmethod
-    def from_core(cls, record: _C.TurnRecord) -> TurnReport:
+    def from_core(cls, record: _C.TurnRecord, reload_reason: str = "spill_reload") -> TurnReport:
+        """``reload_reason``: the name of a start from the tier's cache (the
+        manager's tier says which: "spill_reload" or "store_reload")."""
+        reason = record.reason.name
+        if record.reason == _C.ReuseReason.spill_reload:
+            reason = reload_reason
         return cls(
             prompt_tokens=record.prompt_tokens,
             reused_tokens=record.reused_tokens,
@@ -33,7 +38,7 @@ class TurnReport:
             ),
             prefill_ms=record.prefill_ms,
             total_ms=record.total_ms,
-            reason=record.reason.name,
+            reason=reason,
             output_ids=tuple(record.output_ids),
         )
 
@@ -60,6 +65,13 @@ class ManagerStats:
     shared_tokens: int  # tokens those turns took from it instead of prefilling
     spill_writes: int = 0  # evicted caches written to spill_dir
     spill_loads: int = 0  # turns that read their cache back from spill_dir
+    store_writes: int = 0  # snapshots published to the Redis store
+    store_loads: int = 0  # turns that started from a stored snapshot
+    store_misses: int = 0  # stored snapshots not used: absent, stale, corrupt, Redis down
+    store_write_errors: int = 0  # snapshots not stored (Redis down, chunks evicted)
+    # store_misses by reason: absent, format, fingerprint, session, diverged,
+    # chunk_missing, checksum, malformed, unavailable.
+    store_miss_reasons: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

@@ -69,7 +69,9 @@ class Spill(Tier):
         with self._lock:
             self.path_for(session_id).unlink(missing_ok=True)
 
-    def find_if_cheaper(self, session_id: str, prompt: torch.Tensor) -> _C.CachedState | None:
+    def find_if_cheaper(
+        self, session_id: str, prompt: torch.Tensor, have: int = 0
+    ) -> _C.CachedState | None:
         """The session's spilled cache, when reading it beats prefilling what it
         shares with ``prompt``; None otherwise."""
         path = self.path_for(session_id)

@@ -10,6 +10,10 @@ in without touching the turn code:
   loading it beats prefilling what it shares with the prompt, else None;
 - ``forget(session_id)``: the session was cleared or removed.
 
+A tier that other processes share (``shared``, the Redis one) is also asked
+when the session is resident here, with ``have`` the tokens held here, and may
+take every turn's result (``writes_turns``, ``turn_finished``).
+
 The manager restores what ``find_if_cheaper`` returns through the core, which
 checks it whole, and the turn then reuses only what is a true token prefix of
 the prompt: a tier can cost time, never correctness. ``bind`` hands the tier
@@ -29,6 +33,12 @@ class Tier:
 
     # Whether the core should queue evicted caches for put() (False: they are dropped).
     keeps_evicted = False
+    # Whether turn_finished() wants every turn's result (a tier other replicas read).
+    writes_turns = False
+    # Whether other processes write it, so it may hold more than a resident session.
+    shared = False
+    # The turn reason (TurnReport.reason) when a turn starts from this tier's cache.
+    reload_reason = "spill_reload"
 
     def __init__(self):
         self.writes = 0  # caches put
@@ -41,7 +51,13 @@ class Tier:
     def put(self, session_id: str, state: _C.CachedState) -> None:
         pass
 
-    def find_if_cheaper(self, session_id: str, prompt: torch.Tensor) -> _C.CachedState | None:
+    def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
+        """A turn left the session holding ``state`` (only if ``writes_turns``)."""
+
+    def find_if_cheaper(
+        self, session_id: str, prompt: torch.Tensor, have: int = 0
+    ) -> _C.CachedState | None:
+        """``have``: prompt tokens the session already holds here (0 unless ``shared``)."""
         return None
 
     def forget(self, session_id: str) -> None:
@@ -49,3 +65,14 @@ class Tier:
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits for writes in flight; True once none is left."""
+        return True
+
+    def close(self) -> None:
+        """Finishes pending writes and lets go of resources."""
+
+    def counters(self) -> dict[str, int]:
+        """The tier's counters, as ``ManagerStats`` fields."""
+        return {"spill_writes": self.writes, "spill_loads": self.loads}

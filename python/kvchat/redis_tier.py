@@ -1,0 +1,522 @@
+"""The Redis tier: session snapshots every replica of a server can read.
+
+What is stored, per session, is what ``save()`` writes (layers, checkpoints,
+token ids, cached text, messages), as immutable snapshots:
+
+- **Chunks**, keyed by the SHA-256 of their bytes (``<prefix>:chunk:<sha256>``).
+  A 4-D tensor (keys and values: [1, heads, tokens, dim]) is cut along its
+  token axis into blocks of a fixed number of tokens, so the blocks of a prefix
+  are the same bytes turn after turn and across sessions that share it: a turn
+  uploads only the blocks that are new. Other tensors are cut by bytes. No
+  chunk is over ``chunk_bytes`` (default 4 MiB, far under Redis's 512 MB).
+- **A manifest** per model and session (``<prefix>:<model>:session:<id>``):
+  the format, the model fingerprint, the session id, the token ids, the layout
+  of every state, and each tensor's chunk list. It is published last, by one
+  Lua script that first refreshes every chunk's TTL and publishes nothing if a
+  chunk is gone, so a reader never sees a manifest whose chunks were not all
+  there when it was written. Two writers of one session each publish a whole
+  snapshot; the last one published wins.
+
+Reading checks everything and treats any problem as a miss (logged, counted,
+the turn prefills instead): no manifest (never written, or expired), another
+format, another model's fingerprint or another session, token ids sharing
+nothing with the prompt, a missing chunk (evicted), a chunk whose bytes do not
+hash to its name, a layout that does not fit the model, or Redis down or slow
+(every call is bounded by ``timeout``; after a failure the tier rests for
+``retry_after`` seconds, then tries again). The core then reuses only what is
+a true token prefix of the prompt. So the tier can cost time, never
+correctness, and never raises into a turn.
+
+Writes run on one background thread, off the turn's critical path. Per session
+only the newest pending snapshot is kept: an older one not yet written is
+dropped, as the newer one supersedes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+
+import torch
+
+from . import _C
+from .persist import decode_state, encode_state
+from .tier import Tier
+
+logger = logging.getLogger("kvchat")
+
+FORMAT = "kvchat-store-1"
+WRITE_POLICIES = ("turn", "evict")
+
+# Before any load is measured: 200 MB/s, a cautious Redis read over a network.
+_DEFAULT_MS_PER_BYTE = 5e-6
+_SMOOTHING = 0.3
+
+# Refreshes every chunk's TTL; publishes the manifest only if all are there.
+# Returns the (1-based) positions of missing chunks, empty when published.
+_PUBLISH = """
+local missing = {}
+for i = 2, #KEYS do
+  if redis.call('EXPIRE', KEYS[i], ARGV[2]) == 0 then missing[#missing + 1] = i - 1 end
+end
+if #missing == 0 then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+return missing
+"""
+
+
+class StoreMiss(Exception):
+    """Why a stored snapshot was not used (a reason label and a message)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Unpublished(Exception):
+    """A snapshot whose chunks kept disappearing (maxmemory): not published."""
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise StoreMiss("malformed", f"unknown dtype {name!r}")
+    return dtype
+
+
+class RedisTier(Tier):
+    """Session snapshots in Redis (or Valkey), shared by every manager that
+    serves the same model with the same ``prefix``.
+
+    url: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://`` too).
+    ttl: seconds a snapshot lives after its last write.
+    write: ``"turn"`` (default) writes after every turn, so another replica
+        continues any conversation from its latest turn; ``"evict"`` writes
+        only when eviction drops a session from memory (less traffic; other
+        replicas see a session only once this one lets it go).
+    timeout: seconds any one Redis call may take before it counts as down.
+    retry_after: seconds the tier rests after Redis failed, before trying again.
+    """
+
+    reload_reason = "store_reload"
+    shared = True  # other processes write it: consulted even for resident sessions
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl: float = 24 * 3600,
+        write: str = "turn",
+        timeout: float = 0.5,
+        retry_after: float = 5.0,
+        prefix: str = "kvchat",
+        block_tokens: int = 256,
+        chunk_bytes: int = 4 << 20,
+    ):
+        super().__init__()
+        import redis  # the optional dependency, needed only here
+
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(f"store must be a redis:// URL, got {url!r}")
+        if write not in WRITE_POLICIES:
+            raise ValueError(f"write must be one of {WRITE_POLICIES}, got {write!r}")
+        for name, value in (("ttl", ttl), ("timeout", timeout), ("retry_after", retry_after)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, value in (("block_tokens", block_tokens), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        try:
+            self._redis = redis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+        except ValueError as error:
+            raise ValueError(f"store URL {url!r} is not a Redis URL: {error}") from None
+        self._errors = (redis.RedisError, OSError)
+        self._publish = self._redis.register_script(_PUBLISH)
+        self.url, self.ttl, self.write_policy = url, int(max(1, round(ttl))), write
+        self.keeps_evicted = write == "evict"
+        self.writes_turns = write == "turn"
+        self._retry_after, self._prefix = retry_after, prefix
+        self._block_tokens, self._chunk_bytes = block_tokens, chunk_bytes
+        self._down_until = 0.0
+        self._prefill_ms_per_token: float | None = None
+        self._load_ms_per_byte = _DEFAULT_MS_PER_BYTE
+        self.misses: Counter[str] = Counter()  # reason -> count
+        self.write_errors = 0
+        self.chunks_written = 0
+        self.bytes_written = 0
+        # The background writer: per session, the newest snapshot not yet written.
+        self._pending: OrderedDict[str, tuple] = OrderedDict()
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ naming
+    def bind(self, fingerprint, bridge, device) -> None:
+        super().bind(fingerprint, bridge, device)
+        self._model_key = _digest(json.dumps(fingerprint, sort_keys=True).encode())[:24]
+
+    def manifest_key(self, session_id: str) -> str:
+        sid = _digest(session_id.encode())[:32]
+        return f"{self._prefix}:{self._model_key}:session:{sid}"
+
+    def chunk_key(self, digest: str) -> str:
+        return f"{self._prefix}:chunk:{digest}"
+
+    # ------------------------------------------------------------ health
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, error: Exception) -> None:
+        self._down_until = time.monotonic() + self._retry_after
+        logger.warning(
+            "kvchat: Redis store %s failed (%s: %s); going on without it for %g s",
+            what,
+            type(error).__name__,
+            error,
+            self._retry_after,
+        )
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        if tokens >= 16:  # shorter prefills are dominated by fixed costs
+            self._prefill_ms_per_token = (
+                ms / tokens
+                if self._prefill_ms_per_token is None
+                else (1 - _SMOOTHING) * self._prefill_ms_per_token + _SMOOTHING * ms / tokens
+            )
+
+    # ------------------------------------------------------------ writing
+    def put(self, session_id: str, state: _C.CachedState) -> None:
+        """Eviction dropped this session (``write="evict"``): store what it held."""
+        self._enqueue(session_id, ("write", state, []))
+
+    def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
+        """A turn finished (``write="turn"``): store the session as it now is."""
+        self._enqueue(session_id, ("write", state, messages))
+
+    def forget(self, session_id: str) -> None:
+        self._enqueue(session_id, ("delete", None, None))
+
+    def _enqueue(self, session_id: str, job: tuple) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._pending.pop(session_id, None)  # superseded: only the newest is written
+            self._pending[session_id] = job
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every snapshot queued so far is written (or failed).
+        Returns False if ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Writes what is queued, then stops the writer."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if self._closed and not self._pending:
+                    return
+                session_id, (kind, state, messages) = self._pending.popitem(last=False)
+                self._busy = True
+            try:
+                if not self._available():
+                    self.write_errors += 1  # Redis is resting: this snapshot is lost
+                elif kind == "delete":
+                    self._redis.delete(self.manifest_key(session_id))
+                elif state is not None and state.ids:
+                    self._write(session_id, state, messages)
+            except self._errors as error:
+                self.write_errors += 1
+                self._failed(f"write of session {session_id!r}", error)
+            except _Unpublished as error:
+                self.write_errors += 1
+                logger.warning("kvchat: session %r not stored: %s", session_id, error)
+            except Exception:  # a bug here must not kill the writer
+                self.write_errors += 1
+                logger.exception("kvchat: storing session %r failed", session_id)
+            finally:
+                del state  # the tensors go here, outside any lock
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _pieces(self, tensor: torch.Tensor, by_tokens: bool) -> tuple[str, list[bytes]]:
+        """The tensor cut into chunks: a full-attention layer's keys or values
+        ([1, heads, tokens, dim]) along the token axis, so whole blocks of a
+        prefix keep their bytes as it grows; any other by bytes."""
+        tensor = tensor.detach().to("cpu").contiguous()
+        if by_tokens and tensor.dim() == 4 and tensor.shape[2] > 0:
+            per_token = max(1, tensor[:, :, :1].numel() * tensor.element_size())
+            block = max(1, min(self._block_tokens, self._chunk_bytes // per_token))
+            return "tokens", [
+                _raw(tensor[:, :, a : a + block].contiguous())
+                for a in range(0, tensor.shape[2], block)
+            ]
+        raw = _raw(tensor)
+        step = self._chunk_bytes
+        return "bytes", [raw[a : a + step] for a in range(0, len(raw), step)] or [b""]
+
+    def _write(self, session_id: str, state: _C.CachedState, messages: list) -> None:
+        layout, tensors = encode_state(state, self.bridge.slots)
+        chunks: dict[str, bytes] = {}
+        entries = {}
+        attention = _attention_tensors(layout)
+        for name, tensor in tensors.items():
+            split, pieces = self._pieces(tensor, name in attention)
+            digests = []
+            for piece in pieces:
+                digest = _digest(piece)
+                chunks[digest] = piece
+                digests.append(digest)
+            entries[name] = {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "split": split,
+                "chunks": digests,
+                "bytes": [len(p) for p in pieces],
+            }
+        ids = torch.tensor(layout.pop("ids"), dtype=torch.int64)
+        manifest = {
+            "format": FORMAT,
+            "model": self._model_key,
+            "fingerprint": self.fingerprint,
+            "session_id": session_id,
+            "ids": base64.b64encode(_raw(ids)).decode(),
+            "layout": layout,
+            "messages": messages,
+            "tensors": entries,
+            "nbytes": sum(len(p) for p in chunks.values()),
+            "written_at": time.time(),
+        }
+        keys = [self.chunk_key(d) for d in chunks]
+        # Upload only the chunks Redis lacks (a prefix's blocks are there already).
+        with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(key)
+            present = pipe.execute()
+        missing = [d for d, there in zip(chunks, present, strict=True) if not there]
+        for _attempt in range(2):
+            with self._redis.pipeline(transaction=False) as pipe:
+                for digest in missing:
+                    pipe.set(self.chunk_key(digest), chunks[digest], ex=self.ttl)
+                pipe.execute()
+            self.chunks_written += len(missing)
+            self.bytes_written += sum(len(chunks[d]) for d in missing)
+            gone = self._publish(
+                keys=[self.manifest_key(session_id), *keys],
+                args=[json.dumps(manifest), self.ttl],
+            )
+            if not gone:
+                self.writes += 1
+                return
+            # Evicted between upload and publish (maxmemory): upload those again, once.
+            missing = [list(chunks)[int(i) - 1] for i in gone]
+        raise _Unpublished(f"{len(missing)} chunks were evicted while publishing")
+
+    # ------------------------------------------------------------ reading
+    def find_if_cheaper(
+        self, session_id: str, prompt: torch.Tensor, have: int = 0, local=None
+    ) -> _C.CachedState | None:
+        """The stored snapshot of the session, when it covers more of ``prompt``
+        than the ``have`` tokens held here (in ``local``, the session's
+        ``CachedState``) and loading it beats prefilling the difference; None
+        otherwise (a miss is logged and counted).
+
+        Only what is not held here is fetched: full-attention keys and values
+        for the ``have`` tokens come from ``local`` (they are keys and values
+        of the same tokens), the blocks past them and every other state from
+        Redis."""
+        if not self._available():
+            self.misses["unavailable"] += 1
+            return None
+        try:
+            return self._find(session_id, prompt, have, local)
+        except StoreMiss as miss:
+            self.misses[miss.reason] += 1
+            log = logger.info if miss.reason in ("absent", "diverged") else logger.warning
+            log("kvchat: store miss for session %r (%s): %s", session_id, miss.reason, miss)
+        except self._errors as error:
+            self.misses["unavailable"] += 1
+            self._failed(f"read of session {session_id!r}", error)
+        return None
+
+    def _find(self, session_id, prompt, have, local):
+        raw = self._redis.get(self.manifest_key(session_id))
+        if raw is None:
+            raise StoreMiss("absent", "no snapshot (never written, expired or evicted)")
+        try:
+            manifest = json.loads(raw)
+            fmt = manifest.get("format")
+        except (ValueError, AttributeError) as error:
+            raise StoreMiss("malformed", f"manifest is not a JSON object: {error}") from None
+        if fmt != FORMAT:
+            raise StoreMiss("format", f"format {fmt!r}, this kvchat reads {FORMAT!r}")
+        if manifest.get("fingerprint") != self.fingerprint:
+            raise StoreMiss("fingerprint", "the snapshot was written by a different model")
+        if manifest.get("session_id") != session_id:
+            raise StoreMiss("session", f"the snapshot is of session {manifest.get('session_id')!r}")
+        try:
+            ids = torch.frombuffer(bytearray(base64.b64decode(manifest["ids"])), dtype=torch.int64)
+            nbytes = int(manifest["nbytes"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise StoreMiss("malformed", f"manifest token ids: {error}") from None
+        shared = _C.common_prefix_length(ids, prompt)
+        if shared <= have:
+            if shared == 0:
+                raise StoreMiss("diverged", "its token ids share nothing with the prompt")
+            return None  # what is held here covers as much: no miss, nothing to do
+        layout = dict(manifest["layout"], ids=ids.tolist())
+        try:
+            held = _held_here(manifest["tensors"], _attention_tensors(layout), local, have)
+            nbytes = sum(
+                b
+                for name, e in manifest["tensors"].items()
+                for i, b in enumerate(e["bytes"])
+                if i >= held.get(name, (0, None))[0]
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise StoreMiss("malformed", f"manifest tensors: {error}") from None
+        if self._prefill_ms_per_token is not None and (
+            nbytes * self._load_ms_per_byte >= (shared - have) * self._prefill_ms_per_token
+        ):
+            return None  # prefilling the difference is cheaper
+        started = time.perf_counter()
+        tensors = self._fetch(manifest["tensors"], held)
+        try:
+            state = decode_state(layout, tensors, self.bridge, self.device)
+        except (KeyError, TypeError, ValueError) as error:
+            raise StoreMiss("malformed", f"does not fit this model: {error}") from None
+        ms = (time.perf_counter() - started) * 1e3
+        self._load_ms_per_byte = (1 - _SMOOTHING) * self._load_ms_per_byte + _SMOOTHING * ms / max(
+            nbytes, 1
+        )
+        self.loads += 1
+        return state
+
+    def _fetch(self, entries: dict, held: dict) -> dict[str, torch.Tensor]:
+        """Every tensor a manifest lists, each chunk fetched checked against its
+        name; ``held[name] = (blocks, tensor)``: its first blocks are here."""
+        try:
+            order = [
+                (name, d)
+                for name, e in entries.items()
+                for d in e["chunks"][held.get(name, (0, None))[0] :]
+            ]
+        except (AttributeError, KeyError, TypeError) as error:
+            raise StoreMiss("malformed", f"manifest tensors: {error}") from None
+        values = self._redis.mget([self.chunk_key(d) for _, d in order]) if order else []
+        data: dict[str, bytes] = {}
+        for (name, digest), value in zip(order, values, strict=True):
+            if value is None:
+                raise StoreMiss("chunk_missing", f"chunk {digest[:12]} of {name} is gone")
+            if _digest(value) != digest:
+                raise StoreMiss("checksum", f"chunk {digest[:12]} of {name} does not match")
+            data[digest] = value
+        try:
+            return {
+                name: _assemble(e, data, *held.get(name, (0, None))) for name, e in entries.items()
+            }
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise StoreMiss("malformed", f"a tensor does not assemble: {error}") from None
+
+    def counters(self) -> dict:
+        return {
+            "store_writes": self.writes,
+            "store_loads": self.loads,
+            "store_misses": sum(self.misses.values()),
+            "store_write_errors": self.write_errors,
+            "store_miss_reasons": dict(self.misses),
+        }
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _attention_tensors(layout: dict) -> set[str]:
+    """Names of the full-attention keys and values among a layout's layers
+    (checkpoints hold none): the tensors cut by tokens."""
+    names = set()
+    for i, meta in enumerate(layout.get("layers") or []):
+        if not isinstance(meta, dict):
+            continue
+        first = meta if meta.get("kind") == "attention" else (meta.get("parts") or [{}])[0]
+        if isinstance(first, dict) and first.get("kind") == "attention":
+            names.update((f"layer.{i}.0", f"layer.{i}.1"))
+    return names
+
+
+def _held_here(entries: dict, attention: set[str], local, have: int) -> dict:
+    """For each full-attention tensor: (blocks, local tensor) where its first
+    ``blocks`` token blocks lie within the ``have`` tokens ``local`` holds."""
+    if local is None or have <= 0:
+        return {}
+    local_layout, local_tensors = encode_state(local, None)
+    if local_layout is None or _attention_tensors(local_layout) != attention:
+        return {}
+    held = {}
+    for name in attention:
+        entry, mine = entries[name], local_tensors[name]
+        shape = [int(s) for s in entry["shape"]]
+        if entry["split"] != "tokens" or str(mine.dtype).removeprefix("torch.") != entry["dtype"]:
+            continue
+        if mine.dim() != 4 or [*mine.shape[:2], mine.shape[3]] != [*shape[:2], shape[3]]:
+            continue
+        per_token = shape[0] * shape[1] * shape[3] * mine.element_size()
+        blocks, tokens = 0, 0
+        for size in entry["bytes"]:
+            if tokens + size // per_token > min(have, mine.shape[2]):
+                break
+            blocks, tokens = blocks + 1, tokens + size // per_token
+        if blocks:
+            held[name] = (blocks, mine)
+    return held
+
+
+def _assemble(entry: dict, data: dict[str, bytes], held: int = 0, local=None) -> torch.Tensor:
+    """The tensor from its chunks; with ``held``, its first ``held`` blocks
+    are the leading tokens of ``local`` (a tensor on the model's device)."""
+    dtype = _dtype(entry["dtype"])
+    shape = [int(s) for s in entry["shape"]]
+    pieces = [data[d] for d in entry["chunks"][held:]]
+    if entry["split"] == "bytes":
+        flat = bytearray(b"".join(pieces))
+        if not flat:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(flat, dtype=torch.uint8).view(dtype).reshape(shape)
+    if entry["split"] != "tokens" or len(shape) != 4:
+        raise ValueError(f"split {entry['split']!r} of a {len(shape)}-D tensor")
+    blocks = [
+        torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+        .view(dtype)
+        .reshape(shape[0], shape[1], -1, shape[3])
+        for piece in pieces
+    ]
+    tensor = torch.cat(blocks, dim=2) if blocks else None
+    if held:  # joined on the model's device: what is held here never leaves it
+        per_token = shape[0] * shape[1] * shape[3] * local.element_size()
+        mine = local[:, :, : sum(entry["bytes"][:held]) // per_token]
+        tensor = mine.clone() if tensor is None else torch.cat([mine, tensor.to(mine.device)], 2)
+    if list(tensor.shape) != shape:
+        raise ValueError(f"blocks make {list(tensor.shape)}, the manifest says {shape}")
+    return tensor

@@ -1,0 +1,379 @@
+"""The Redis store, against a real ``redis-server`` (Debian's package, which
+``make test`` installs) started here on a free port with a small ``maxmemory``
+and ``allkeys-lru``, and stopped here. No mock stands in for Redis.
+
+Every reply is compared with plain ``model.generate`` on the whole
+conversation (float64 tiny models); every fault must give that reply and a
+logged, counted miss, never an exception or a wrong answer."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from conftest import _model
+from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from kvchat import _C, RedisTier, SessionManager
+from kvchat.prompting import render_prompt
+from kvchat.serve.process import redis_server
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: `make test` installs it (apt redis-server)")
+
+
+@pytest.fixture
+def server():
+    with redis_server(maxmemory="256mb") as server:
+        yield server
+
+
+def _turns(manager, session, messages, model, tokenizer, turns, start=0):
+    """Runs ``turns`` user turns on ``manager``, each checked against plain
+    generate; returns the conversation and the reports."""
+    reports = []
+    for t in range(start, start + turns):
+        messages = [*messages, user_message(t)]
+        reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
+        assert reply == reference_turn(model, tokenizer, messages)[0], f"turn {t}"
+        reports.append(manager.last_turn(session))
+        messages = [*messages, {"role": "assistant", "content": reply}]
+    manager.flush()
+    return messages, reports
+
+
+def _manifest(server, manager, session):
+    client = redis.Redis.from_url(server.redis_url)
+    key = manager._tier.manifest_key(session)
+    return client, key, json.loads(client.get(key))
+
+
+# --------------------------------------------------------- two processes
+class Worker:
+    """A SessionManager in its own process (store_worker.py)."""
+
+    def __init__(self, family: str, url: str):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "store_worker.py"), family, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert json.loads(self.process.stdout.readline()) == {"ready": True}
+
+    def chat(self, session: str, messages: list[dict]) -> dict:
+        request = {"session": session, "messages": messages, "max_new_tokens": MAX_NEW}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, "the worker process died"
+        return json.loads(line)
+
+    def close(self) -> dict:
+        self.process.stdin.write(json.dumps({"quit": True}) + "\n")
+        self.process.stdin.flush()
+        stats = json.loads(self.process.stdout.readline())["stats"]
+        self.process.wait(timeout=60)
+        return stats
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_h1"])
+def test_two_processes_alternate_the_turns_of_eight_conversations(family, tokenizer, server):
+    """Processes A and B share one Redis: turn 1 of each conversation on A (or
+    B), turn 2 on the other, and so on. Every reply is plain generate's; from
+    turn 2 on, every turn starts from the other process's snapshot and reuses
+    at least 90% of its prompt."""
+    model = _model(family)
+    workers = [Worker(family, server.redis_url), Worker(family, server.redis_url)]
+    # A 400-token system prompt: a turn's new tokens (the last reply and the
+    # new question, about 45) are then under 10% of its prompt, so 90% reuse is
+    # possible; with the 200-token one even a single process reuses only 88%.
+    system = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
+    try:
+        conversations = {f"conv-{c}": [system] for c in range(8)}
+        for turn in range(6):
+            for c, session in enumerate(conversations):
+                messages = [*conversations[session], user_message(turn + c)]
+                answer = workers[(turn + c) % 2].chat(session, messages)
+                expected = reference_turn(model, tokenizer, messages)[0]
+                assert answer["reply"] == expected, (session, turn)
+                assert answer["stored"], "the snapshot write did not finish"
+                report = answer["report"]
+                if turn > 0:
+                    assert report["reason"] == "store_reload", (session, turn, report)
+                    assert report["reused_tokens"] >= 0.9 * report["prompt_tokens"], report
+                conversations[session] = [*messages, {"role": "assistant", "content": expected}]
+        stats = [w.close() for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    assert sum(s["store_loads"] for s in stats) == 8 * 5
+    assert sum(s["store_writes"] for s in stats) == 8 * 6
+    assert all(s["store_write_errors"] == 0 for s in stats)
+
+
+# --------------------------------------------------------------- faults
+def _two_managers(url, model, tokenizer, **tier_args):
+    return (
+        SessionManager(model, tokenizer, tier=RedisTier(url, **tier_args)),
+        SessionManager(model, tokenizer, tier=RedisTier(url, **tier_args)),
+    )
+
+
+def _miss_on_b(a, b, model, tokenizer, caplog, reason, fault, session="s"):
+    """Turn 1 on A (stored), ``fault()``, then turn 2 on B: plain generate's
+    reply, no reuse from the store, and a logged miss with ``reason``."""
+    messages, _ = _turns(a, session, [LONG_SYSTEM], model, tokenizer, 1)
+    fault()
+    with caplog.at_level(logging.INFO, logger="kvchat"):
+        _, reports = _turns(b, session, messages, model, tokenizer, 1, start=1)
+    assert reports[0].reason != "store_reload"
+    assert b.stats().store_miss_reasons.get(reason) == 1, b.stats().store_miss_reasons
+    assert any(f"({reason})" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_flipped_byte_in_a_chunk_is_a_miss(llama, tokenizer, server, caplog):
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+
+    def flip():
+        client, _, manifest = _manifest(server, a, "s")
+        digest = next(iter(manifest["tensors"].values()))["chunks"][0]
+        key = a._tier.chunk_key(digest)
+        byte = client.getrange(key, 100, 100)
+        client.setrange(key, 100, bytes([byte[0] ^ 0x01]))
+
+    _miss_on_b(a, b, llama, tokenizer, caplog, "checksum", flip)
+
+
+def test_a_deleted_chunk_is_a_miss(llama, tokenizer, server, caplog):
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+
+    def delete():
+        client, _, manifest = _manifest(server, a, "s")
+        entries = list(manifest["tensors"].values())
+        assert client.delete(a._tier.chunk_key(entries[-1]["chunks"][-1])) == 1
+
+    _miss_on_b(a, b, llama, tokenizer, caplog, "chunk_missing", delete)
+
+
+def test_an_unknown_format_is_a_miss(llama, tokenizer, server, caplog):
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+
+    def reformat():
+        client, key, manifest = _manifest(server, a, "s")
+        client.set(key, json.dumps(dict(manifest, format="kvchat-store-99")))
+
+    _miss_on_b(a, b, llama, tokenizer, caplog, "format", reformat)
+
+
+def test_another_models_snapshot_is_never_used(llama, tokenizer, server, caplog):
+    """Another model's snapshot of the same session id lives under its own key
+    (the key holds the fingerprint); copied over this model's key, the
+    fingerprint in the manifest refuses it."""
+    other = SessionManager(_model("llama", seed=1), tokenizer, store=server.redis_url)
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    _turns(other, "s", [LONG_SYSTEM], _model("llama", seed=1), tokenizer, 1)
+    assert other._tier.manifest_key("s") != a._tier.manifest_key("s")
+
+    def copy_over():
+        client, _, manifest = _manifest(server, other, "s")
+        client.set(a._tier.manifest_key("s"), json.dumps(manifest))
+
+    # No turn on A first: B's first turn finds only the other model's snapshot.
+    with caplog.at_level(logging.INFO, logger="kvchat"):
+        copy_over()
+        _, reports = _turns(b, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    assert reports[0].reason == "no_cache"
+    assert b.stats().store_miss_reasons == {"fingerprint": 1}
+    assert "(fingerprint)" in caplog.text
+
+
+def test_an_expired_snapshot_is_a_miss(llama, tokenizer, server, caplog):
+    a, b = _two_managers(server.redis_url, llama, tokenizer, ttl=1)
+    client = redis.Redis.from_url(server.redis_url)
+
+    def expire():
+        key = a._tier.manifest_key("s")
+        assert 0 < client.ttl(key) <= 1
+        deadline = time.monotonic() + 10
+        while client.exists(key) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    _miss_on_b(a, b, llama, tokenizer, caplog, "absent", expire)
+
+
+def test_a_diverged_history_reuses_only_the_true_prefix(llama, tokenizer, server):
+    """A snapshot of another conversation under the same id: the turn is exact
+    and reuses no more than the two share."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 2)
+    _, _, manifest = _manifest(server, a, "s")
+    stored = torch.frombuffer(bytearray(base64.b64decode(manifest["ids"])), dtype=torch.int64)
+    other = [{"role": "system", "content": "Something else entirely, said differently."}]
+    prompt = render_prompt(tokenizer, [*other, user_message(5)])
+    common = _C.common_prefix_length(stored, prompt)
+    assert 0 < common < 10
+    _, reports = _turns(b, "s", other, llama, tokenizer, 1, start=5)
+    assert reports[0].reused_tokens <= common
+
+
+def test_maxmemory_eviction_under_load_gives_misses_not_wrong_answers(llama, tokenizer, caplog):
+    """A 2 MiB Redis holds a few snapshots: writing 8 sessions evicts the
+    older ones' manifests or chunks. Every turn stays exact; the evicted
+    sessions' next turns are counted misses."""
+    with redis_server(maxmemory="2mb") as small:
+        a, b = _two_managers(small.redis_url, llama, tokenizer)
+        conversations = {}
+        for c in range(8):
+            conversations[c], _ = _turns(a, f"s{c}", [LONG_SYSTEM], llama, tokenizer, 1, start=c)
+        info = redis.Redis.from_url(small.redis_url).info("stats")
+        assert info["evicted_keys"] > 0
+        with caplog.at_level(logging.INFO, logger="kvchat"):
+            for c in range(8):
+                _turns(b, f"s{c}", conversations[c], llama, tokenizer, 1, start=c + 1)
+        stats = b.stats()
+        reasons = stats.store_miss_reasons
+        assert reasons.get("absent", 0) + reasons.get("chunk_missing", 0) > 0, reasons
+        assert stats.store_loads + stats.store_misses == 8
+
+
+def test_redis_down_or_hung_then_back(llama, tokenizer, caplog):
+    """Killed mid-run: turns go on, exact, with a logged miss; hung (SIGSTOP),
+    a call times out after ``timeout`` instead of blocking the turn; restarted
+    on the same port, the store is used again."""
+    server = redis_server()
+    try:
+        a, b = _two_managers(server.redis_url, llama, tokenizer, timeout=0.3, retry_after=0.5)
+        messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+        server.kill()
+        with caplog.at_level(logging.WARNING, logger="kvchat"):
+            messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+            messages, _ = _turns(a, "s", messages, llama, tokenizer, 1, start=2)
+        assert b.stats().store_miss_reasons == {"unavailable": 1}
+        assert a.stats().store_write_errors >= 1
+        assert "Redis store" in caplog.text
+
+        server = redis_server(port=server.port)  # back, empty (nothing was saved)
+        time.sleep(0.6)  # past retry_after
+        messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=3)
+        _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=4)
+        assert reports[0].reason == "store_reload"
+
+        os.kill(server.process.pid, signal.SIGSTOP)  # accepts, never answers
+        try:
+            c = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, timeout=0.3))
+            _turns(c, "s", messages, llama, tokenizer, 1, start=5)
+            assert c.stats().store_miss_reasons == {"unavailable": 1}
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert c._tier.flush(timeout=30)
+    finally:
+        server.stop()
+
+
+def test_two_writers_of_one_session_leave_one_whole_snapshot(llama, tokenizer, server):
+    """A and B finish turns of the same session id at once, on two different
+    conversations: the stored snapshot is one of the two, whole, and a third
+    manager continues it exactly from the store."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    firsts = [[LONG_SYSTEM, user_message(0)], [LONG_SYSTEM, user_message(1)]]
+    replies = [None, None]
+
+    def run(i, manager):
+        replies[i] = manager.chat("s", firsts[i], max_new_tokens=MAX_NEW)
+        manager.flush()
+
+    threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _, _, manifest = _manifest(server, a, "s")
+    winner = [i for i in (0, 1) if manifest["messages"][1] == firsts[i][1]]
+    assert len(winner) == 1
+    messages = [*firsts[winner[0]], {"role": "assistant", "content": replies[winner[0]]}]
+    c = SessionManager(llama, tokenizer, store=server.redis_url)
+    _, reports = _turns(c, "s", messages, llama, tokenizer, 1, start=2)
+    assert reports[0].reason == "store_reload" and c.stats().store_misses == 0
+
+
+def test_hybrid_snapshots_restore_recurrent_state(tokenizer, server):
+    """FalconH1 (Mamba2 beside attention): the checkpoints travel, so the other
+    manager restores the recurrent state at the last message boundary."""
+    model = _model("falcon_h1")
+    a, b = _two_managers(server.redis_url, model, tokenizer)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], model, tokenizer, 2)
+    _, reports = _turns(b, "s", messages, model, tokenizer, 1, start=2)
+    assert reports[0].reason == "store_reload" and reports[0].checkpoint_restored is not None
+
+
+def test_eviction_policy_writes_only_when_evicted(llama, tokenizer, server):
+    tier = RedisTier(server.redis_url, write="evict")
+    a = SessionManager(llama, tokenizer, max_sessions=1, tier=tier)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    assert a.stats().store_writes == 0
+    _turns(a, "other", [LONG_SYSTEM], llama, tokenizer, 1)  # evicts "s"
+    assert a.stats().store_writes == 1
+    b = SessionManager(llama, tokenizer, store=server.redis_url)
+    _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reason == "store_reload"
+
+
+def test_remove_deletes_the_snapshot_and_local_only_keeps_it(llama, tokenizer, server):
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    client = redis.Redis.from_url(server.redis_url)
+    _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    a.remove("s", local_only=True)
+    a.flush()
+    assert client.exists(a._tier.manifest_key("s"))
+    _turns(b, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    b.remove("s")
+    b.flush()
+    assert not client.exists(a._tier.manifest_key("s"))
+
+
+def test_store_argument_errors(llama, tokenizer, tmp_path):
+    with pytest.raises(TypeError, match="store must be a redis:// URL"):
+        SessionManager(llama, tokenizer, store=123)
+    with pytest.raises(ValueError, match="store must be a redis:// URL, got 'localhost'"):
+        SessionManager(llama, tokenizer, store="localhost")
+    with pytest.raises(ValueError, match="one of store, spill_dir or tier"):
+        SessionManager(llama, tokenizer, store="redis://127.0.0.1:1/0", spill_dir=tmp_path)
+    with pytest.raises(ValueError, match="write must be one of"):
+        RedisTier("redis://127.0.0.1:1/0", write="sometimes")
+    with pytest.raises(ValueError, match="ttl must be a positive number of seconds, got 0"):
+        RedisTier("redis://127.0.0.1:1/0", ttl=0)
+
+
+def test_chunks_are_shared_across_turns(llama, tokenizer, server):
+    """A turn uploads only the token blocks that are new: the blocks of the
+    prefix are the same bytes, under the same names, as the last turn's."""
+    a = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, block_tokens=64))
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    first = a._tier.chunks_written
+    _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    second = a._tier.chunks_written - first
+    assert 0 < second < first / 2, (first, second)
