@@ -73,6 +73,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            # Snapshots still queued for the store are written before exit.
+            await asyncio.to_thread(manager.close)
 
     app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_exception_handler(APIError, api_error_handler)

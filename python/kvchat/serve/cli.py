@@ -49,6 +49,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     limits.add_argument("--max-checkpoints", type=int, default=8)
     limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
     limits.add_argument("--no-share-prefixes", action="store_true")
+    store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
+    store.add_argument(
+        "--store",
+        metavar="URL",
+        help="redis://host:port/db: session snapshots every replica with this flag reads",
+    )
+    store.add_argument(
+        "--store-write",
+        choices=("turn", "evict"),
+        default="turn",
+        help="write a session's snapshot after every turn (default) or only on eviction",
+    )
+    store.add_argument(
+        "--store-ttl", type=float, default=24 * 3600.0, help="seconds a snapshot lives"
+    )
+    store.add_argument(
+        "--store-timeout", type=float, default=0.5, help="seconds one Redis call may take"
+    )
     server = parser.add_argument_group("requests")
     server.add_argument("--default-max-tokens", type=int, default=512)
     server.add_argument("--max-pending", type=int, default=64, help="more get 429")
@@ -95,9 +113,19 @@ def build_app(args: argparse.Namespace):
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype], args.device)
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
+    tier = None
+    if args.store is not None:
+        from ..redis_tier import RedisTier
+
+        if args.spill_dir is not None:
+            raise ValueError("give --store or --spill-dir, not both")
+        tier = RedisTier(
+            args.store, write=args.store_write, ttl=args.store_ttl, timeout=args.store_timeout
+        )
     manager = SessionManager(
         model,
         tokenizer,
+        tier=tier,
         max_sessions=args.max_sessions,
         max_cache_bytes=args.max_cache_bytes,
         max_context_length=args.max_context_length,

@@ -37,7 +37,8 @@ class IdleExpiry:
             if now - seen < self.ttl:
                 continue
             try:
-                self._mgr.remove(session)
+                # Idle here says nothing of other replicas: a shared store keeps it.
+                self._mgr.remove(session, local_only=True)
             except (SessionBusy, KeyError):  # in a turn, or already gone
                 continue
             with self._lock:

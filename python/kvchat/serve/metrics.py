@@ -33,6 +33,21 @@ class _ManagerCollector:
             "Turns that started from another session's prefix",
             value=stats.prefix_shares,
         )
+        store = {
+            "store_writes": "Session snapshots published to the Redis store",
+            "store_loads": "Turns that started from a stored snapshot",
+            "store_write_errors": "Snapshots not stored (Redis down, chunks evicted)",
+        }
+        for name, text in store.items():
+            yield CounterMetricFamily(f"kvchat_{name}", text, value=getattr(stats, name))
+        misses = CounterMetricFamily(
+            "kvchat_store_misses",
+            "Stored snapshots not used, by reason (absent, chunk_missing, checksum, ...)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.store_miss_reasons.items()):
+            misses.add_metric([reason], count)
+        yield misses
 
 
 class Metrics:
