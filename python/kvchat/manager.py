@@ -343,10 +343,11 @@ class SessionManager:
         if not (local_only and self._tier.shared):
             self._tier.forget(session_id)
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
         """Waits until the tier has written every snapshot queued so far (the
-        Redis store writes in the background). False if ``timeout`` ran out."""
-        return self._tier.flush(timeout)
+        Redis store writes in the background), or only ``session_id``'s.
+        False if ``timeout`` ran out."""
+        return self._tier.flush(timeout, session_id)
 
     def close(self) -> None:
         """Writes what the tier has queued and stops its writer. The manager

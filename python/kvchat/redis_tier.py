@@ -156,7 +156,7 @@ class RedisTier(Tier):
         self.bytes_written = 0
         # The background writer: per session, the newest snapshot not yet written.
         self._pending: OrderedDict[str, tuple] = OrderedDict()
-        self._busy = False
+        self._writing: str | None = None  # the session being written now
         self._closed = False
         self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
@@ -216,11 +216,17 @@ class RedisTier(Tier):
             self._pending[session_id] = job
             self._cond.notify_all()
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Waits until every snapshot queued so far is written (or failed).
-        Returns False if ``timeout`` seconds passed first."""
+    def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
+        """Waits until every snapshot queued so far (or ``session_id``'s) is
+        written or failed. Returns False if ``timeout`` seconds passed first."""
+
+        def done() -> bool:
+            if session_id is None:
+                return not self._pending and self._writing is None
+            return session_id not in self._pending and self._writing != session_id
+
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+            return self._cond.wait_for(done, timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Writes what is queued, then stops the writer."""
@@ -237,7 +243,7 @@ class RedisTier(Tier):
                 if self._closed and not self._pending:
                     return
                 session_id, (kind, state, messages) = self._pending.popitem(last=False)
-                self._busy = True
+                self._writing = session_id
             try:
                 if not self._available():
                     self.write_errors += 1  # Redis is resting: this snapshot is lost
@@ -257,7 +263,7 @@ class RedisTier(Tier):
             finally:
                 del state  # the tensors go here, outside any lock
                 with self._cond:
-                    self._busy = False
+                    self._writing = None
                     self._cond.notify_all()
 
     def _pieces(self, tensor: torch.Tensor, by_tokens: bool) -> tuple[str, list[bytes]]:

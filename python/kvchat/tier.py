@@ -66,8 +66,9 @@ class Tier:
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Waits for writes in flight; True once none is left."""
+    def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
+        """Waits for writes in flight (of ``session_id`` only, if given); True
+        once none is left."""
         return True
 
     def close(self) -> None:

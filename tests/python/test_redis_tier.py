@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -377,3 +378,38 @@ def test_chunks_are_shared_across_turns(llama, tokenizer, server):
     _turns(a, "s", messages, llama, tokenizer, 1, start=1)
     second = a._tier.chunks_written - first
     assert 0 < second < first / 2, (first, second)
+
+
+# ------------------------------------------------------------ two servers
+@pytest.mark.parametrize("family", ["llama", "falcon_h1"])
+def test_two_server_replicas_continue_each_others_turns(family, tokenizer, server):
+    """Two `kvchat serve --store` replicas behind a round-robin client: every
+    reply is plain generate's, every turn from the second on starts from the
+    snapshot the other replica stored before its reply ended, and /metrics
+    counts the loads."""
+    from test_serve import MAX_NEW as SERVE_MAX_NEW
+    from test_serve import Server, _ask, _client, _reference
+
+    flags = ("--store", server.redis_url, "--api-key", "k")
+    replicas = [Server(f"tiny:{family}", *flags), Server(f"tiny:{family}", *flags)]
+    try:
+        model = _reference(family)
+        messages = [LONG_SYSTEM]
+        for turn in range(6):
+            replica = replicas[turn % 2]
+            messages.append(user_message(turn))
+            reply, usage = _ask(_client(replica, "k"), messages, "conv", stream=turn % 3 != 0)
+            assert reply == reference_turn(model, tokenizer, messages, SERVE_MAX_NEW)[0], turn
+            last = replica.session("conv", "k")["last_turn"]
+            if turn > 0:
+                assert last["reason"] == "store_reload", (turn, last)
+                assert usage.prompt_tokens_details.cached_tokens == last["reused_tokens"] > 0
+            messages.append({"role": "assistant", "content": reply})
+        for replica in replicas:
+            text = replica.get("/metrics", "k").text
+            loads = re.search(r"^kvchat_store_loads_total (\S+)$", text, re.M)
+            assert loads and float(loads.group(1)) >= 2, text[-2000:]
+            assert re.search(r"^kvchat_store_writes_total 3\.0$", text, re.M), text[-2000:]
+    finally:
+        for replica in replicas:
+            replica.stop()

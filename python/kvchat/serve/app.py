@@ -47,6 +47,9 @@ class ServeConfig:
     max_pending: int = 64  # requests generating or waiting at once; more get 429
     default_max_tokens: int = 512
     session_ttl: float = 24 * 3600.0  # seconds a session may sit unused; 0: forever
+    # With a shared store: seconds a reply's end waits for its session's
+    # snapshot, so the client's next turn finds it on any replica (0: no wait).
+    store_wait: float = 5.0
 
 
 def _stop_ids(manager: SessionManager) -> set[int]:
@@ -314,6 +317,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         if not turn._finished.acquire(blocking=False):
             return
         turn.stream.close()
+        if config.store_wait > 0:  # after the last token: TTFT never pays for it
+            manager.flush(timeout=config.store_wait, session_id=turn.session)
         pending.release()
         expiry.touch(turn.session)
         report = turn.stream.report

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     store.add_argument(
         "--store-timeout", type=float, default=0.5, help="seconds one Redis call may take"
     )
+    store.add_argument(
+        "--store-wait",
+        type=float,
+        default=5.0,
+        help="seconds a reply's end waits for its snapshot to be stored, so the next turn "
+        "finds it on any replica (0: do not wait)",
+    )
     server = parser.add_argument_group("requests")
     server.add_argument("--default-max-tokens", type=int, default=512)
     server.add_argument("--max-pending", type=int, default=64, help="more get 429")
@@ -141,6 +148,7 @@ def build_app(args: argparse.Namespace):
         max_pending=args.max_pending,
         default_max_tokens=args.default_max_tokens,
         session_ttl=args.session_ttl,
+        store_wait=args.store_wait if args.store is not None else 0.0,
     )
     return create_app(manager, config)
 
