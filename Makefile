@@ -13,7 +13,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
-	"selenium>=4.20"
+	"selenium>=4.20" "redis>=5"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
@@ -32,9 +32,9 @@ $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PY_DEPS)
-	@dpkg -s libgtest-dev chromium chromium-driver >/dev/null 2>&1 || \
+	@dpkg -s libgtest-dev chromium chromium-driver redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install \
-		-y -q libgtest-dev cmake chromium chromium-driver)
+		-y -q libgtest-dev cmake chromium chromium-driver redis-server)
 	@touch $@
 
 deps: $(BUILD)/.deps
