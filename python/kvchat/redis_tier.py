@@ -42,6 +42,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
+import numpy
 import torch
 
 from . import _C
@@ -118,7 +119,7 @@ class RedisTier(Tier):
         timeout: float = 0.5,
         retry_after: float = 5.0,
         prefix: str = "kvchat",
-        block_tokens: int = 256,
+        block_tokens: int = 64,
         chunk_bytes: int = 4 << 20,
     ):
         super().__init__()
@@ -197,16 +198,19 @@ class RedisTier(Tier):
             )
 
     # ------------------------------------------------------------ writing
+    # Both run on the caller's (the turn's) thread and only describe the state;
+    # the writer thread then runs no torch op that starts an OpenMP team: a
+    # second team's idle workers slow every op of the turns (60% per token).
     def put(self, session_id: str, state: _C.CachedState) -> None:
         """Eviction dropped this session (``write="evict"``): store what it held."""
-        self._enqueue(session_id, ("write", state, []))
+        self._enqueue(session_id, ("write", *encode_state(state, self.bridge.slots), []))
 
     def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
         """A turn finished (``write="turn"``): store the session as it now is."""
-        self._enqueue(session_id, ("write", state, messages))
+        self._enqueue(session_id, ("write", *encode_state(state, self.bridge.slots), messages))
 
     def forget(self, session_id: str) -> None:
-        self._enqueue(session_id, ("delete", None, None))
+        self._enqueue(session_id, ("delete", None, None, None))
 
     def _enqueue(self, session_id: str, job: tuple) -> None:
         with self._cond:
@@ -242,15 +246,15 @@ class RedisTier(Tier):
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if self._closed and not self._pending:
                     return
-                session_id, (kind, state, messages) = self._pending.popitem(last=False)
+                session_id, (kind, layout, tensors, messages) = self._pending.popitem(last=False)
                 self._writing = session_id
             try:
                 if not self._available():
                     self.write_errors += 1  # Redis is resting: this snapshot is lost
                 elif kind == "delete":
                     self._redis.delete(self.manifest_key(session_id))
-                elif state is not None and state.ids:
-                    self._write(session_id, state, messages)
+                elif layout is not None:
+                    self._write(session_id, layout, tensors, messages)
             except self._errors as error:
                 self.write_errors += 1
                 self._failed(f"write of session {session_id!r}", error)
@@ -261,7 +265,7 @@ class RedisTier(Tier):
                 self.write_errors += 1
                 logger.exception("kvchat: storing session %r failed", session_id)
             finally:
-                del state  # the tensors go here, outside any lock
+                del tensors  # the tensors go here, outside any lock
                 with self._cond:
                     self._writing = None
                     self._cond.notify_all()
@@ -270,20 +274,18 @@ class RedisTier(Tier):
         """The tensor cut into chunks: a full-attention layer's keys or values
         ([1, heads, tokens, dim]) along the token axis, so whole blocks of a
         prefix keep their bytes as it grows; any other by bytes."""
-        tensor = tensor.detach().to("cpu").contiguous()
+        array = _bytes_view(tensor)  # numpy, so no torch op runs on this thread
         if by_tokens and tensor.dim() == 4 and tensor.shape[2] > 0:
             per_token = max(1, tensor[:, :, :1].numel() * tensor.element_size())
             block = max(1, min(self._block_tokens, self._chunk_bytes // per_token))
             return "tokens", [
-                _raw(tensor[:, :, a : a + block].contiguous())
-                for a in range(0, tensor.shape[2], block)
+                array[:, :, a : a + block].tobytes() for a in range(0, tensor.shape[2], block)
             ]
-        raw = _raw(tensor)
+        raw = array.tobytes()
         step = self._chunk_bytes
         return "bytes", [raw[a : a + step] for a in range(0, len(raw), step)] or [b""]
 
-    def _write(self, session_id: str, state: _C.CachedState, messages: list) -> None:
-        layout, tensors = encode_state(state, self.bridge.slots)
+    def _write(self, session_id: str, layout: dict, tensors: dict, messages: list) -> None:
         chunks: dict[str, bytes] = {}
         entries = {}
         attention = _attention_tensors(layout)
@@ -301,13 +303,14 @@ class RedisTier(Tier):
                 "chunks": digests,
                 "bytes": [len(p) for p in pieces],
             }
-        ids = torch.tensor(layout.pop("ids"), dtype=torch.int64)
+        layout = dict(layout)
+        ids = numpy.asarray(layout.pop("ids"), dtype="<i8")
         manifest = {
             "format": FORMAT,
             "model": self._model_key,
             "fingerprint": self.fingerprint,
             "session_id": session_id,
-            "ids": base64.b64encode(_raw(ids)).decode(),
+            "ids": base64.b64encode(ids.tobytes()).decode(),
             "layout": layout,
             "messages": messages,
             "tensors": entries,
@@ -455,8 +458,18 @@ class RedisTier(Tier):
         }
 
 
-def _raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _bytes_view(tensor: torch.Tensor) -> numpy.ndarray:
+    """The tensor's bytes as a numpy uint8 array of the same shape (the last
+    axis in bytes): a view, copied only off a GPU or where the last axis is
+    strided, and then one device copy, not a CPU-parallel op."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    if tensor.stride(-1) != 1:
+        tensor = tensor.contiguous()
+    return tensor.view(torch.uint8).numpy()
 
 
 def _attention_tensors(layout: dict) -> set[str]:
