@@ -13,18 +13,19 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
-	"selenium>=4.20" "redis>=5"
+	"selenium>=4.20" "redis>=5" "hiredis>=2"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
-	bench bench-decode bench-overhead bench-notebook bench-sharing bench-serve sanitize
+	bench bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
+	sanitize
 
 help:
 	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
-	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve - see benchmarks/RESULTS.md"
+	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
@@ -84,6 +85,12 @@ bench-serve: build
 	$(PY) -m pip install -q "accelerate>=1.1.0" rich
 	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
 	$(PY) benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
+
+# Two kvchat serve replicas round-robin, with and without a Redis store, against one.
+bench-replicas: build
+	$(PY) benchmarks/replicas.py --model smollm2-135m --turns 10 --conversations 3
+	$(PY) benchmarks/replicas.py --model smollm2-135m --turns 10 --conversations 6 \
+		--interleave --replica-sessions 2
 
 bench-sharing: build
 	$(PY) benchmarks/sharing.py --model smollm2-135m --sessions 16 --system-tokens 1000

@@ -190,6 +190,7 @@ def test_core_positions_out_of_range():
 
 # README error-table row (its first cell) -> the tests that cover it.
 README_ROWS = {
+    "`store` not a `redis://` URL": ["test_redis_tier.py::test_store_argument_errors"],
     "unknown `session_id`": ["test_unknown_session_id"],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
     "`messages` not a list": ["test_malformed_messages"],

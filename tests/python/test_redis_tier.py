@@ -367,6 +367,10 @@ def test_store_argument_errors(llama, tokenizer, tmp_path):
         RedisTier("redis://127.0.0.1:1/0", write="sometimes")
     with pytest.raises(ValueError, match="ttl must be a positive number of seconds, got 0"):
         RedisTier("redis://127.0.0.1:1/0", ttl=0)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        RedisTier("redis://127.0.0.1:1/0", timeout=-1)
+    with pytest.raises(ValueError, match="retry_after must be a positive number of seconds"):
+        RedisTier("redis://127.0.0.1:1/0", retry_after="5")
 
 
 def test_chunks_are_shared_across_turns(llama, tokenizer, server):
