@@ -1,10 +1,18 @@
-"""Decode tokens/s: kvchat's in-place KV buffer vs transformers' DynamicCache.
+"""Decode tokens/s: kvchat's in-place KV buffer vs transformers' DynamicCache
+and StaticCache.
 
     python benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --contexts 1024 4096 8192 32768 \
+        --caches DynamicCache kvchat StaticCache StaticCache+compile
 
 DynamicLayer.update concatenates the whole layer on every token, so its decode
 step copies O(context); kvchat's BufferedLayer appends one token in place.
-Both run the same greedy generate from the same prefilled context.
+StaticCache also writes in place, into tensors of a fixed size, which is what
+lets transformers compile its decode step (``torch.compile`` with CUDA graphs,
+as ``generate`` does on its own for a StaticCache on a GPU):
+``StaticCache+compile`` is that, ``StaticCache`` the same cache eager
+(``disable_compile=True``). All run the same greedy generate from the same
+prefilled context.
 """
 
 from __future__ import annotations
@@ -18,14 +26,25 @@ from pathlib import Path
 import torch
 from kvchat.cache_bridge import CacheBridge
 from kvchat.timing import FirstTokenTimer
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from workload import PRESETS, TINY, load_model
 
+CACHES = ("DynamicCache", "kvchat", "StaticCache", "StaticCache+compile")
 
-def decode_rate(model, ids, cache, new_tokens: int) -> tuple[float, tuple[int, ...]]:
+
+def fresh(kind: str, prefilled, states, static, bridge, reserve: int):
+    """The prefilled context in a cache of this kind, and generate's extra arguments."""
+    if kind == "DynamicCache":
+        return copy.deepcopy(prefilled), {}
+    if kind == "kvchat":
+        return bridge.to_cache(states, reserve=reserve), {}
+    return copy.deepcopy(static), {"disable_compile": kind == "StaticCache"}
+
+
+def decode_rate(model, ids, cache, new_tokens: int, **extra) -> tuple[float, tuple[int, ...]]:
     """Tokens/s after the first token, and the generated ids."""
     timer = FirstTokenTimer()
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
     out = model.generate(ids, past_key_values=cache, **timer.attach(kwargs))
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
@@ -45,6 +64,13 @@ def main(argv=None):
     parser.add_argument(
         "--profile", action="store_true", help="print where decode time goes, per cache kind"
     )
+    parser.add_argument(
+        "--caches",
+        nargs="+",
+        choices=CACHES,
+        default=list(CACHES[:2]),
+        help="StaticCache+compile compiles on CUDA only, as generate does",
+    )
     args = parser.parse_args(argv)
 
     model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
@@ -57,41 +83,45 @@ def main(argv=None):
         with torch.no_grad():
             model(ids[:, :context], past_key_values=prefilled)
         states = bridge.from_cache(prefilled, context)
-        rates = {"DynamicCache": [], "kvchat": []}
+        static = None
+        if any(kind.startswith("StaticCache") for kind in args.caches):
+            static = StaticCache(config=model.config, max_cache_len=context + 1 + args.new_tokens)
+            with torch.no_grad():
+                model(ids[:, :context], past_key_values=static)
+
+        prepared = dict(
+            prefilled=prefilled,
+            states=states,
+            static=static,
+            bridge=bridge,
+            reserve=context + 1 + args.new_tokens,
+        )
+        rates = {kind: [] for kind in args.caches}
         outputs = {}
         for _ in range(args.repeats):
             for kind in rates:
-                if kind == "DynamicCache":
-                    cache = copy.deepcopy(prefilled)
-                else:
-                    cache = bridge.to_cache(states, reserve=context + 1 + args.new_tokens)
-                rate, outputs[kind] = decode_rate(model, ids, cache, args.new_tokens)
+                cache, extra = fresh(kind, **prepared)
+                rate, outputs[kind] = decode_rate(model, ids, cache, args.new_tokens, **extra)
                 rates[kind].append(rate)
-        row = dict(
-            context=context,
-            dynamic_cache_tps=max(rates["DynamicCache"]),
-            kvchat_tps=max(rates["kvchat"]),
-            same_tokens=outputs["kvchat"] == outputs["DynamicCache"],
-        )
-        row["speedup"] = row["kvchat_tps"] / row["dynamic_cache_tps"]
+        row = dict(context=context, tokens_per_s={k: max(v) for k, v in rates.items()})
+        row["same_tokens"] = {k: outputs[k] == outputs[args.caches[0]] for k in rates}
+        if {"DynamicCache", "kvchat"} <= set(rates):
+            row["dynamic_cache_tps"] = row["tokens_per_s"]["DynamicCache"]
+            row["kvchat_tps"] = row["tokens_per_s"]["kvchat"]
+            row["speedup"] = row["kvchat_tps"] / row["dynamic_cache_tps"]
         if args.profile:
             for kind in rates:
-                fresh = (
-                    copy.deepcopy(prefilled)
-                    if kind == "DynamicCache"
-                    else bridge.to_cache(states, reserve=context + 1 + args.new_tokens)
-                )
+                cache, extra = fresh(kind, **prepared)
                 with torch.profiler.profile() as prof:
-                    decode_rate(model, ids, fresh, args.new_tokens)
+                    decode_rate(model, ids, cache, args.new_tokens, **extra)
                 print(f"--- {kind}, context {context}: top ops by self CPU time")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
         results.append(row)
-        print(
-            f"context {context:>6}: DynamicCache {row['dynamic_cache_tps']:7.1f} tok/s, "
-            f"kvchat {row['kvchat_tps']:7.1f} tok/s ({row['speedup']:.2f}x), "
-            f"same tokens: {'yes' if row['same_tokens'] else 'NO'}",
-            flush=True,
+        cells = ", ".join(
+            f"{kind} {rate:7.1f}{'' if row['same_tokens'][kind] else ' (other tokens)'}"
+            for kind, rate in row["tokens_per_s"].items()
         )
+        print(f"context {context:>6} tok/s: {cells}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode-{args.model}-{args.device}.json"
     config = {k: str(v) for k, v in vars(args).items()}

@@ -20,9 +20,27 @@ PRESETS = {
         num_attention_heads=9,
         num_key_value_heads=3,
         vocab_size=49152,
-        max_position_embeddings=8192,
+        # 8192 in the real model; 32k here, for the decode benchmark's longest context
+        # (the default RoPE computes angles per position, so nothing else changes).
+        max_position_embeddings=32768,
         rope_theta=100000.0,
         tie_word_embeddings=True,
+    ),
+    # The hybrid preset: LFM2-350M's shape, 10 short-conv and 6 attention layers.
+    "lfm2-350m": dict(
+        model_type="lfm2",
+        hidden_size=1024,
+        intermediate_size=6656,
+        block_ff_dim=6656,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=65536,
+        max_position_embeddings=32768,
+        conv_L_cache=3,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
     ),
 }
 TINY = "tiny"

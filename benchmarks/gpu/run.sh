@@ -35,14 +35,24 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_exactness.py tests/python/test_hybrid.py tests/python/test_sharing.py \
     tests/python/test_persistence.py tests/python/test_generate_args.py \
-    tests/python/test_returned_cache.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+    tests/python/test_returned_cache.py tests/python/test_bfloat16.py 2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
+  # Where per-token time goes on this machine: launch latency, threads, and the
+  # top ops of plain generate's decode (last session: every mode at 10-46 tok/s).
+  python3 benchmarks/gpu/launch.py 2>&1 | tee "$out/launch.txt"
+  python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 --device cuda \
+    --dtype bfloat16 --caches DynamicCache kvchat --repeats 1 --profile --out /tmp \
+    2>&1 | tee "$out/profile.txt" | tail -45
   python3 benchmarks/fingerprint.py --model smollm2-135m --dtype bfloat16 --device cuda \
     2>&1 | tee "$out/fingerprint.txt"
-  python3 benchmarks/multiturn.py --model smollm2-135m --turns 10 --device cuda \
-    --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn.txt" | tail -30
-  python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 --device cuda \
-    --dtype bfloat16 --out "$out" 2>&1 | tee "$out/decode.txt" | tail -20
+  for preset in smollm2-135m lfm2-350m; do
+    python3 benchmarks/multiturn.py --model $preset --turns 10 --device cuda \
+      --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn-$preset.txt" | tail -30
+  done
+  python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 32768 \
+    --device cuda --dtype bfloat16 --out "$out" \
+    --caches DynamicCache kvchat StaticCache StaticCache+compile \
+    2>&1 | tee "$out/decode.txt" | tail -20
 fi

@@ -542,6 +542,7 @@ class SessionManager:
         if session.resident:
             local = session.cached_state()  # references: what the tier need not fetch
             have = _C.common_prefix_length(torch.tensor(local.ids, dtype=torch.long), prompt)
+            have = min(have, local.trusted_tokens)  # past a failed check, nothing is held
         return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
     def _run(self, plan, prompt, kwargs, text, messages):

@@ -40,7 +40,9 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 import torch
@@ -53,6 +55,7 @@ logger = logging.getLogger("kvchat")
 
 FORMAT = "kvchat-store-1"
 WRITE_POLICIES = ("turn", "evict")
+_FETCH_BATCH = 64  # chunks per MGET: at most 256 MiB, usually a few MiB
 
 # Before any load is measured: 200 MB/s, a cautious Redis read over a network.
 _DEFAULT_MS_PER_BYTE = 5e-6
@@ -161,6 +164,8 @@ class RedisTier(Tier):
         self._closed = False
         self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
+        # Network reads only (never a torch op, which would start an OpenMP team there).
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvchat-store-fetch")
         self._writer.start()
 
     # ------------------------------------------------------------ naming
@@ -239,6 +244,7 @@ class RedisTier(Tier):
             self._closed = True
             self._cond.notify_all()
         self._writer.join(timeout)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _write_loop(self) -> None:
         while True:
@@ -433,14 +439,23 @@ class RedisTier(Tier):
             ]
         except (AttributeError, KeyError, TypeError) as error:
             raise StoreMiss("malformed", f"manifest tensors: {error}") from None
-        values = self._redis.mget([self.chunk_key(d) for _, d in order]) if order else []
+        # Fetched in batches on the fetcher thread while this one checks the
+        # last batch: receiving and hashing both run outside the GIL.
+        batches = [order[i : i + _FETCH_BATCH] for i in range(0, len(order), _FETCH_BATCH)]
+        keys = [[self.chunk_key(d) for _, d in batch] for batch in batches]
+        pending = [self._fetcher.submit(self._redis.mget, k) for k in keys]
         data: dict[str, bytes] = {}
-        for (name, digest), value in zip(order, values, strict=True):
-            if value is None:
-                raise StoreMiss("chunk_missing", f"chunk {digest[:12]} of {name} is gone")
-            if _digest(value) != digest:
-                raise StoreMiss("checksum", f"chunk {digest[:12]} of {name} does not match")
-            data[digest] = value
+        try:
+            for batch, future in zip(batches, pending, strict=True):
+                for (name, digest), value in zip(batch, future.result(), strict=True):
+                    if value is None:
+                        raise StoreMiss("chunk_missing", f"chunk {digest[:12]} of {name} is gone")
+                    if _digest(value) != digest:
+                        raise StoreMiss("checksum", f"chunk {digest[:12]} of {name} does not match")
+                    data[digest] = value
+        finally:
+            for future in pending:
+                future.cancel()
         try:
             return {
                 name: _assemble(e, data, *held.get(name, (0, None))) for name, e in entries.items()
@@ -525,12 +540,15 @@ def _assemble(entry: dict, data: dict[str, bytes], held: int = 0, local=None) ->
         return torch.frombuffer(flat, dtype=torch.uint8).view(dtype).reshape(shape)
     if entry["split"] != "tokens" or len(shape) != 4:
         raise ValueError(f"split {entry['split']!r} of a {len(shape)}-D tensor")
-    blocks = [
-        torch.frombuffer(bytearray(piece), dtype=torch.uint8)
-        .view(dtype)
-        .reshape(shape[0], shape[1], -1, shape[3])
-        for piece in pieces
-    ]
+    with warnings.catch_warnings():
+        # Read-only bytes, read once: torch.cat below copies them out.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        blocks = [
+            torch.frombuffer(piece, dtype=torch.uint8)
+            .view(dtype)
+            .reshape(shape[0], shape[1], -1, shape[3])
+            for piece in pieces
+        ]
     tensor = torch.cat(blocks, dim=2) if blocks else None
     if held:  # joined on the model's device: what is held here never leaves it
         per_token = shape[0] * shape[1] * shape[3] * local.element_size()

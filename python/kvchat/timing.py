@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 
@@ -16,6 +17,10 @@ class FirstTokenTimer(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         if self.first_at is None:
+            if scores.is_cuda:
+                # The logits are only queued: wait for the prefill to finish. No
+                # extra cost, as generate syncs on this token's stopping check anyway.
+                torch.cuda.synchronize(scores.device)
             self.first_at = time.perf_counter()
         return scores
 
