@@ -48,6 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--reply-tokens", type=int, nargs=2, default=(20, 60))
     parser.add_argument("--from-turn", type=int, default=5, help="the turns the ratios are over")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="what the replicas run on: cpu, cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS[:3]))
     parser.add_argument(
         "--interleave", action="store_true", help="all conversations in flight at once"
@@ -61,11 +63,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def replica(path: Path, name: str, *flags: str) -> ServerProcess:
+def replica(path: Path, name: str, args, *flags: str) -> ServerProcess:
     """`kvchat serve` on the checkpoint; its log goes to benchmarks/out."""
 
     def command(port: int) -> list[str]:
-        argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", "float32"]
+        argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", args.dtype]
+        argv += ["--device", args.device]
         return argv + ["--port", str(port), "--served-model-name", "m", *flags]
 
     return ServerProcess(command, log=OUT / f"replicas-{name}.log", timeout=600)
@@ -146,7 +149,7 @@ def run(args) -> dict:
         replicas = []
         try:
             for i in range(count):
-                replicas.append(replica(path, f"{setup}-{i}", *flags))
+                replicas.append(replica(path, f"{setup}-{i}", args, *flags))
             clients = [
                 openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", timeout=600) for r in replicas
             ]

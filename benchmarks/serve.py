@@ -42,6 +42,8 @@ def parse_args(argv=None):
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--reply-tokens", type=int, nargs=2, default=(20, 60))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="what the servers run on: cpu, cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     return parser.parse_args(argv)
 
 
@@ -70,15 +72,16 @@ def checkpoint(name: str) -> Path:
 
 
 class Server(ServerProcess):
-    def __init__(self, kind: str, path: Path):
+    def __init__(self, kind: str, path: Path, device: str = "cpu", dtype: str = "float32"):
         self.kind, self.model = kind, str(path)
 
         def command(port: int) -> list[str]:
             if kind == "kvchat":
-                argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", "float32"]
-                return argv + ["--port", str(port), "--max-sessions", "64"]
+                argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", dtype]
+                return argv + ["--device", device, "--port", str(port), "--max-sessions", "64"]
             argv = [shutil.which("transformers") or "transformers", "serve", str(path)]
-            argv += ["--port", str(port), "--host", "127.0.0.1"]
+            argv += ["--port", str(port), "--host", "127.0.0.1", "--device", device]
+            argv += ["--dtype", dtype]
             return argv + (["--continuous-batching"] if kind == "transformers-cb" else [])
 
         # transformers serve's /v1/models can 500 without a hub cache; /health is polled.
@@ -142,7 +145,7 @@ def run(args) -> dict:
     runs: list[dict] = []
     lock = threading.Lock()
     for kind in args.servers:
-        server = Server(kind, path)
+        server = Server(kind, path, args.device, args.dtype)
         try:
             # One warm-up turn, so no server pays its first-request costs in the figures.
             converse(

@@ -108,6 +108,11 @@ class RedisTier(Tier):
         replicas see a session only once this one lets it go).
     timeout: seconds any one Redis call may take before it counts as down.
     retry_after: seconds the tier rests after Redis failed, before trying again.
+    prefix: the keys' prefix (several deployments on one Redis).
+    block_tokens, chunk_bytes: how keys and values, and other tensors, are cut.
+
+    Writes are queued: call ``flush()`` to wait for them, ``close()`` (or the
+    manager's) before exit, or the snapshots still queued are lost.
     """
 
     reload_reason = "store_reload"
@@ -126,7 +131,12 @@ class RedisTier(Tier):
         chunk_bytes: int = 4 << 20,
     ):
         super().__init__()
-        import redis  # the optional dependency, needed only here
+        try:
+            import redis  # the optional dependency, needed only here
+        except ImportError:
+            raise ImportError(
+                "the Redis store needs the redis client: pip install 'kvchat[redis]'"
+            ) from None
 
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(f"store must be a redis:// URL, got {url!r}")

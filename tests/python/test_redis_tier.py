@@ -417,3 +417,9 @@ def test_two_server_replicas_continue_each_others_turns(family, tokenizer, serve
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_a_missing_redis_client_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvchat\[redis\]'"):
+        RedisTier("redis://127.0.0.1:1/0")

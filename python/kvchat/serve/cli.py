@@ -169,6 +169,6 @@ def main(argv: list[str] | None = None) -> None:
         # turn's threads wait to be woken on every op (2x per token on small CPU models).
         with ThreadPoolExecutor(1) as builder:
             app = builder.submit(build_app, args).result()
-    except (TypeError, ValueError) as error:  # a bad flag value: say which, no traceback
+    except (TypeError, ValueError, ImportError) as error:  # a bad flag: say which, no traceback
         parser.error(str(error))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
