@@ -414,6 +414,11 @@ class SessionManager:
     def tokenizer(self):
         return self._tokenizer
 
+    @property
+    def tier(self) -> Tier:
+        """The storage tier (a ``Tier`` that keeps nothing, if none was given)."""
+        return self._tier
+
     # -------------------------------------------------------------- internals
     def _chat_text(self, session_id, messages, max_new_tokens, tools=None, template_kwargs=None):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""

@@ -190,6 +190,35 @@ class RedisTier(Tier):
     def chunk_key(self, digest: str) -> str:
         return f"{self._prefix}:chunk:{digest}"
 
+    # ------------------------------------------------------------ routes
+    # kvchat serve's map from a conversation (a digest of its messages) to the
+    # session holding it, shared so that any replica continues any conversation.
+    def route_key(self, namespace: str, conversation: str) -> str:
+        name = _digest(f"{namespace}\0{conversation}".encode())[:32]
+        return f"{self._prefix}:{self._model_key}:route:{name}"
+
+    def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
+        if not self._available():
+            return
+        try:
+            self._redis.set(self.route_key(namespace, conversation), session_id, ex=self.ttl)
+        except self._errors as error:
+            self._failed("route write", error)
+
+    def recall_route(self, namespace: str, conversations: list[str]) -> str | None:
+        """The session of the first of ``conversations`` the map knows, or None."""
+        if not conversations or not self._available():
+            return None
+        try:
+            found = self._redis.mget([self.route_key(namespace, c) for c in conversations])
+        except self._errors as error:
+            self._failed("route lookup", error)
+            return None
+        for value in found:
+            if value is not None:
+                return value.decode("utf-8", errors="replace")
+        return None
+
     # ------------------------------------------------------------ health
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until

@@ -419,6 +419,36 @@ def test_two_server_replicas_continue_each_others_turns(family, tokenizer, serve
             replica.stop()
 
 
+def test_keyless_clients_continue_across_replicas(tokenizer, server):
+    """A client that names no session (the plain OpenAI SDK, an agent loop):
+    the conversation-to-session map lives in the store too, so the other
+    replica continues the same session from its snapshot."""
+    from test_serve import MAX_NEW as SERVE_MAX_NEW
+    from test_serve import Server, _ask, _client, _reference
+
+    flags = ("--store", server.redis_url, "--api-key", "k")
+    replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
+    try:
+        model, messages, seen = _reference("llama"), [LONG_SYSTEM], set()
+        for turn in range(4):
+            replica = replicas[turn % 2]
+            messages.append(user_message(turn))
+            reply, usage = _ask(_client(replica, "k"), messages, None, stream=True)
+            assert reply == reference_turn(model, tokenizer, messages, SERVE_MAX_NEW)[0], turn
+            sessions = replica.get("/v1/sessions", "k").json()["data"]
+            assert len(sessions) == 1, sessions
+            seen.add(sessions[0]["id"])
+            last = replica.session(sessions[0]["id"], "k")["last_turn"]
+            if turn > 0:
+                assert last["reason"] == "store_reload", (turn, last)
+                assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
+            messages.append({"role": "assistant", "content": reply})
+        assert len(seen) == 1, f"one conversation became sessions {seen}"
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
 def test_a_missing_redis_client_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'kvchat\[redis\]'"):

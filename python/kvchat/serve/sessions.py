@@ -10,6 +10,12 @@ never takes over, and so destroys, another conversation's cache.
 
 With API keys, every session id is namespaced by a hash of the key: a caller
 can only list, read, delete or continue its own.
+
+With a shared store (``--store``), the conversation-to-session map is shared
+too: each turn's conversation digest is written to the store, so a replica
+that has never seen a conversation continues the session another replica
+started, and loads its snapshot. Keyless clients, an agent loop behind the
+plain OpenAI SDK say, then get the store's reuse as keyed ones do.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class SessionRouter:
 
     def __init__(self, manager):
         self._mgr = manager
+        tier = manager.tier
+        self._shared = tier if getattr(tier, "shared", False) else None
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
@@ -72,11 +80,21 @@ class SessionRouter:
                     self._claimed[session] = self._key_of.pop(session)
                     if session in self._mgr.sessions():
                         return session
+        if self._shared is not None:
+            # Another replica's, as the store's route map knows it (longest first).
+            found = self._shared.recall_route(ns, digests[len(messages) - 1 : 0 : -1])
+            if found is not None and found.startswith(f"{ns}/"):
+                with self._lock:
+                    if found not in self._claimed:  # else: a fork of a turn running here
+                        self._claimed[found] = self._key_of.pop(found, None)
+                        return found
         return self.internal(ns, f"auto-{uuid.uuid4().hex[:16]}")
 
     def settle(self, ns: str, session: str, conversation: list[dict] | None) -> None:
         """After a turn: ``conversation`` (its messages and the reply) is what the
         session now holds; None when the turn failed, and it holds what it held."""
+        if conversation is not None and self._shared is not None:
+            self._shared.remember_route(ns, _digests(conversation)[-1], session)
         with self._lock:
             key = self._claimed.pop(session, None)
             if conversation is not None:
