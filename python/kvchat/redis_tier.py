@@ -400,7 +400,7 @@ class RedisTier(Tier):
         for the ``have`` tokens come from ``local`` (they are keys and values
         of the same tokens), the blocks past them and every other state from
         Redis."""
-        if not self._available():
+        if self._closed or not self._available():
             self.misses["unavailable"] += 1
             return None
         try:
@@ -412,6 +412,9 @@ class RedisTier(Tier):
         except self._errors as error:
             self.misses["unavailable"] += 1
             self._failed(f"read of session {session_id!r}", error)
+        except Exception:  # whatever a snapshot holds, the turn goes on without it
+            self.misses["malformed"] += 1
+            logger.exception("kvchat: store miss for session %r (malformed)", session_id)
         return None
 
     def _find(self, session_id, prompt, have, local):
@@ -572,6 +575,10 @@ def _assemble(entry: dict, data: dict[str, bytes], held: int = 0, local=None) ->
     dtype = _dtype(entry["dtype"])
     shape = [int(s) for s in entry["shape"]]
     pieces = [data[d] for d in entry["chunks"][held:]]
+    if len(entry["bytes"]) != len(entry["chunks"]) or entry["bytes"][held:] != [
+        len(p) for p in pieces
+    ]:
+        raise ValueError("the chunk sizes the manifest lists are not the chunks' sizes")
     if entry["split"] == "bytes":
         flat = bytearray(b"".join(pieces))
         if not flat:

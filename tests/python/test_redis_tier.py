@@ -453,3 +453,66 @@ def test_a_missing_redis_client_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'kvchat\[redis\]'"):
         RedisTier("redis://127.0.0.1:1/0")
+
+
+def _mutations(manifest: dict):
+    """Ways a manifest can be wrong, each still valid JSON."""
+    name = next(iter(manifest["tensors"]))
+    entry = manifest["tensors"][name]
+    yield "ids not base64", dict(manifest, ids="%%%")
+    yield "ids of another length", dict(manifest, ids=manifest["ids"][:8])
+    yield "tensors not a dict", dict(manifest, tensors=[1, 2])
+    yield (
+        "a tensor missing",
+        dict(manifest, tensors={k: v for k, v in manifest["tensors"].items() if k != name}),
+    )
+    for field, value in (
+        ("dtype", "float128"),
+        ("dtype", "int8"),
+        ("shape", [1, 1, 1, 1]),
+        ("shape", "wide"),
+        ("split", "rows"),
+        ("chunks", entry["chunks"][:-1]),
+        ("chunks", None),
+        ("bytes", []),
+    ):
+        yield (
+            f"{field}={value!r}",
+            dict(manifest, tensors={**manifest["tensors"], name: dict(entry, **{field: value})}),
+        )
+    layout = manifest["layout"]
+    yield "layers missing", dict(manifest, layout=dict(layout, layers=layout["layers"][:-1]))
+    yield (
+        "a layer's kind",
+        dict(manifest, layout=dict(layout, layers=[{"kind": "conv"}, *layout["layers"][1:]])),
+    )
+    yield "trusted tokens a string", dict(manifest, layout=dict(layout, trusted_tokens="all"))
+    yield "text not a string", dict(manifest, layout=dict(layout, text=7))
+    yield "layout null", dict(manifest, layout=None)
+
+
+def test_a_malformed_manifest_is_a_miss_never_an_exception(llama, tokenizer, server, caplog):
+    """Manifests edited in each of many ways (valid JSON, correct fingerprint and
+    session): every turn on them is plain generate's reply, never an error."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    client, key, manifest = _manifest(server, a, "s")
+    messages.append(user_message(1))
+    expected = reference_turn(llama, tokenizer, messages)[0]
+    cases = list(_mutations(manifest))
+    for what, bad in cases:
+        client.set(key, json.dumps(bad))
+        assert b.chat("s", messages, max_new_tokens=MAX_NEW) == expected, what
+        assert b.last_turn("s").reason != "store_reload", what
+        b.remove("s", local_only=True)  # nothing held here next time: the store is asked
+        b.flush()  # its own snapshot of this turn is written before the next edit
+    assert sum(b.stats().store_miss_reasons.values()) == len(cases)
+
+
+def test_a_closed_store_is_not_used(llama, tokenizer, server):
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    b.close()
+    _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reason == "no_cache"
+    assert b.stats().store_miss_reasons == {"unavailable": 1}
