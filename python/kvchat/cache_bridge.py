@@ -13,6 +13,11 @@ Recurrent, conv and linear-attention tensors are different: the model updates
 them in place (``copy_``). So the bridge copies them into each cache it
 builds, and snapshots clone them (in the core), while the session keeps the
 tensors of a finished turn by reference.
+
+A ``DummyLayer`` (an MLP- or MoE-only layer, or one that reads another layer's
+keys and values: NemotronH, Gemma 3n) holds no state. The core never sees it:
+its layers are the cache's stateful ones, in order, and each cache the bridge
+builds keeps its dummy layers where the model put them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import (
+    DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -37,6 +43,7 @@ logger = logging.getLogger("kvchat")
 # Which parts each supported layer class has. Exact classes only: a subclass
 # may keep state kvchat would not carry over, so it gets no reuse instead.
 _PARTS = {
+    DummyLayer: (),  # stateless: nothing to carry, always reusable
     DynamicLayer: ("attention",),
     DynamicSlidingWindowLayer: ("sliding",),
     LinearAttentionLayer: ("recurrent",),
@@ -152,6 +159,8 @@ def _probe_templates(model, parts: list) -> list[LayerTemplate]:
         model(input_ids=token, past_key_values=cache, use_cache=True)
     templates = []
     for layer, layer_parts in zip(cache.layers, parts, strict=True):
+        if not layer_parts:
+            continue  # a dummy layer: no state, no template
         fields: dict = {"parts": layer_parts}
         if layer_parts[0] != "recurrent":
             keys, values = layer.keys, layer.values
@@ -178,8 +187,11 @@ class CacheBridge:
         self._config = model.config
         probe = DynamicCache(config=model.config)
         self.layer_classes = [type(layer).__name__ for layer in probe.layers]
-        self.num_layers = len(probe.layers)
+        self._cache_layers = len(probe.layers)
         self._parts = [_PARTS.get(type(layer)) for layer in probe.layers]
+        # The cache layers that hold state, in order: the core's layers.
+        self._stateful = [i for i, parts in enumerate(self._parts) if parts != ()]
+        self.num_layers = len(self._stateful)
         unsupported = sorted(
             {type(layer).__name__ for layer in probe.layers if type(layer) not in _PARTS}
         )
@@ -187,7 +199,7 @@ class CacheBridge:
         has_attention = any(p and p[0] != "recurrent" for p in self._parts)
         self.supported = self.num_layers > 0 and not unsupported and has_attention
         # Anything but full attention cannot crop back, so needs checkpoints.
-        self.needs_checkpoints = any(p != ("attention",) for p in self._parts)
+        self.needs_checkpoints = any(p != ("attention",) for p in self._parts if p != ())
         # Each layer's tensor layout, read once off a cache the model filled;
         # never learned from a turn or a file, so nothing outside can change it.
         self.templates = _probe_templates(model, self._parts) if self.supported else []
@@ -211,7 +223,7 @@ class CacheBridge:
         """Gives ``cache`` its own copies of its recurrent tensors, which the model
         updates in place: a cache handed back to the caller after the session
         stored those tensors by reference must not write into the session."""
-        for index, template in enumerate(self.templates):
+        for index, template in zip(self._stateful, self.templates, strict=True):
             layer = cache.layers[index]
             for kind, i in template.slots:
                 states = getattr(layer, f"{kind}_states")
@@ -228,16 +240,18 @@ class CacheBridge:
         buffer exists, so when the buffer moves to a larger arena the old one
         is freed layer by layer rather than held until the list goes away."""
         cache = self.new_cache()
-        if states and len(states) != len(cache.layers):
+        if states and len(states) != self.num_layers:
             raise ValueError(
-                f"states has {len(states)} layers but the model's cache has {len(cache.layers)}"
+                f"states has {len(states)} layers but the model's cache has {self.num_layers} "
+                "that hold state"
             )
-        for index, parts in enumerate(self._parts):
-            state = states[index] if states else None
+        for j, index in enumerate(self._stateful):
+            parts = self._parts[index]
+            state = states[j] if states else None
             if parts == ("attention",):
                 buffer = None if state is None else state.buffer(reserve)
                 if state is not None:
-                    states[index] = state = None
+                    states[j] = state = None
                 cache.layers[index] = BufferedLayer(buffer, reserve)
             elif state is not None:
                 # The layer's parts (this model's layout) say what each of the
@@ -245,24 +259,26 @@ class CacheBridge:
                 layer = cache.layers[index]
                 for part, part_state in zip(parts, state.parts() or [state], strict=True):
                     if part == "recurrent":
-                        _write_recurrent(layer, part_state, self.templates[index].slots)
+                        _write_recurrent(layer, part_state, self.templates[j].slots)
                     else:
                         _write_attention(layer, part_state, sliding=part == "sliding")
         return cache
 
     def from_cache(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState]:
         """The cache's tensors as core layer states (by reference), after ``tokens`` tokens."""
-        if len(cache.layers) != self.num_layers:
+        if len(cache.layers) != self._cache_layers:
             raise ValueError(
-                f"cache has {len(cache.layers)} layers but the model has {self.num_layers}"
+                f"cache has {len(cache.layers)} layers but the model has {self._cache_layers}"
             )
-        return [self._read(i, layer, tokens) for i, layer in enumerate(cache.layers)]
+        return [self._read(j, cache.layers[i], tokens) for j, i in enumerate(self._stateful)]
 
     def snapshot(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState | None]:
         """Owned copies of what cannot be cropped back to ``tokens`` later."""
         return [state.snapshot() for state in self.from_cache(cache, tokens)]
 
-    def _read(self, index: int, layer, tokens: int) -> _C.LayerState:
+    def _read(self, j: int, layer, tokens: int) -> _C.LayerState:
+        """Core layer ``j``'s state, from its cache ``layer``."""
+        index = self._stateful[j]
         parts = self._parts[index]
         attention = None
         if parts[0] != "recurrent":
@@ -270,10 +286,10 @@ class CacheBridge:
             if "recurrent" not in parts:
                 return attention
         slots = _recurrent_slots(layer)
-        if slots != self.templates[index].slots:
+        if slots != self.templates[j].slots:
             raise RuntimeError(
                 f"layer {index} ({self.layer_classes[index]}) filled recurrent tensors {slots}, "
-                f"not {self.templates[index].slots} as when kvchat probed it"
+                f"not {self.templates[j].slots} as when kvchat probed it"
             )
         tensors = [getattr(layer, f"{kind}_states")[i] for kind, i in slots]
         recurrent = _C.RecurrentState(tensors, tokens)

@@ -156,6 +156,8 @@ MODEL_TYPES = {
     "qwen3_5": "qwen3_5_text",  # gated DeltaNet + attention
     "bamba": "bamba",  # Mamba2 + attention
     "falcon_h1": "falcon_h1",  # Mamba2 beside attention in every layer
+    "nemotron_h": "nemotron_h",  # Mamba2, attention and MLP-only layers (stateless)
+    "gemma3n": "gemma3n_text",  # sliding and full attention; the last layers share KV
 }
 FAMILIES = tuple(MODEL_TYPES)
 TINY_SLIDING_WINDOW = 16
@@ -201,6 +203,34 @@ def _family_fields(family: str, shape: dict) -> dict:
         return dict(mamba, attn_layer_indices=list(range(1, layers, 2)), mamba_expand=1)
     if family == "falcon_h1":
         return dict(mamba, head_dim=head_dim, mamba_d_ssm=heads * head_dim)
+    if family == "gemma3n":
+        # Its last two layers read earlier layers' keys and values: DummyLayers.
+        return dict(
+            head_dim=head_dim,
+            sliding_window=TINY_SLIDING_WINDOW,
+            layer_types=[
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(layers)
+            ],
+            num_kv_shared_layers=2,
+            activation_sparsity_pattern=[0.0] * layers,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=shape["vocab_size"],
+            altup_num_inputs=2,
+            laurel_rank=8,
+        )
+    if family == "nemotron_h":
+        # Its own names for the Mamba2 fields; the cache holds a DummyLayer per MLP layer.
+        kinds = ("mamba", "attention", "mlp")
+        return dict(
+            layers_block_type=[kinds[i % 3] for i in range(layers)],
+            head_dim=head_dim,
+            ssm_state_size=8,
+            mamba_num_heads=heads,
+            mamba_head_dim=head_dim,
+            n_groups=1,
+            chunk_size=16,
+            use_mamba_kernels=False,
+        )
     return {}
 
 
@@ -215,8 +245,11 @@ def tiny_config(family: str = "llama", size: str = "tiny", tokenizer=None, **ove
     tokenizer = tokenizer or tiny_tokenizer()
     shape = dict(_SIZES[size])
     if family not in ("llama", "qwen2", "qwen3"):
-        # Room for both layer kinds, twice.
+        # Room for both layer kinds, twice (three kinds: twice each).
         shape["num_hidden_layers"] = max(shape["num_hidden_layers"], 4)
+    if family in ("nemotron_h", "gemma3n"):
+        shape["num_hidden_layers"] = max(shape["num_hidden_layers"], 6)
+    shape["vocab_size"] = len(tokenizer)
     fields = dict(
         shape,
         vocab_size=len(tokenizer),

@@ -40,8 +40,18 @@ def llama():
 
 
 # One family per layer mix: attention, sliding window, conv, DeltaNet, Mamba2
-# in its own layers (Bamba) and beside attention in every layer (FalconH1).
-REUSE_FAMILIES = ("llama", "gemma3", "lfm2", "qwen3_5", "bamba", "falcon_h1")
+# in its own layers (Bamba) and beside attention in every layer (FalconH1), and
+# stateless DummyLayers: MLP-only ones (NemotronH) and KV-shared ones (Gemma 3n).
+REUSE_FAMILIES = (
+    "llama",
+    "gemma3",
+    "lfm2",
+    "qwen3_5",
+    "bamba",
+    "falcon_h1",
+    "nemotron_h",
+    "gemma3n",
+)
 CHECKPOINT_FAMILIES = REUSE_FAMILIES[1:]
 
 
