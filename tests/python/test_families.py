@@ -1,0 +1,124 @@
+"""More families, each tried as a new user would: a few turns, every reply
+against plain ``generate`` on the whole conversation, and reuse from turn 2.
+
+Tiny random configs, built here (they are test fixtures, not kvchat's tiny
+families). float64 where the model runs in it; the mixture-of-experts families
+(GraniteMoeHybrid, Jamba, gpt-oss) refuse float64 in transformers' grouped
+matrix product ("Expected mat_a to be Float32, BFloat16 or Float16"), so they
+run in float32, where these seeds leave no near-tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import SYSTEM, reference_turn, user_message
+from kvchat import SessionManager
+from transformers import AutoConfig, AutoModelForCausalLM
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    tie_word_embeddings=False,
+)
+MOE = dict(num_experts_per_tok=1)
+# family: (model type, dtype, config fields, the cache layer classes it builds)
+FAMILIES = {
+    "mistral-sliding": (
+        "mistral",
+        torch.float64,
+        dict(num_hidden_layers=2, sliding_window=16),
+        ["DynamicSlidingWindowLayer"] * 2,
+    ),
+    "olmo3": (
+        "olmo3",
+        torch.float64,
+        dict(
+            num_hidden_layers=4,
+            sliding_window=16,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        ),
+        ["DynamicSlidingWindowLayer"] * 3 + ["DynamicLayer"],
+    ),
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        torch.float32,
+        dict(
+            MOE,
+            num_hidden_layers=4,
+            layer_types=["mamba", "attention"] * 2,
+            num_local_experts=2,
+            shared_intermediate_size=128,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=16,
+            mamba_expand=1,
+        ),
+        ["LinearAttentionLayer", "DynamicLayer"] * 2,
+    ),
+    "jamba": (
+        "jamba",
+        torch.float32,
+        dict(
+            MOE,
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            use_mamba_kernels=False,
+        ),
+        ["LinearAttentionLayer", "DynamicLayer"] * 2,
+    ),
+    "gpt-oss": (
+        "gpt_oss",
+        torch.float32,
+        dict(
+            MOE,
+            num_hidden_layers=2,
+            sliding_window=16,
+            num_local_experts=2,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        ["DynamicSlidingWindowLayer", "DynamicLayer"],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_is_exact_and_reuses(family, tokenizer):
+    model_type, dtype, fields, layers = FAMILIES[family]
+    config = AutoConfig.for_model(
+        model_type,
+        **SHAPE,
+        **fields,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(dtype).to(DEVICE).eval()
+    manager = SessionManager(model, tokenizer)
+    assert manager._bridge.layer_classes == layers
+    messages = [SYSTEM]
+    for turn in range(4):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=8)
+        assert reply == reference_turn(model, tokenizer, messages, 8)[0], (family, turn)
+        report = manager.last_turn("s")
+        if turn > 0:
+            assert report.reason in ("extend", "diverged"), report
+            assert report.reused_tokens > 0.5 * report.prompt_tokens, report
+        messages.append({"role": "assistant", "content": reply})
