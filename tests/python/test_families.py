@@ -122,3 +122,26 @@ def test_family_is_exact_and_reuses(family, tokenizer):
             assert report.reason in ("extend", "diverged"), report
             assert report.reused_tokens > 0.5 * report.prompt_tokens, report
         messages.append({"role": "assistant", "content": reply})
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "gemma3n"])
+def test_stateless_layer_families_reuse_a_normal_conversation(family, tokenizer):
+    """NemotronH (MLP-only layers) and Gemma 3n (KV-shared layers) hold
+    DummyLayers: from turn 2 on, a normal conversation (a 400-token system
+    prompt, short questions and replies) reuses at least 90% of each prompt."""
+    from conftest import _model
+    from helpers import LONG_SYSTEM
+
+    model = _model(family)
+    manager = SessionManager(model, tokenizer)
+    system = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
+    messages = [system]
+    for turn in range(4):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=12)
+        assert reply == reference_turn(model, tokenizer, messages, 12)[0], (family, turn)
+        report = manager.last_turn("s")
+        if turn > 0:
+            assert report.reason in ("extend", "diverged"), report
+            assert report.reused_tokens >= 0.9 * report.prompt_tokens, report
+        messages.append({"role": "assistant", "content": reply})
