@@ -359,7 +359,6 @@ class RedisTier(Tier):
             "layout": layout,
             "messages": messages,
             "tensors": entries,
-            "nbytes": sum(len(p) for p in chunks.values()),
             "written_at": time.time(),
         }
         keys = [self.chunk_key(d) for d in chunks]
@@ -434,7 +433,6 @@ class RedisTier(Tier):
             raise StoreMiss("session", f"the snapshot is of session {manifest.get('session_id')!r}")
         try:
             ids = torch.frombuffer(bytearray(base64.b64decode(manifest["ids"])), dtype=torch.int64)
-            nbytes = int(manifest["nbytes"])
         except (KeyError, TypeError, ValueError) as error:
             raise StoreMiss("malformed", f"manifest token ids: {error}") from None
         shared = _C.common_prefix_length(ids, prompt)
@@ -442,9 +440,10 @@ class RedisTier(Tier):
             if shared == 0:
                 raise StoreMiss("diverged", "its token ids share nothing with the prompt")
             return None  # what is held here covers as much: no miss, nothing to do
-        layout = dict(manifest["layout"], ids=ids.tolist())
         try:
+            layout = dict(manifest["layout"], ids=ids.tolist())
             held = _held_here(manifest["tensors"], _attention_tensors(layout), local, have)
+            # What this load fetches: the chunks past those held here.
             nbytes = sum(
                 b
                 for name, e in manifest["tensors"].items()
