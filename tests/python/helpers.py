@@ -60,6 +60,12 @@ LONG_SYSTEM = {
 }
 
 
+# Twice as long (about 400 tokens): a turn's new tokens (the last reply and the
+# new question, about 45) are then under 10% of the prompt, so a session can
+# reuse 90% of it; with LONG_SYSTEM alone even a perfect cache reuses 88%.
+LONGER_SYSTEM = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
+
+
 def readme_table_rows(heading: str) -> list[str]:
     """The first cell of each body row of the README table under ``heading``."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
-from helpers import SYSTEM, reference_turn, user_message
+from conftest import DEVICE, _model
+from helpers import LONGER_SYSTEM, SYSTEM, reference_turn, user_message
 from kvchat import SessionManager
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -112,16 +112,7 @@ def test_family_is_exact_and_reuses(family, tokenizer):
         model = AutoModelForCausalLM.from_config(config).to(dtype).to(DEVICE).eval()
     manager = SessionManager(model, tokenizer)
     assert manager._bridge.layer_classes == layers
-    messages = [SYSTEM]
-    for turn in range(4):
-        messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=8)
-        assert reply == reference_turn(model, tokenizer, messages, 8)[0], (family, turn)
-        report = manager.last_turn("s")
-        if turn > 0:
-            assert report.reason in ("extend", "diverged"), report
-            assert report.reused_tokens > 0.5 * report.prompt_tokens, report
-        messages.append({"role": "assistant", "content": reply})
+    _converse(manager, model, tokenizer, SYSTEM, max_new_tokens=8, min_reuse=0.5)
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "gemma3n"])
@@ -129,19 +120,21 @@ def test_stateless_layer_families_reuse_a_normal_conversation(family, tokenizer)
     """NemotronH (MLP-only layers) and Gemma 3n (KV-shared layers) hold
     DummyLayers: from turn 2 on, a normal conversation (a 400-token system
     prompt, short questions and replies) reuses at least 90% of each prompt."""
-    from conftest import _model
-    from helpers import LONG_SYSTEM
-
     model = _model(family)
     manager = SessionManager(model, tokenizer)
-    system = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
+    _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=12, min_reuse=0.9)
+
+
+def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turns=4):
+    """``turns`` turns, each plain generate's reply; from the second, each
+    extends or forks the cache and reuses at least ``min_reuse`` of its prompt."""
     messages = [system]
-    for turn in range(4):
+    for turn in range(turns):
         messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=12)
-        assert reply == reference_turn(model, tokenizer, messages, 12)[0], (family, turn)
+        reply = manager.chat("s", messages, max_new_tokens=max_new_tokens)
+        assert reply == reference_turn(model, tokenizer, messages, max_new_tokens)[0], turn
         report = manager.last_turn("s")
         if turn > 0:
             assert report.reason in ("extend", "diverged"), report
-            assert report.reused_tokens >= 0.9 * report.prompt_tokens, report
+            assert report.reused_tokens >= min_reuse * report.prompt_tokens, report
         messages.append({"role": "assistant", "content": reply})

@@ -25,7 +25,7 @@ import pytest
 import redis
 import torch
 from conftest import _model
-from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, reference_turn, user_message
 from kvchat import _C, RedisTier, SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
@@ -109,12 +109,9 @@ def test_two_processes_alternate_the_turns_of_eight_conversations(family, tokeni
     at least 90% of its prompt."""
     model = _model(family)
     workers = [Worker(family, server.redis_url), Worker(family, server.redis_url)]
-    # A 400-token system prompt: a turn's new tokens (the last reply and the
-    # new question, about 45) are then under 10% of its prompt, so 90% reuse is
-    # possible; with the 200-token one even a single process reuses only 88%.
-    system = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
     try:
-        conversations = {f"conv-{c}": [system] for c in range(8)}
+        # LONGER_SYSTEM: with 200 tokens, even one process reuses only 88%.
+        conversations = {f"conv-{c}": [LONGER_SYSTEM] for c in range(8)}
         for turn in range(6):
             for c, session in enumerate(conversations):
                 messages = [*conversations[session], user_message(turn + c)]
