@@ -66,6 +66,14 @@ class Tier:
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""
 
+    def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
+        """A shared tier may keep ``kvchat serve``'s map from a conversation (a
+        digest of its messages) to its session, for the other replicas."""
+
+    def recall_route(self, namespace: str, conversations: list[str]) -> str | None:
+        """The session of the first of ``conversations`` the map knows, or None."""
+        return None
+
     def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
         """Waits for writes in flight (of ``session_id`` only, if given); True
         once none is left."""

@@ -51,8 +51,8 @@ class SessionRouter:
 
     def __init__(self, manager):
         self._mgr = manager
-        tier = manager.tier
-        self._shared = tier if getattr(tier, "shared", False) else None
+        # A tier other replicas share keeps the conversation map for them too.
+        self._shared = manager.tier if manager.tier.shared else None
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
