@@ -20,14 +20,21 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("position", &Checkpoint::position)
       .def_readonly("states", &Checkpoint::states);
 
+  py::enum_<CheckpointPlacement>(m, "CheckpointPlacement")
+      .value("last_message", CheckpointPlacement::kLastMessage)
+      .value("every_message", CheckpointPlacement::kEveryMessage);
+  m.attr("MIN_CHECKPOINT_GAP") = kMinCheckpointGap;
+
   m.def(
       "checkpoint_positions",
-      [](const at::Tensor& prompt_ids, int64_t begin, const TurnMarkers& markers) {
+      [](const at::Tensor& prompt_ids, int64_t begin, const TurnMarkers& markers,
+         CheckpointPlacement placement) {
         auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
         py::gil_scoped_release release;
-        return checkpoint_positions(data, n, begin, markers);
+        return checkpoint_positions(data, n, begin, markers, placement);
       },
-      py::arg("prompt_ids"), py::arg("begin"), py::arg("markers"));
+      py::arg("prompt_ids"), py::arg("begin"), py::arg("markers"),
+      py::arg("placement") = CheckpointPlacement::kEveryMessage);
 
   // Built whole and read-only after: a stored record cannot be changed from Python.
   py::class_<TurnRecord>(m, "TurnRecord")

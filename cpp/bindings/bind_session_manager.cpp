@@ -35,7 +35,7 @@ void bind_session_manager(py::module_& m) {
                        int64_t max_checkpoints, int64_t max_checkpoint_bytes,
                        int64_t min_shared_tokens, bool keep_evicted, TurnMarkers markers,
                        RepetitionRule repetition, bool prefill_checkpoints,
-                       bool isolate_namespaces) {
+                       CheckpointPlacement placement, bool isolate_namespaces) {
              TORCH_CHECK_VALUE(min_shared_tokens >= 0,
                                "min_shared_tokens must be >= 0 (0: no sharing), got ",
                                min_shared_tokens);
@@ -43,13 +43,15 @@ void bind_session_manager(py::module_& m) {
                  ManagerLimits{max_sessions, max_cache_bytes, num_layers,
                                CheckpointPolicy{max_checkpoints, max_checkpoint_bytes},
                                min_shared_tokens, keep_evicted, isolate_namespaces},
-                 TurnSettings{std::move(markers), repetition, prefill_checkpoints});
+                 TurnSettings{std::move(markers), repetition, prefill_checkpoints, placement});
            }),
            py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
            py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0,
            py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false,
            py::arg("markers") = TurnMarkers{}, py::arg("repetition") = RepetitionRule{},
-           py::arg("prefill_checkpoints") = false, py::arg("isolate_namespaces") = false)
+           py::arg("prefill_checkpoints") = false,
+           py::arg("placement") = CheckpointPlacement::kLastMessage,
+           py::arg("isolate_namespaces") = false)
       .def("take_evicted",
            [](SessionManager& m) {
              std::vector<EvictedCache> evicted;

@@ -15,6 +15,8 @@ void bind_turn(py::module_& m) {
       .def_readonly("detail", &TurnPlan::detail)
       .def_readonly("reload_error", &TurnPlan::reload_error)
       .def_readonly("checkpoint_positions", &TurnPlan::checkpoint_positions)
+      .def_readonly("snapshot_prompt_end", &TurnPlan::snapshot_prompt_end)
+      .def_readonly("checkpoints", &TurnPlan::checkpoints)
       .def("take_layers", &TurnPlan::take_layers)
       .def("__repr__", [](const TurnPlan& p) {
         return "TurnPlan(" + to_string(p.reason) + ", keeps " + std::to_string(p.kept_tokens) +

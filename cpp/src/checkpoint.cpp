@@ -34,12 +34,40 @@ bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
   return true;
 }
 
+namespace {
+
+// The start of the prompt's final message: the second-to-last position in
+// (begin, n-1] that follows an end-of-turn id (the last one ends that message).
+// -1 when the tail holds no such start.
+int64_t final_message_start(const int64_t* ids, int64_t n, int64_t begin,
+                            const TurnMarkers& markers) {
+  int64_t last = -1;
+  int64_t before_last = -1;
+  for (int64_t p = begin + 1; p <= n - 1; ++p) {
+    const int64_t prev = ids[p - 1];
+    const auto& eot = markers.end_of_turn_ids;
+    if (std::find(eot.begin(), eot.end(), prev) != eot.end()) {
+      before_last = last;
+      last = p;
+    }
+  }
+  return before_last;
+}
+
+}  // namespace
+
 std::vector<int64_t> checkpoint_positions(const int64_t* ids, int64_t n, int64_t begin,
-                                          const TurnMarkers& markers) {
+                                          const TurnMarkers& markers,
+                                          CheckpointPlacement placement) {
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
   TORCH_CHECK_INDEX(begin >= 0 && begin < n, "begin must be in [0, ", n - 1, "], got ", begin);
   std::vector<int64_t> positions;
   if (begin + 1 > n - 1) return positions;
+  if (placement == CheckpointPlacement::kLastMessage) {
+    const int64_t start = final_message_start(ids, n, begin, markers);
+    if (start >= 0 && start - begin >= kMinCheckpointGap) positions.push_back(start);
+    return positions;
+  }
   for (int64_t p : find_turn_boundaries(ids, n, begin + 1, n - 1, markers)) positions.push_back(p);
   if (positions.empty() || positions.back() != n - 1) positions.push_back(n - 1);
   return positions;

@@ -282,6 +282,10 @@ LayerStatePtr RecurrentState::snapshot() const {
   return std::make_shared<RecurrentState>(std::move(copies), total_tokens_);
 }
 
+LayerStatePtr RecurrentState::shared_snapshot() const {
+  return std::make_shared<RecurrentState>(tensors_, total_tokens_);
+}
+
 std::vector<at::Tensor> RecurrentState::tensors_from(int64_t /*begin*/) const {
   // The whole state summarises every token, new ones included.
   return tensors_;
@@ -316,6 +320,11 @@ LayerStatePtr HybridState::cropped(int64_t n) const {
 LayerStatePtr HybridState::snapshot() const {
   return std::make_shared<HybridState>(attention_ ? attention_->snapshot() : nullptr,
                                        recurrent_->snapshot());
+}
+
+LayerStatePtr HybridState::shared_snapshot() const {
+  return std::make_shared<HybridState>(attention_ ? attention_->shared_snapshot() : nullptr,
+                                       recurrent_->shared_snapshot());
 }
 
 bool HybridState::can_restore(int64_t n, const LayerState* snapshot) const {

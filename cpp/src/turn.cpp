@@ -58,7 +58,17 @@ TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt,
   session.release_layers();
   if (settings_.prefill_checkpoints) {
     turn.checkpoint_positions =
-        checkpoint_positions(prompt, n, plan.kept_tokens, settings_.markers);
+        checkpoint_positions(prompt, n, plan.kept_tokens, settings_.markers, settings_.placement);
+    if (settings_.placement == CheckpointPlacement::kLastMessage) {
+      turn.snapshot_prompt_end = true;
+      // Where this turn starts is a checkpoint for free: the layers are at
+      // kept_tokens now. Skipped when it is one already (a restored checkpoint).
+      if (plan.kept_tokens > 0 && plan.checkpoint_position != plan.kept_tokens) {
+        Checkpoint start{plan.kept_tokens, {}};
+        for (const auto& layer : turn.layers) start.states.push_back(layer->shared_snapshot());
+        turn.checkpoints.push_back(std::move(start));
+      }
+    }
   }
   // Room for the prompt and some of the reply; decoding grows it in amortized
   // steps, so a large max_new_tokens reserves nothing up front.
@@ -88,9 +98,11 @@ TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& pla
     // cannot be named exactly is never stored.
     if (result.cached_tokens == total - 1 && result.cached_tokens > 0) {
       try {
+        auto checkpoints = plan.checkpoints;
+        for (auto& cp : result.checkpoints) checkpoints.push_back(std::move(cp));
         session.commit(result.sequence.data(), result.cached_tokens, std::move(result.layers),
                        plan.kept_tokens, settings_.markers, settings_.repetition,
-                       std::move(result.checkpoints), std::move(result.text));
+                       std::move(checkpoints), std::move(result.text));
         record.cache_stored = true;
       } catch (...) {
         session.invalidate_cache();

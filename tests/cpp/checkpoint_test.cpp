@@ -46,6 +46,34 @@ TEST(CheckpointPositions, MessageEndsGenerationPromptAndLastPromptToken) {
   EXPECT_THROW(checkpoint_positions(ids.data(), n, 12, markers), c10::IndexError);
 }
 
+TEST(CheckpointPositions, LastMessageStopsOnceAtTheFinalMessagesStartWhenFarEnough) {
+  // <s>=1, <e>=2, \n=5: a system message of `system` tokens, then a user
+  // message and the generation prompt [1 7 5].
+  const TurnMarkers markers{{2}, {{1, 7, 5}}};
+  auto prompt = [](int64_t system) {
+    std::vector<int64_t> ids{1};
+    ids.insert(ids.end(), system, 9);
+    for (int64_t id : {2, 5, 1, 9, 9, 2, 5, 1, 7, 5}) ids.push_back(id);
+    return ids;
+  };
+  const auto last = CheckpointPlacement::kLastMessage;
+  auto ids = prompt(kMinCheckpointGap);
+  auto n = static_cast<int64_t>(ids.size());
+  const int64_t system_end = kMinCheckpointGap + 2;  // just after the system's <e>
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 0, markers, last),
+            (std::vector<int64_t>{system_end}));
+  // Closer than the gap to the cache's end: the free checkpoint there serves.
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, 3, markers, last).empty());
+  // Past the final message's start: nothing left to stop at.
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, system_end, markers, last).empty());
+  ids = prompt(kMinCheckpointGap - 3);
+  n = static_cast<int64_t>(ids.size());
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, 0, markers, last).empty());
+  // A single message (no end before the final one's) has no start to stop at.
+  const std::vector<int64_t> alone{1, 9, 9, 9, 2, 5, 1, 7, 5};
+  EXPECT_TRUE(checkpoint_positions(alone.data(), alone.size(), 0, markers, last).empty());
+}
+
 TEST(Checkpoint, CheckNamesTheProblem) {
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(5), 3, 10), c10::ValueError);
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(11), 2, 10), c10::IndexError);

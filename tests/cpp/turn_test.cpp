@@ -14,12 +14,15 @@ namespace {
 
 using testing::attention_layers;
 using testing::iota_ids;
+using testing::recurrent_layer;
 
 const TurnMarkers kMarkers{{2}, {}};
 
-std::shared_ptr<SessionManager> make_manager(bool prefill_checkpoints = false) {
-  return std::make_shared<SessionManager>(ManagerLimits{16, 0, 2},
-                                          TurnSettings{kMarkers, {}, prefill_checkpoints});
+std::shared_ptr<SessionManager> make_manager(
+    bool prefill_checkpoints = false,
+    CheckpointPlacement placement = CheckpointPlacement::kLastMessage) {
+  return std::make_shared<SessionManager>(
+      ManagerLimits{16, 0, 2}, TurnSettings{kMarkers, {}, prefill_checkpoints, placement});
 }
 
 // What a model would leave after `prompt` and `generated` new tokens: the
@@ -178,13 +181,48 @@ TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
 }
 
 TEST(Turn, CheckpointPositionsCoverTheUncachedTail) {
-  auto mgr = make_manager(/*prefill_checkpoints=*/true);
+  auto mgr = make_manager(/*prefill_checkpoints=*/true, CheckpointPlacement::kEveryMessage);
   std::vector<int64_t> prompt{10, 11, 2, 12, 13, 2, 14, 15};
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
   // After each end-of-turn id, and before the last prompt token.
   EXPECT_EQ(plan.checkpoint_positions, (std::vector<int64_t>{3, 6, 7}));
+  EXPECT_FALSE(plan.snapshot_prompt_end);
+  EXPECT_TRUE(plan.checkpoints.empty());
+}
+
+TEST(Turn, LastMessagePlacementTakesTheTurnsStartForFree) {
+  auto mgr = make_manager(/*prefill_checkpoints=*/true);
+  const auto prompt = iota_ids(10);
+  {
+    auto lease = mgr->acquire("a");
+    auto& session = *lease->session();
+    auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+    EXPECT_TRUE(plan.snapshot_prompt_end);
+    EXPECT_TRUE(plan.checkpoints.empty());  // nothing cached: no start to keep
+    auto result = model_output(prompt, 3);
+    result.layers = {recurrent_layer(result.cached_tokens), recurrent_layer(result.cached_tokens)};
+    mgr->finish_turn(session, plan, std::move(result));
+  }
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  // The next prompt extends the 12 cached tokens (the prompt, 2 generated).
+  auto next = iota_ids(10);
+  for (int64_t id : {500, 501, 7}) next.push_back(id);
+  auto plan = mgr->begin_turn(session, next.data(), next.size(), 4);
+  ASSERT_EQ(plan.kept_tokens, 12);
+  ASSERT_EQ(plan.checkpoints.size(), 1u);
+  const auto& start = plan.checkpoints[0];
+  EXPECT_EQ(start.position, 12);
+  ASSERT_EQ(start.states.size(), 2u);
+  // The layers the turn starts from, shared (no copy).
+  const auto layers = plan.take_layers();
+  EXPECT_TRUE(start.states[0]->tensors()[0].is_same(layers[0]->tensors()[0]));
+  auto result = model_output(next, 2);
+  result.layers = {recurrent_layer(result.cached_tokens), recurrent_layer(result.cached_tokens)};
+  mgr->finish_turn(session, plan, std::move(result));
+  EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{12}));
 }
 
 TEST(Turn, BadArgumentsAreRefusedBeforeAnythingChanges) {

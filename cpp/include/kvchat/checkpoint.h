@@ -41,12 +41,34 @@ std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
                                           std::vector<Checkpoint> added,
                                           const CheckpointPolicy& policy);
 
+// Where a turn's prefill stops to snapshot its non-croppable layers. Each
+// stop is one more forward, and on a hybrid model one forward costs about
+// what prefilling tens of tokens does (every weight is read again), so the
+// default stops at most once. Two checkpoints cost no forward and a turn with
+// such layers always takes them (see TurnPlan): the state it starts from,
+// which the session holds anyway, and the state at the prompt's end.
+enum class CheckpointPlacement {
+  // The final message's start, when it lies kMinCheckpointGap or more tokens
+  // past the cache's end: on a first turn, the end of the system prompt. With
+  // the two free ones this covers the next turn, a reply that re-tokenizes
+  // differently, a template that rewrites the last reply, and an edit of any
+  // user message. A regenerate re-prefills the last message.
+  kLastMessage,
+  // Every message boundary (message ends and the generation prompt's start)
+  // and n-1, the last point before the final prompt token, so a regenerate
+  // reuses all but that token. Costs a forward per position, every turn.
+  kEveryMessage,
+};
+
+// A message start closer than this to the cache's end is left to the free
+// checkpoint there: a forward costs more than re-prefilling that many tokens.
+constexpr int64_t kMinCheckpointGap = 64;
+
 // Where a turn whose prompt is ids[0:n) and whose cache ends at `begin`
-// snapshots its non-croppable layers: every message boundary in (begin, n-1]
-// (message ends, and the generation prompt's start), and n-1, the last point
-// before the final prompt token, so a regenerated turn reuses all but that.
-std::vector<int64_t> checkpoint_positions(const int64_t* ids, int64_t n, int64_t begin,
-                                          const TurnMarkers& markers);
+// stops its prefill to snapshot, by `placement`: positions in (begin, n-1].
+std::vector<int64_t> checkpoint_positions(
+    const int64_t* ids, int64_t n, int64_t begin, const TurnMarkers& markers,
+    CheckpointPlacement placement = CheckpointPlacement::kEveryMessage);
 
 void collect_checkpoint_storage(const std::vector<Checkpoint>& checkpoints, StorageBytes* seen);
 int64_t checkpoint_bytes(const std::vector<Checkpoint>& checkpoints);

@@ -60,6 +60,10 @@ class LayerState {
   // A copy of what cropping could not give back later, owning its memory;
   // nullptr when cropping this state always returns here (full attention).
   virtual LayerStatePtr snapshot() const = 0;
+  // What snapshot() keeps, sharing this state's storage where that is safe:
+  // the adapter copies recurrent tensors into every cache it builds, so the
+  // model never writes into a state the session holds. Costs no copy there.
+  virtual LayerStatePtr shared_snapshot() const { return snapshot(); }
   // Whether restored(n, snapshot) works; snapshot may be null.
   virtual bool can_restore(int64_t n, const LayerState* snapshot) const;
   // The state after n tokens: cropped where it can be, otherwise taken from
@@ -190,6 +194,7 @@ class RecurrentState final : public LayerState {
   LayerStatePtr cropped(int64_t n) const override;
   // Clones: the model updates these tensors in place on the next forward.
   LayerStatePtr snapshot() const override;
+  LayerStatePtr shared_snapshot() const override;
   std::vector<at::Tensor> tensors() const override { return tensors_; }
   std::vector<at::Tensor> tensors_from(int64_t begin) const override;
   LayerMeta meta() const override {
@@ -214,6 +219,7 @@ class HybridState final : public LayerState {
   bool can_crop_to(int64_t n) const override;
   LayerStatePtr cropped(int64_t n) const override;
   LayerStatePtr snapshot() const override;
+  LayerStatePtr shared_snapshot() const override;
   bool can_restore(int64_t n, const LayerState* snapshot) const override;
   LayerStatePtr restored(int64_t n, const LayerStatePtr& snapshot) const override;
   std::vector<at::Tensor> tensors() const override;

@@ -21,9 +21,10 @@ namespace kvchat {
 struct TurnSettings {
   TurnMarkers markers;        // where messages end, for sharing cuts, checkpoints and checks
   RepetitionRule repetition;  // what counts as a degenerate loop at commit
-  // Whether a turn snapshots checkpoints while prefilling its uncached tail
-  // (a model with layers that cannot crop back: sliding, conv, recurrent).
+  // Whether turns take checkpoints (a model with layers that cannot crop
+  // back: sliding, conv, recurrent), and where the prefill stops for them.
   bool prefill_checkpoints = false;
+  CheckpointPlacement placement = CheckpointPlacement::kLastMessage;
 };
 
 // What begin_turn decided. The adapter builds its cache from take_layers(),
@@ -40,6 +41,12 @@ struct TurnPlan {
   std::string reload_error;
   // Positions in (kept_tokens, prompt size) where the prefill snapshots.
   std::vector<int64_t> checkpoint_positions;
+  // Whether the adapter snapshots at the prompt's end, once generate has
+  // prefilled it (before the first token is sampled): a copy, no forward.
+  bool snapshot_prompt_end = false;
+  // Taken here: the state at kept_tokens, sharing the layers' storage (the
+  // adapter copies what the model updates in place). finish_turn adds them.
+  std::vector<Checkpoint> checkpoints;
   std::vector<LayerStatePtr> layers;  // at kept_tokens; empty when nothing is kept
 
   int64_t prompt_tokens() const { return static_cast<int64_t>(prompt.size()); }
