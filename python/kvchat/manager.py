@@ -17,7 +17,7 @@ from .cache_bridge import CacheBridge
 from .fingerprint import model_fingerprint
 from .generate_args import GenerateArgs, resolve_generate_args
 from .persist import SessionFileError, read_session, write_session
-from .prefill import ChunkedPrefill
+from .prefill import ChunkedPrefill, PromptEndSnapshot
 from .prompting import (
     render_text,
     require_chat_template,
@@ -87,6 +87,10 @@ def _positive_int(value, name: str, allow_none: bool = False):
 MATCH_MODES = ("tokens", "text")
 BUSY_MODES = ("wait", "error")
 OVERFLOW_MODES = ("error", "truncate")
+CHECKPOINT_PLACEMENTS = {
+    "last": _C.CheckpointPlacement.last_message,
+    "every": _C.CheckpointPlacement.every_message,
+}
 
 
 def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
@@ -119,6 +123,7 @@ class SessionManager:
         match: str = "tokens",
         max_checkpoints: int = 8,
         max_checkpoint_bytes: int | str | None = None,
+        checkpoints: str = "last",
         busy: str = "wait",
         overflow: str = "error",
         share_prefixes: bool = True,
@@ -135,6 +140,16 @@ class SessionManager:
             can differ from a fresh tokenization).
         max_checkpoints, max_checkpoint_bytes: per session, for models with
             recurrent or sliding-window layers; see the README for the policy.
+        checkpoints: where a turn on such a model stops its prefill to take
+            a checkpoint (each stop is one more forward over the model).
+            "last" (default): at most once, at the final message's start when
+            it lies far past the cache's end (on a first turn, the system
+            prompt's end); with the free checkpoints at the turn's start and
+            the prompt's end, the next turn, an edit of any user message and a
+            template that rewrites the last reply all reuse, at a turn's cost
+            within a few percent of one forward. "every": at every message
+            boundary and before the last prompt token, so a regenerate reuses
+            all but one token, for a forward per boundary on every turn.
         busy: a call on a session another call is using "wait"s its turn, or
             raises ``SessionBusy`` ("error").
         overflow: when prompt + max_new_tokens exceeds max_context_length,
@@ -172,6 +187,10 @@ class SessionManager:
         self._wait = busy == "wait"
         if match not in MATCH_MODES:
             raise ValueError(f"match must be one of {MATCH_MODES}, got {match!r}")
+        if not isinstance(checkpoints, str) or checkpoints not in CHECKPOINT_PLACEMENTS:
+            raise ValueError(
+                f"checkpoints must be one of {tuple(CHECKPOINT_PLACEMENTS)}, got {checkpoints!r}"
+            )
         if (
             isinstance(max_checkpoints, bool)
             or not isinstance(max_checkpoints, int)
@@ -217,6 +236,7 @@ class SessionManager:
             markers=turn_markers(tokenizer, model.generation_config),
             repetition=_C.RepetitionRule(),
             prefill_checkpoints=self._bridge.needs_checkpoints,
+            placement=CHECKPOINT_PLACEMENTS[checkpoints],
             isolate_namespaces=isolate_namespaces,
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
@@ -564,11 +584,16 @@ class SessionManager:
             # Consumed: a buffer that moves to a larger arena frees the old one.
             cache = self._bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
             positions = plan.checkpoint_positions
+            checkpoints = []
             if positions:
-                result["checkpoints"] = self._prefill.run(
-                    model_input, cache, plan.kept_tokens, positions
-                )
+                checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
+            if plan.snapshot_prompt_end:
+                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel())
+                kwargs = at_end.attach(kwargs)
             output = self._model.generate(model_input, past_key_values=cache, **kwargs)
+            if plan.snapshot_prompt_end and at_end.checkpoint is not None:
+                checkpoints.append(at_end.checkpoint)
+            result["checkpoints"] = checkpoints
             cached = cache.get_seq_length()
             result.update(layers=self._bridge.from_cache(cache, cached), cached_tokens=cached)
             if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:

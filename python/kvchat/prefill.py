@@ -1,9 +1,12 @@
-"""Chunked prefill of a prompt's uncached tail, snapshotting at checkpoints.
+"""Checkpoints of a prompt's uncached tail: where the prefill stops, and the
+one taken for free at the prompt's end.
 
 ``model.generate`` prefills in one piece, so the state of a recurrent or
-sliding layer is only ever seen at the end. For models with such layers kvchat
-runs the tail itself, one chunk per checkpoint position, snapshots there, and
-then hands the cache to ``generate`` for the last prompt token and decoding.
+sliding layer is only ever seen at the end. For a checkpoint inside the tail
+kvchat runs the tail itself up to it, one forward per position, snapshots
+there, and then hands the cache to ``generate`` for the rest and decoding.
+Every stop costs a forward; the state at the prompt's end costs only a copy,
+taken when generate asks for the first token's logits.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from . import _C
 from .cache_bridge import CacheBridge
@@ -52,3 +56,30 @@ class ChunkedPrefill:
             done = position
             checkpoints.append(_C.Checkpoint(position, self._bridge.snapshot(cache, position)))
         return checkpoints
+
+
+class PromptEndSnapshot(LogitsProcessor):
+    """Snapshots ``cache`` when generate first asks for logits: by then it has
+    prefilled the whole prompt of ``tokens`` tokens and decoded nothing, so the
+    checkpoint lands at the prompt's end without a forward of its own."""
+
+    def __init__(self, bridge: CacheBridge, cache, tokens: int):
+        self._bridge, self._cache, self._tokens = bridge, cache, tokens
+        self.checkpoint: _C.Checkpoint | None = None
+        self._done = False
+
+    def __call__(self, input_ids, scores):
+        if not self._done:
+            self._done = True
+            # Anything else (a caller's processor that ran a forward) is no
+            # prompt end; better no checkpoint than a wrong one.
+            if input_ids.shape[-1] == self._tokens and self._cache.get_seq_length() == self._tokens:
+                states = self._bridge.snapshot(self._cache, self._tokens)
+                self.checkpoint = _C.Checkpoint(self._tokens, states)
+        return scores
+
+    def attach(self, generate_kwargs: dict) -> dict:
+        """generate kwargs with this snapshot first among the processors, so the
+        time it takes counts toward the time to first token."""
+        processors = LogitsProcessorList([self, *(generate_kwargs.get("logits_processor") or [])])
+        return {**generate_kwargs, "logits_processor": processors}

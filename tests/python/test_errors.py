@@ -102,6 +102,12 @@ def test_past_key_values_is_refused(mgr):
         ({"overflow": "wrap"}, ValueError, "overflow must be one of"),
         ({"max_checkpoints": -1}, ValueError, "max_checkpoints"),
         ({"max_checkpoints": 2.0}, ValueError, "max_checkpoints"),
+        (
+            {"checkpoints": "all"},
+            ValueError,
+            r"checkpoints must be one of \('last', 'every'\), got 'all'",
+        ),
+        ({"checkpoints": ["last"]}, ValueError, "checkpoints must be one of"),
         ({"max_checkpoint_bytes": "big"}, ValueError, "max_checkpoint_bytes"),
         ({"max_checkpoint_bytes": 0}, ValueError, "max_checkpoint_bytes"),
         ({"min_shared_tokens": 0}, ValueError, "min_shared_tokens"),

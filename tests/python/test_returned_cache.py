@@ -47,8 +47,10 @@ def test_running_the_returned_cache_on_leaves_the_session_exact(family, tokenize
     assert torch.equal(got.sequences, want.sequences)
     # Logits too: a few corrupted tokens of recurrent state move them by 1e-5 to
     # 1e-3 in float64 without always flipping a greedy token; a clean reuse
-    # stays within float64 noise (Qwen3.5's DeltaNet computes in float32: 1e-8).
+    # stays within float64 noise, except that Qwen3.5's DeltaNet computes in
+    # float32, whose rounding depends on where the prefill was split: up to
+    # float32's epsilon, 1.2e-7, measured.
     for ours, theirs in zip(got.logits, want.logits, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     report = mgr.last_turn("s")
     assert report.reason == "extend" and report.reused_tokens == out.sequences.shape[1] - 1

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     limits.add_argument("--max-cache-bytes", help="e.g. 4GiB (default: no byte limit)")
     limits.add_argument("--max-context-length", type=int)
     limits.add_argument("--max-checkpoints", type=int, default=8)
+    limits.add_argument(
+        "--checkpoints",
+        choices=["last", "every"],
+        default="last",
+        help="where hybrid models' turns take checkpoints (see the README's Checkpoints)",
+    )
     limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
     limits.add_argument("--no-share-prefixes", action="store_true")
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
@@ -137,6 +143,7 @@ def build_app(args: argparse.Namespace):
         max_cache_bytes=args.max_cache_bytes,
         max_context_length=args.max_context_length,
         max_checkpoints=args.max_checkpoints,
+        checkpoints=args.checkpoints,
         spill_dir=args.spill_dir,
         share_prefixes=not args.no_share_prefixes,
         isolate_namespaces=True,  # one API key never starts from another's cache
