@@ -17,7 +17,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
-	bench bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
+	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
 	sanitize
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
+	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
 	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
@@ -76,6 +77,11 @@ sanitize: deps
 # Benchmarks run outside the test suite; benchmarks/RESULTS.md records their output.
 bench: build
 	$(PY) benchmarks/multiturn.py --model smollm2-135m --turns 10
+
+# Hybrid models (conv, DeltaNet, Mamba2 layers) beside the attention preset;
+# agent-shaped turns (long prompts, short replies) keep the run to minutes.
+bench-hybrid: build
+	$(PY) benchmarks/hybrid.py --turns 10
 
 bench-decode: build
 	$(PY) benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192

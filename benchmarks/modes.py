@@ -129,9 +129,9 @@ class HfReuse(Mode):
 class Kvchat(Mode):
     name = "kvchat"
 
-    def __init__(self, model, tokenizer, sessions: int):
+    def __init__(self, model, tokenizer, sessions: int, **options):
         super().__init__(model, tokenizer)
-        self.manager = SessionManager(model, tokenizer, max_sessions=max(sessions, 1))
+        self.manager = SessionManager(model, tokenizer, max_sessions=max(sessions, 1), **options)
 
     def held_bytes(self):
         return self.manager.stats().resident_bytes

@@ -30,6 +30,8 @@ SHAPES = {
     # (system, user, reply) token ranges
     "chat": ((300, 1000), (20, 200), (50, 300)),
     "short": ((120, 200), (10, 40), (8, 24)),
+    # An agent loop: a long system prompt, tool results, short replies (calls).
+    "agent": ((300, 1000), (20, 200), (8, 32)),
 }
 
 
@@ -49,6 +51,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--checkpoints",
+        choices=["last", "every"],
+        default="last",
+        help="kvchat's checkpoint placement (SessionManager(checkpoints=...))",
+    )
     args = parser.parse_args(argv)
     if args.turns < 1 or args.sessions < 1:
         parser.error("--turns and --sessions must be >= 1")
@@ -77,7 +85,7 @@ def run(args) -> dict:
     modes = {
         "baseline": Baseline(model, tokenizer),
         "hf-reuse": HfReuse(model, tokenizer, system_ids),
-        "kvchat": Kvchat(model, tokenizer, args.sessions),
+        "kvchat": Kvchat(model, tokenizer, args.sessions, checkpoints=args.checkpoints),
         "limit": Limit(model, tokenizer),
     }
     modes = {name: modes[name] for name in args.modes}
@@ -173,6 +181,17 @@ def summarize(rows: list[dict], turns: int) -> dict:
             for m in out
             if m not in ("kvchat", "ratios")
         }
+        kvchat = _per_turn(rows, "kvchat")
+        # Turn 1 has nothing to reuse: kvchat against plain generate there, and
+        # against each other mode over the turns that could reuse.
+        out["ratios"]["turn-1 TTFT kvchat / baseline"] = kvchat[1] / _per_turn(rows, "baseline")[1]
+        if turns > 1:
+            for m in ("limit", "hf-reuse"):
+                if m in out:
+                    other = _per_turn(rows, m)
+                    out["ratios"][f"turns 2-{turns} TTFT kvchat / {m}"] = sum(
+                        kvchat[t] for t in range(2, turns + 1)
+                    ) / sum(other[t] for t in range(2, turns + 1))
         if "hf-reuse" in out:
             by_turn = _per_turn(rows, "kvchat"), _per_turn(rows, "hf-reuse")
             out["ratios"]["worst turn TTFT kvchat / hf-reuse"] = max(
