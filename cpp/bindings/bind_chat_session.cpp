@@ -28,13 +28,13 @@ void bind_chat_session(py::module_& m) {
   m.def(
       "checkpoint_positions",
       [](const at::Tensor& prompt_ids, int64_t begin, const TurnMarkers& markers,
-         CheckpointPlacement placement) {
+         CheckpointPlacement placement, int64_t rewritten_tail) {
         auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
         py::gil_scoped_release release;
-        return checkpoint_positions(data, n, begin, markers, placement);
+        return checkpoint_positions(data, n, begin, markers, placement, rewritten_tail);
       },
       py::arg("prompt_ids"), py::arg("begin"), py::arg("markers"),
-      py::arg("placement") = CheckpointPlacement::kEveryMessage);
+      py::arg("placement") = CheckpointPlacement::kEveryMessage, py::arg("rewritten_tail") = 0);
 
   // Built whole and read-only after: a stored record cannot be changed from Python.
   py::class_<TurnRecord>(m, "TurnRecord")

@@ -54,13 +54,15 @@ void bind_turn(py::module_& m) {
           "begin_turn",
           [](SessionManager& mgr, ChatSession& session, const at::Tensor& prompt_ids,
              int64_t max_new_tokens, std::optional<CachedState> reloaded,
-             std::optional<ReuseReason> plain) {
+             std::optional<ReuseReason> plain, int64_t rewritten_tail) {
             auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
             py::gil_scoped_release release;
-            return mgr.begin_turn(session, data, n, max_new_tokens, std::move(reloaded), plain);
+            return mgr.begin_turn(session, data, n, max_new_tokens, std::move(reloaded), plain,
+                                  rewritten_tail);
           },
           py::arg("session"), py::arg("prompt_ids"), py::arg("max_new_tokens"), py::kw_only(),
-          py::arg("reloaded") = std::nullopt, py::arg("plain") = std::nullopt)
+          py::arg("reloaded") = std::nullopt, py::arg("plain") = std::nullopt,
+          py::arg("rewritten_tail") = 0)
       .def(
           "finish_turn",
           [](SessionManager& mgr, ChatSession& session, const TurnPlan& plan, TurnResult& result) {

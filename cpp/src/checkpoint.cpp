@@ -57,19 +57,27 @@ int64_t final_message_start(const int64_t* ids, int64_t n, int64_t begin,
 }  // namespace
 
 std::vector<int64_t> checkpoint_positions(const int64_t* ids, int64_t n, int64_t begin,
-                                          const TurnMarkers& markers,
-                                          CheckpointPlacement placement) {
+                                          const TurnMarkers& markers, CheckpointPlacement placement,
+                                          int64_t rewritten_tail) {
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
   TORCH_CHECK_INDEX(begin >= 0 && begin < n, "begin must be in [0, ", n - 1, "], got ", begin);
+  TORCH_CHECK_VALUE(rewritten_tail >= 0, "rewritten_tail must be >= 0, got ", rewritten_tail);
   std::vector<int64_t> positions;
   if (begin + 1 > n - 1) return positions;
   if (placement == CheckpointPlacement::kLastMessage) {
     const int64_t start = final_message_start(ids, n, begin, markers);
     if (start >= 0 && start - begin >= kMinCheckpointGap) positions.push_back(start);
-    return positions;
+  } else {
+    for (int64_t p : find_turn_boundaries(ids, n, begin + 1, n - 1, markers)) {
+      positions.push_back(p);
+    }
+    if (positions.empty() || positions.back() != n - 1) positions.push_back(n - 1);
   }
-  for (int64_t p : find_turn_boundaries(ids, n, begin + 1, n - 1, markers)) positions.push_back(p);
-  if (positions.empty() || positions.back() != n - 1) positions.push_back(n - 1);
+  const int64_t rewritten = n - rewritten_tail;
+  if (rewritten_tail > 0 && rewritten > begin && rewritten < n) {
+    positions.insert(std::upper_bound(positions.begin(), positions.end(), rewritten), rewritten);
+    positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+  }
   return positions;
 }
 

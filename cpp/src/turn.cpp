@@ -18,8 +18,9 @@ std::vector<LayerStatePtr> TurnPlan::take_layers() {
 
 TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
                                     int64_t max_new_tokens, std::optional<CachedState> reloaded,
-                                    std::optional<ReuseReason> plain) {
+                                    std::optional<ReuseReason> plain, int64_t rewritten_tail) {
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
+  TORCH_CHECK_VALUE(rewritten_tail >= 0, "rewritten_tail must be >= 0, got ", rewritten_tail);
   TORCH_CHECK_VALUE(max_new_tokens > 0, "max_new_tokens must be a positive int, got ",
                     max_new_tokens);
   TurnPlan turn;
@@ -57,8 +58,8 @@ TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt,
   // the old one at once instead of holding both (the turn's peak memory).
   session.release_layers();
   if (settings_.prefill_checkpoints) {
-    turn.checkpoint_positions =
-        checkpoint_positions(prompt, n, plan.kept_tokens, settings_.markers, settings_.placement);
+    turn.checkpoint_positions = checkpoint_positions(prompt, n, plan.kept_tokens, settings_.markers,
+                                                     settings_.placement, rewritten_tail);
     if (settings_.placement == CheckpointPlacement::kLastMessage) {
       turn.snapshot_prompt_end = true;
       // Where this turn starts is a checkpoint for free: the layers are at

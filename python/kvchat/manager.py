@@ -21,6 +21,7 @@ from .prefill import ChunkedPrefill, PromptEndSnapshot
 from .prompting import (
     render_text,
     require_chat_template,
+    rewritten_tail,
     tokenize_text,
     turn_markers,
     validate_messages,
@@ -224,6 +225,7 @@ class SessionManager:
         self._match = match
         self._bridge = CacheBridge(model)
         self._prefill = ChunkedPrefill(model, self._bridge)
+        self._rewrites: dict[str, int] = {}  # template arguments -> rewritten_tail
         self._core = _C.SessionManager(
             max_sessions=max_sessions,
             max_cache_bytes=parse_bytes(max_cache_bytes) or 0,
@@ -266,7 +268,10 @@ class SessionManager:
         )
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         args = resolve_generate_args(self._model, kwargs, ids.numel())
-        _, reply, _ = self._turn(session_id, args, ids, text=text, messages=messages)
+        tail = self._rewritten_tail(tools, chat_template_kwargs)
+        _, reply, _ = self._turn(
+            session_id, args, ids, text=text, messages=messages, rewritten_tail=tail
+        )
         return reply
 
     def stream_chat(
@@ -292,9 +297,12 @@ class SessionManager:
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         stream = ReplyStream(self._tokenizer, kwargs)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
+        tail = self._rewritten_tail(tools, chat_template_kwargs)
 
         def run() -> TurnReport:
-            _, _, record = self._turn(session_id, args, ids, text=text, messages=messages)
+            _, _, record = self._turn(
+                session_id, args, ids, text=text, messages=messages, rewritten_tail=tail
+            )
             return TurnReport.from_core(record, self._tier.reload_reason)
 
         return stream.start(run, name=f"kvchat-stream-{session_id}")
@@ -490,7 +498,19 @@ class SessionManager:
                 f"max_context_length={self._max_context}"
             )
 
-    def _turn(self, session_id, args: GenerateArgs, fresh, *, text=None, messages=None):
+    def _rewritten_tail(self, tools, template_kwargs) -> int:
+        """rewritten_tail() for these template arguments, probed once each:
+        only models that take checkpoints need it."""
+        if not self._bridge.needs_checkpoints:
+            return 0
+        key = json.dumps([tools, template_kwargs], sort_keys=True, default=repr)
+        if key not in self._rewrites:
+            self._rewrites[key] = rewritten_tail(self._tokenizer, tools, template_kwargs)
+        return self._rewrites[key]
+
+    def _turn(
+        self, session_id, args: GenerateArgs, fresh, *, text=None, messages=None, rewritten_tail=0
+    ):
         """One turn: the core's begin_turn, the model, the core's finish_turn.
 
         ``args``: the generate arguments, resolved (and so validated) by the caller;
@@ -519,7 +539,12 @@ class SessionManager:
                 self._check_context(prompt.numel(), args.max_new_tokens)
                 reloaded = self._from_tier(session, prompt) if plain is None else None
                 plan = self._core.begin_turn(
-                    session, prompt, args.max_new_tokens, reloaded=reloaded, plain=plain
+                    session,
+                    prompt,
+                    args.max_new_tokens,
+                    reloaded=reloaded,
+                    plain=plain,
+                    rewritten_tail=rewritten_tail,
                 )
                 if plan.reload_error:
                     logger.warning(

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from . import _C
 
+logger = logging.getLogger("kvchat")
+
 _ROLE_PROBE = [{"role": "user", "content": "x"}]
+# A turn, and the same turn with a reply and the next question after it.
+_REWRITE_PROBE = (
+    [{"role": "user", "content": "Hello there."}],
+    [{"role": "assistant", "content": "Sure thing."}, {"role": "user", "content": "Thanks."}],
+)
+# More than this is no rewrite of the generation prompt but of earlier history
+# (a system prompt the template moves, say), which a tail stop cannot serve.
+_MAX_REWRITTEN_TAIL = 16
 
 
 def _text(value, where: str) -> str:
@@ -122,6 +133,23 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+def rewritten_tail(tokenizer, tools=None, template_kwargs=None) -> int:
+    """How many of a prompt's last tokens the chat template renders otherwise
+    once the reply follows in history: 0 for most templates; the generation
+    prompt's opening of a ``<think>`` block for one that drops it from earlier
+    turns (Qwen3.5, DeepSeek-R1). Read off a probe conversation, never a name."""
+    turn, after = _REWRITE_PROBE
+    try:
+        before = tokenize_text(tokenizer, render_text(tokenizer, turn, tools, template_kwargs))
+        later = render_text(tokenizer, [*turn, *after], tools, template_kwargs)
+    except Exception as error:  # a template that refuses the probe: assume no rewrite
+        logger.debug("kvchat: the chat template refused the rewrite probe: %s", error)
+        return 0
+    common = _C.common_prefix_length(before, tokenize_text(tokenizer, later))
+    tail = before.numel() - common
+    return tail if 0 < tail <= _MAX_REWRITTEN_TAIL else 0
+
+
 def turn_markers(tokenizer, generation_config) -> _C.TurnMarkers:
     """End-of-turn ids and role headers, taken from the tokenizer and template."""
     end_ids = set(_as_list(getattr(generation_config, "eos_token_id", None)))
@@ -130,10 +158,18 @@ def turn_markers(tokenizer, generation_config) -> _C.TurnMarkers:
         end_ids.update(_as_list(tokenizer.eos_token_id))
         if getattr(tokenizer, "chat_template", None):
             # The generation prompt is the assistant's role header.
-            bare = tokenizer.apply_chat_template(_ROLE_PROBE, tokenize=False)
-            full = tokenizer.apply_chat_template(
-                _ROLE_PROBE, tokenize=False, add_generation_prompt=True
-            )
+            try:
+                bare = tokenizer.apply_chat_template(_ROLE_PROBE, tokenize=False)
+                full = tokenizer.apply_chat_template(
+                    _ROLE_PROBE, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as error:  # a template that needs tools, say
+                logger.warning(
+                    "kvchat: the chat template refused a one-message probe (%s); message "
+                    "boundaries will be found by end-of-turn tokens alone",
+                    error,
+                )
+                bare = full = ""
             if full.startswith(bare) and len(full) > len(bare):
                 header = tokenizer(full[len(bare) :], add_special_tokens=False)["input_ids"]
                 if header:

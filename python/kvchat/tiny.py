@@ -58,6 +58,19 @@ THINK_DROPPING_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3.5 and DeepSeek-R1 write "<think>\n" into the generation prompt and
+# never into history, so each next prompt diverges inside the last one's
+# generation prompt.
+THINK_OPENING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
 
 _CORPUS = """\
 You are a helpful assistant. Answer briefly and precisely.

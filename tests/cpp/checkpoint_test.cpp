@@ -74,6 +74,24 @@ TEST(CheckpointPositions, LastMessageStopsOnceAtTheFinalMessagesStartWhenFarEnou
   EXPECT_TRUE(checkpoint_positions(alone.data(), alone.size(), 0, markers, last).empty());
 }
 
+TEST(CheckpointPositions, ARewrittenTailAddsAStopWhereHistoryWillDiverge) {
+  const TurnMarkers markers{{2}, {{1, 7, 5}}};
+  const std::vector<int64_t> ids = {1, 9, 2, 5, 1, 9, 9, 2, 5, 1, 7, 5};
+  const auto n = static_cast<int64_t>(ids.size());
+  const auto last = CheckpointPlacement::kLastMessage;
+  const auto every = CheckpointPlacement::kEveryMessage;
+  // The template's generation prompt [1 7 5] is rendered otherwise in history.
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 0, markers, last, 3), (std::vector<int64_t>{9}));
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 0, markers, every, 3),
+            (std::vector<int64_t>{3, 8, 9, 11}));
+  EXPECT_EQ(checkpoint_positions(ids.data(), n, 0, markers, every, 2),
+            (std::vector<int64_t>{3, 8, 9, 10, 11}));
+  // Already cached past it, or a tail longer than the prompt: no stop.
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, 9, markers, last, 3).empty());
+  EXPECT_TRUE(checkpoint_positions(ids.data(), n, 0, markers, last, 40).empty());
+  EXPECT_THROW(checkpoint_positions(ids.data(), n, 0, markers, last, -1), c10::ValueError);
+}
+
 TEST(Checkpoint, CheckNamesTheProblem) {
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(5), 3, 10), c10::ValueError);
   EXPECT_THROW(check_checkpoint(hybrid_checkpoint(11), 2, 10), c10::IndexError);

@@ -12,7 +12,12 @@ from conftest import CHECKPOINT_FAMILIES, _model
 from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
-from kvchat.tiny import THINK_DROPPING_TEMPLATE, tiny_tokenizer, words_only
+from kvchat.tiny import (
+    THINK_DROPPING_TEMPLATE,
+    THINK_OPENING_TEMPLATE,
+    tiny_tokenizer,
+    words_only,
+)
 
 
 def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
@@ -101,6 +106,34 @@ def test_template_that_drops_earlier_think_blocks(any_family):
                 assert t.checkpoint_restored == t.reused_tokens, (turn, t)
         previous_prompt = t.prompt_tokens
         messages.append({"role": "assistant", "content": f"<think>{reply}</think>\nDone."})
+
+
+@pytest.mark.parametrize("checkpoints", ["last", "every"])
+def test_template_that_opens_a_think_block_in_the_generation_prompt(any_family, checkpoints):
+    """Qwen3.5- and DeepSeek-R1-style templates put "<think>\n" in the
+    generation prompt but not in history: the next prompt diverges inside the
+    previous generation prompt, before the checkpoint at its end. kvchat finds
+    that tail by probing the template and stops its prefill where it starts,
+    so every layer reuses the whole common prefix."""
+    family, model = any_family
+    tokenizer = tiny_tokenizer(THINK_OPENING_TEMPLATE)
+    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints)
+    messages, held, previous_prompt = [SYSTEM], [], None
+    for turn in range(4):
+        messages.append(user_message(turn))
+        prompt = render_prompt(tokenizer, messages).tolist()
+        reply, t = chat_turn(mgr, model, tokenizer, messages)
+        if previous_prompt is not None:
+            common = next(
+                (i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
+                min(len(held), len(prompt)),
+            )
+            assert common < previous_prompt, (turn, common, previous_prompt)  # inside it
+            assert t.reused_tokens == common, (turn, t, common)
+            if family in CHECKPOINT_FAMILIES:
+                assert t.checkpoint_restored == common, (turn, t)
+        held, previous_prompt = list(mgr._core.find("s").cached_ids()), t.prompt_tokens
+        messages.append({"role": "assistant", "content": f"Let me see.</think>\n\n{reply}"})
 
 
 @pytest.mark.parametrize("checkpoints", ["every", "last"])

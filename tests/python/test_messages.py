@@ -9,6 +9,7 @@ import json
 import pytest
 from helpers import LONG_SYSTEM, MAX_NEW
 from kvchat import SessionManager
+from kvchat.tiny import tiny_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
@@ -57,8 +58,6 @@ def test_a_tool_calling_exchange_is_exact_keeps_its_fields_and_reuses(llama, tok
 
 
 def test_chat_template_kwargs_reach_the_template(llama):
-    from kvchat.tiny import tiny_tokenizer
-
     tokenizer = tiny_tokenizer(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if shout %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
@@ -114,3 +113,33 @@ def test_tools_and_template_kwargs_of_the_wrong_type_name_the_argument(llama, to
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         mgr.stream_chat("s", messages, chat_template_kwargs=["enable_thinking"])
     assert mgr.sessions() == []
+
+
+def test_rewritten_tail_is_read_off_the_template():
+    from kvchat.prompting import rewritten_tail
+    from kvchat.tiny import CHATML_TEMPLATE, THINK_DROPPING_TEMPLATE, THINK_OPENING_TEMPLATE
+
+    # History that keeps the generation prompt: nothing to stop for.
+    assert rewritten_tail(tiny_tokenizer(CHATML_TEMPLATE)) == 0
+    assert rewritten_tail(tiny_tokenizer(THINK_DROPPING_TEMPLATE)) == 0
+    opening = tiny_tokenizer(THINK_OPENING_TEMPLATE)
+    think = opening("<think>\n", add_special_tokens=False)["input_ids"]
+    assert rewritten_tail(opening) == len(think) > 0
+    # A template that refuses the probe is taken as one that rewrites nothing.
+    refusing = tiny_tokenizer("{{ raise_exception('system message required') }}")
+    assert rewritten_tail(refusing) == 0
+
+
+def test_a_template_that_needs_tools_still_builds_a_manager(llama, caplog):
+    """Some public templates (Hermes 3's tool-use one) fail without tools; the
+    manager's template probe must not turn that into a crash at construction."""
+    needs_tools = tiny_tokenizer(
+        "{% for tool in tools %}{{ tool['function']['name'] }}{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with caplog.at_level("WARNING", logger="kvchat"):
+        mgr = SessionManager(llama, needs_tools)
+    assert "refused a one-message probe" in caplog.text
+    reply = mgr.chat("s", [{"role": "user", "content": "hi"}], max_new_tokens=3, tools=TOOLS)
+    assert isinstance(reply, str) and mgr.last_turn("s").generated_tokens == 3

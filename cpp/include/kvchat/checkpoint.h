@@ -66,9 +66,13 @@ constexpr int64_t kMinCheckpointGap = 64;
 
 // Where a turn whose prompt is ids[0:n) and whose cache ends at `begin`
 // stops its prefill to snapshot, by `placement`: positions in (begin, n-1].
+// Either placement also stops at n - rewritten_tail when that is positive: a
+// template that renders the generation prompt differently in history (one
+// that opens a <think> block there, say) makes the next prompt diverge
+// inside it, before the free checkpoint at the prompt's end.
 std::vector<int64_t> checkpoint_positions(
     const int64_t* ids, int64_t n, int64_t begin, const TurnMarkers& markers,
-    CheckpointPlacement placement = CheckpointPlacement::kEveryMessage);
+    CheckpointPlacement placement = CheckpointPlacement::kEveryMessage, int64_t rewritten_tail = 0);
 
 void collect_checkpoint_storage(const std::vector<Checkpoint>& checkpoints, StorageBytes* seen);
 int64_t checkpoint_bytes(const std::vector<Checkpoint>& checkpoints);

@@ -118,9 +118,11 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // refused and named in reload_error), plans, starts from another session's
   // prefix when that keeps more, and hands the layer states at the plan's
   // point to the turn. After this, finish_turn or abort_turn must follow.
+  // `rewritten_tail`: how many of the prompt's last tokens the chat template
+  // renders differently once the reply follows (see checkpoint_positions).
   TurnPlan begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
                       int64_t max_new_tokens, std::optional<CachedState> reloaded = std::nullopt,
-                      std::optional<ReuseReason> plain = std::nullopt);
+                      std::optional<ReuseReason> plain = std::nullopt, int64_t rewritten_tail = 0);
   // Checks and commits what the model left (a cache whose token count does
   // not match the sequence is dropped, not stored), sets the messages, and
   // records the turn. A commit that throws leaves the session with no cache.
