@@ -13,7 +13,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
-	"selenium>=4.20" "redis>=5" "hiredis>=2"
+	"selenium>=4.20" "redis>=5" "hiredis>=2" "gguf>=0.10"
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
@@ -53,8 +53,13 @@ test-cpp: deps
 	cmake --build $(CPP_BUILD) --target kvchat_tests
 	ctest --test-dir $(CPP_BUILD) --output-on-failure
 
+# Public chat templates and vocabularies from llama.cpp's sources (the
+# llama-cpp-python sdist on PyPI), downloaded once for test_real_templates.py.
+$(BUILD)/llama-cpp/.complete: tests/python/llama_cpp_models.py
+	$(PY) tests/python/llama_cpp_models.py $(BUILD)/llama-cpp
+
 # Runs from the repo root against the installed package (python/ is not on sys.path).
-test-python: build
+test-python: build $(BUILD)/llama-cpp/.complete
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
