@@ -38,10 +38,12 @@ def main() -> None:
                     messages.append({"role": "assistant", "content": reply})
                 mgr.chat("s", messages[:index] + [EDIT], max_new_tokens=4)
                 t = mgr.last_turn("s")
-                share = t.reused_tokens / t.prompt_tokens
+                edited = f"user message {index // 2 + 1}"
+                reused = (
+                    f"{t.reused_tokens}/{t.prompt_tokens} {t.reused_tokens / t.prompt_tokens:.0%}"
+                )
                 print(
-                    f"{family:10} {placement:9} {f'user message {index // 2 + 1}':>14} "
-                    f"{t.reused_tokens:>5}/{t.prompt_tokens} {share:>4.0%} {t.checkpoint_restored:>9}"
+                    f"{family:10} {placement:9} {edited:>14} {reused:>14} {t.checkpoint_restored:>8}"
                 )
 
 
