@@ -43,7 +43,7 @@ def main() -> None:
                     f"{t.reused_tokens}/{t.prompt_tokens} {t.reused_tokens / t.prompt_tokens:.0%}"
                 )
                 print(
-                    f"{family:10} {placement:9} {edited:>14} {reused:>14} {t.checkpoint_restored:>8}"
+                    f"{family:10} {placement:9}{edited:>15} {reused:>14} {t.checkpoint_restored:>7}"
                 )
 
 
