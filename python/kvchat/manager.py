@@ -88,6 +88,8 @@ def _positive_int(value, name: str, allow_none: bool = False):
 MATCH_MODES = ("tokens", "text")
 BUSY_MODES = ("wait", "error")
 OVERFLOW_MODES = ("error", "truncate")
+# Template arguments (tools, chat_template_kwargs) whose rewritten tail is remembered.
+_MAX_PROBED_TEMPLATES = 256
 CHECKPOINT_PLACEMENTS = {
     "last": _C.CheckpointPlacement.last_message,
     "every": _C.CheckpointPlacement.every_message,
@@ -150,7 +152,9 @@ class SessionManager:
             template that rewrites the last reply all reuse, at a turn's cost
             within a few percent of one forward. "every": at every message
             boundary and before the last prompt token, so a regenerate reuses
-            all but one token, for a forward per boundary on every turn.
+            all but one token, for a forward per boundary on every turn. Both
+            also stop where a template's generation prompt starts to differ
+            from how history renders it (Qwen3.5's "<think>"), found by probing.
         busy: a call on a session another call is using "wait"s its turn, or
             raises ``SessionBusy`` ("error").
         overflow: when prompt + max_new_tokens exceeds max_context_length,
@@ -505,6 +509,8 @@ class SessionManager:
             return 0
         key = json.dumps([tools, template_kwargs], sort_keys=True, default=repr)
         if key not in self._rewrites:
+            if len(self._rewrites) >= _MAX_PROBED_TEMPLATES:
+                self._rewrites.clear()  # a server's clients may send endless tool sets
             self._rewrites[key] = rewritten_tail(self._tokenizer, tools, template_kwargs)
         return self._rewrites[key]
 
