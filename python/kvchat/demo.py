@@ -105,8 +105,10 @@ def replay(
 
 def format_family_summary(replays: list[Replay]) -> str:
     """One line per family: reuse after the first turn, and TTFT over all turns."""
+    kinds_of = {r.family: ", ".join(sorted(set(r.layer_classes))) for r in replays}
+    width = max(len("cache layers"), *(len(k) for k in kinds_of.values()))
     header = (
-        f"{'family':<10} {'cache layers':<46} {'reuse turn 2+':>13} {'restores':>8} "
+        f"{'family':<10} {'cache layers':<{width}} {'reuse turn 2+':>13} {'restores':>8} "
         f"{'TTFT plain/kvchat':>17} {'same tokens':>11}"
     )
     lines = [header, "-" * len(header)]
@@ -115,10 +117,9 @@ def format_family_summary(replays: list[Replay]) -> str:
         reused = sum(row.reused for row in later) / max(sum(row.prompt_tokens for row in later), 1)
         plain = sum(row.plain_ms for row in r.rows)
         fast = sum(row.kvchat_ms for row in r.rows)
-        kinds = ", ".join(sorted(set(r.layer_classes)))
         same = all(row.same_tokens for row in r.rows)
         lines.append(
-            f"{r.family:<10} {kinds:<46} {reused:>13.0%} {r.stats.checkpoint_restores:>8} "
+            f"{r.family:<10} {kinds_of[r.family]:<{width}} {reused:>13.0%} {r.stats.checkpoint_restores:>8} "
             f"{plain / fast:>16.1f}x {'yes' if same else 'NO':>11}"
         )
     return "\n".join(lines)
