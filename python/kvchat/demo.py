@@ -118,8 +118,9 @@ def format_family_summary(replays: list[Replay]) -> str:
         plain = sum(row.plain_ms for row in r.rows)
         fast = sum(row.kvchat_ms for row in r.rows)
         same = all(row.same_tokens for row in r.rows)
+        kinds, restores = kinds_of[r.family], r.stats.checkpoint_restores
         lines.append(
-            f"{r.family:<10} {kinds_of[r.family]:<{width}} {reused:>13.0%} {r.stats.checkpoint_restores:>8} "
+            f"{r.family:<10} {kinds:<{width}} {reused:>13.0%} {restores:>8} "
             f"{plain / fast:>16.1f}x {'yes' if same else 'NO':>11}"
         )
     return "\n".join(lines)
