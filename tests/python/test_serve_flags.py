@@ -1,0 +1,34 @@
+"""kvchat serve's flags reach the SessionManager it builds (no server started)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from kvchat.serve import cli
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    return cli.add_arguments(argparse.ArgumentParser()).parse_args(["tiny:lfm2", *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "placement"), [((), "last"), (("--checkpoints", "every"), "every")]
+)
+def test_checkpoints_flag_reaches_the_manager(monkeypatch, flags, placement):
+    seen = {}
+    real = cli.SessionManager
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "SessionManager", capture)
+    cli.build_app(_args(*flags))
+    assert seen["checkpoints"] == placement
+
+
+def test_a_bad_checkpoints_value_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        _args("--checkpoints", "all")
+    assert "--checkpoints" in capsys.readouterr().err
