@@ -5,7 +5,7 @@ Tiny random configs, built here (they are test fixtures, not kvchat's tiny
 families). float64 where the model runs in it; the mixture-of-experts families
 (GraniteMoeHybrid, Jamba, gpt-oss) refuse float64 in transformers' grouped
 matrix product ("Expected mat_a to be Float32, BFloat16 or Float16"), so they
-run in float32, where these seeds leave no near-tie."""
+run in float32, where these seeds leave no near-tie. Zamba2 runs in float64."""
 
 from __future__ import annotations
 
@@ -92,6 +92,27 @@ FAMILIES = {
             layer_types=["sliding_attention", "full_attention"],
         ),
         ["DynamicSlidingWindowLayer", "DynamicLayer"],
+    ),
+    # Mamba2 layers, and hybrid layers where a shared attention block sits
+    # beside Mamba2: LinearAttentionLayer and LinearAttentionAndFullAttentionLayer.
+    "zamba2": (
+        "zamba2",
+        torch.float64,
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid"] * 2,
+            hybrid_layer_ids=[1, 3],
+            attention_head_dim=16,
+            mamba_d_state=8,
+            mamba_headdim=16,
+            n_mamba_heads=8,
+            mamba_ngroups=1,
+            chunk_size=16,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=False,
+            use_mem_rope=True,
+        ),
+        ["LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"] * 2,
     ),
 }
 
