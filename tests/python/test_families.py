@@ -159,3 +159,45 @@ def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turn
             assert report.reason in ("extend", "diverged"), report
             assert report.reused_tokens >= min_reuse * report.prompt_tokens, report
         messages.append({"role": "assistant", "content": reply})
+
+
+def test_dsa_indexed_layers_run_as_plain_generate_exactly(tokenizer):
+    """GLM-MoE-DSA's cache holds DynamicIndexedLayer (keys, values and a
+    per-token indexer key cache), which kvchat does not carry yet: every turn
+    runs as plain generate, passing no cache, with the same tokens. float32:
+    its experts refuse float64 like the other MoE families here."""
+    config = AutoConfig.for_model(
+        "glm_moe_dsa",
+        **dict(SHAPE, num_key_value_heads=4),
+        **MOE,
+        num_hidden_layers=2,
+        moe_intermediate_size=32,
+        n_routed_experts=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float().to(DEVICE).eval()
+    manager = SessionManager(model, tokenizer)
+    assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * 2
+    assert not manager._bridge.supported
+    messages = [SYSTEM]
+    for turn in range(2):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=6)
+        assert reply == reference_turn(model, tokenizer, messages, 6)[0], turn
+        report = manager.last_turn("s")
+        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0)
+        messages.append({"role": "assistant", "content": reply})
