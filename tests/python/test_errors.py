@@ -213,7 +213,7 @@ README_ROWS = {
     "`input_ids` not a 2-D": ["test_bad_input_ids"],
     "`past_key_values` passed": ["test_past_key_values_is_refused"],
     "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
-    "`match`, `busy` or `overflow`": ["test_bad_constructor_arguments"],
+    "`match`, `busy`, `overflow` or `checkpoints`": ["test_bad_constructor_arguments"],
     "a call on a session in use": ["test_busy_session"],
     "`save`/`load` `path`": ["test_persistence.py::test_save_and_load_argument_errors"],
     "`load` of a truncated": [
