@@ -120,17 +120,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_is_exact_and_reuses(family, tokenizer):
     model_type, dtype, fields, layers = FAMILIES[family]
-    config = AutoConfig.for_model(
-        model_type,
-        **SHAPE,
-        **fields,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(dtype).to(DEVICE).eval()
+    model = _tiny(model_type, dtype, dict(SHAPE, **fields), tokenizer)
     manager = SessionManager(model, tokenizer)
     assert manager._bridge.layer_classes == layers
     _converse(manager, model, tokenizer, SYSTEM, max_new_tokens=8, min_reuse=0.5)
@@ -144,6 +134,20 @@ def test_stateless_layer_families_reuse_a_normal_conversation(family, tokenizer)
     model = _model(family)
     manager = SessionManager(model, tokenizer)
     _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=12, min_reuse=0.9)
+
+
+def _tiny(model_type, dtype, fields, tokenizer):
+    """A random model of ``model_type`` from ``fields``, seeded, on the test device."""
+    config = AutoConfig.for_model(
+        model_type,
+        **fields,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).to(dtype).to(DEVICE).eval()
 
 
 def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turns=4):
@@ -166,10 +170,10 @@ def test_dsa_indexed_layers_run_as_plain_generate_exactly(tokenizer):
     per-token indexer key cache), which kvchat does not carry yet: every turn
     runs as plain generate, passing no cache, with the same tokens. float32:
     its experts refuse float64 like the other MoE families here."""
-    config = AutoConfig.for_model(
-        "glm_moe_dsa",
-        **dict(SHAPE, num_key_value_heads=4),
+    fields = dict(
+        SHAPE,
         **MOE,
+        num_key_value_heads=4,
         num_hidden_layers=2,
         moe_intermediate_size=32,
         n_routed_experts=2,
@@ -183,13 +187,8 @@ def test_dsa_indexed_layers_run_as_plain_generate_exactly(tokenizer):
         index_n_heads=2,
         index_head_dim=16,
         index_topk=8,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float().to(DEVICE).eval()
+    model = _tiny("glm_moe_dsa", torch.float32, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * 2
     assert not manager._bridge.supported
