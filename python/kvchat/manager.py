@@ -618,11 +618,12 @@ class SessionManager:
             checkpoints = []
             if positions:
                 checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
+            at_end = None
             if plan.snapshot_prompt_end:
                 at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel())
                 kwargs = at_end.attach(kwargs)
             output = self._model.generate(model_input, past_key_values=cache, **kwargs)
-            if plan.snapshot_prompt_end and at_end.checkpoint is not None:
+            if at_end is not None and at_end.checkpoint is not None:
                 checkpoints.append(at_end.checkpoint)
             result["checkpoints"] = checkpoints
             cached = cache.get_seq_length()
