@@ -18,10 +18,27 @@ A ``DummyLayer`` (an MLP- or MoE-only layer, or one that reads another layer's
 keys and values: NemotronH, Gemma 3n) holds no state. The core never sees it:
 its layers are the cache's stateful ones, in order, and each cache the bridge
 builds keeps its dummy layers where the model put them.
+
+A ``DynamicIndexedLayer`` (DeepSeek-V3.2-style sparse attention: GLM-MoE-DSA,
+DeepSeek-V3.2) holds, beside its keys and values, the indexer's keys
+``[batch, tokens, dim]``: one more per-token tensor that crops like KV. The
+core holds them as one more attention layer, ``[batch, 1, tokens, dim]`` keys
+with zero-width values, after the model's own layers; so cropping, sharing,
+budgets and session files treat them as they treat any KV.
+
+A cache of recurrent layers alone (Mamba, Mamba2, FalconMamba) cannot say how
+many tokens it has seen (``get_seq_length`` refuses), so ``generate`` would run
+the whole prompt over it again; kvchat counts the tokens itself and gives
+``generate`` only those the cache lacks (``CacheBridge.knows_length``). These
+models take the cache as ``cache_params`` (``CacheBridge.cache_argument``).
+That is exact only where a forward over several tokens starts from the state
+the cache holds: Mamba2's chunked scan does, Mamba's and FalconMamba's
+selective scan starts from zeros. A probe decides (``_continues_state``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -29,6 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import (
     DummyLayer,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -45,6 +63,7 @@ logger = logging.getLogger("kvchat")
 _PARTS = {
     DummyLayer: (),  # stateless: nothing to carry, always reusable
     DynamicLayer: ("attention",),
+    DynamicIndexedLayer: ("attention",),  # plus indexer keys: CacheBridge._indexer_of
     DynamicSlidingWindowLayer: ("sliding",),
     LinearAttentionLayer: ("recurrent",),
     LinearAttentionAndFullAttentionLayer: ("attention", "recurrent"),
@@ -93,6 +112,67 @@ class BufferedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices) -> None:
         raise NotImplementedError("kvchat's BufferedLayer holds one conversation (batch 1)")
+
+
+class BufferedIndexedLayer(BufferedLayer, DynamicIndexedLayer):
+    """A ``DynamicIndexedLayer`` whose keys, values and indexer keys all live in
+    kvchat buffers. The indexer's buffer holds ``[batch, 1, tokens, dim]`` keys
+    and zero-width values, so it is an ordinary ``KvBuffer``; ``indexer_keys``
+    is its ``[batch, tokens, dim]`` view, as the model expects."""
+
+    def __init__(
+        self,
+        buffer: _C.KvBuffer | None = None,
+        indexer: _C.KvBuffer | None = None,
+        reserve: int = 0,
+    ):
+        super().__init__(buffer, reserve)
+        self.indexer = indexer
+        if indexer is not None:
+            self._set_indexer_keys()
+
+    def _set_indexer_keys(self) -> None:
+        keys = self.indexer.keys().squeeze(1)
+        if not self.is_indexer_initialized:
+            self.lazy_initialization_indexer(keys)
+        self.indexer_keys = keys
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        keys = indexer_key_states.unsqueeze(1)
+        if self.indexer is None:
+            capacity = max(self._reserve, keys.shape[-2])
+            self.indexer = _C.KvBuffer.empty_like(keys, _zero_width(keys), capacity)
+        self.indexer.append(keys, _zero_width(keys))
+        self._set_indexer_keys()
+        return self.indexer_keys
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0 and self.indexer is not None:
+            self.indexer.crop(self.indexer.length + tokens_to_remove)
+            self._set_indexer_keys()
+
+
+def _zero_width(keys: torch.Tensor) -> torch.Tensor:
+    """The values beside indexer keys: none, so they cost no memory."""
+    return keys[..., :0]
+
+
+def _read_indexer(layer) -> _C.AttentionState:
+    """The indexer keys of a ``DynamicIndexedLayer`` as a core attention state."""
+    if isinstance(layer, BufferedIndexedLayer) and layer.indexer is not None:
+        return _C.AttentionState.from_buffer(layer.indexer)
+    keys = layer.indexer_keys.unsqueeze(1)
+    return _C.AttentionState(keys, _zero_width(keys))
+
+
+def _take_buffer(states: list, j: int | None, reserve: int) -> _C.KvBuffer | None:
+    """A buffer continuing ``states[j]`` (None: no states, or no such layer),
+    setting the entry to None (see ``CacheBridge.to_cache``)."""
+    if not states or j is None:
+        return None
+    state, states[j] = states[j], None
+    return state.buffer(reserve)
 
 
 def _read_attention(layer, sliding: bool):
@@ -150,13 +230,47 @@ class LayerTemplate:
     recurrent: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # their shapes and dtypes
 
 
-def _probe_templates(model, parts: list) -> list[LayerTemplate]:
-    """Runs the model over one token into a fresh cache, once, and reads off
-    each layer's tensor layout: which recurrent tensors it fills, and shapes."""
+def _cache_argument(model) -> str:
+    """The name the model's forward takes its cache by: Mamba-family models
+    take ``cache_params`` and refuse ``past_key_values``."""
+    parameters = inspect.signature(model.forward).parameters
+    if "cache_params" in parameters and "past_key_values" not in parameters:
+        return "cache_params"
+    return "past_key_values"
+
+
+def _probe(model, cache_argument: str) -> DynamicCache:
+    """A fresh cache after the model ran over one token: what each layer fills."""
     cache = DynamicCache(config=model.config)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     with torch.no_grad():
-        model(input_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, use_cache=True, **{cache_argument: cache})
+    return cache
+
+
+def _continues_state(model, cache_argument: str) -> bool:
+    """Whether a forward over several tokens continues the recurrent state a
+    cache holds, read off the model's logits: 12 tokens in one forward against
+    6 and then 6, equal up to the rounding the model's dtype allows."""
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (1, 12), generator=generator).to(model.device)
+
+    def last_logits(ids, cache):
+        return model(input_ids=ids, use_cache=True, **{cache_argument: cache}).logits[0, -1]
+
+    with torch.no_grad():
+        whole = last_logits(tokens, DynamicCache(config=model.config))
+        cache = DynamicCache(config=model.config)
+        last_logits(tokens[:, :6], cache)
+        split = last_logits(tokens[:, 6:], cache)
+    tolerance = torch.finfo(whole.dtype).eps ** 0.5 * whole.abs().max()
+    return bool((whole - split).abs().max() <= tolerance)
+
+
+def _templates(cache: DynamicCache, parts: list) -> list[LayerTemplate]:
+    """Each stateful layer's tensor layout, read off a probed cache: which
+    recurrent tensors it fills, and shapes."""
     templates = []
     for layer, layer_parts in zip(cache.layers, parts, strict=True):
         if not layer_parts:
@@ -180,8 +294,36 @@ def _probe_templates(model, parts: list) -> list[LayerTemplate]:
     return templates
 
 
+def _indexer_template(layer) -> LayerTemplate:
+    keys = layer.indexer_keys
+    return LayerTemplate(
+        parts=("attention",), dtype=keys.dtype, kv_heads=1, key_dim=keys.shape[-1], value_dim=0
+    )
+
+
+def _indexer_problem(cache: DynamicCache, indexed: list[int]) -> str | None:
+    """Why kvchat cannot carry these indexer keys, or None."""
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            # Per-token positions (Qwen4-Exp's), which kvchat does not carry.
+            return f"layer {i} keeps indexer_position_ids"
+    dtypes = {
+        k.dtype for k in (getattr(layer, "keys", None) for layer in cache.layers) if k is not None
+    }
+    for i in indexed:
+        dtype = cache.layers[i].indexer_keys.dtype
+        if {dtype} != dtypes:
+            # The core keeps every attention-like layer in one dtype.
+            kv = sorted(map(str, dtypes))
+            return f"layer {i}'s indexer keys are {dtype}, its keys and values {kv}"
+    return None
+
+
 class CacheBridge:
-    """One per model: knows its layer layout and builds caches for it."""
+    """One per model: knows its layer layout and builds caches for it.
+
+    The core's layers are the cache's stateful layers, in order, then the
+    indexer keys of each DynamicIndexedLayer that fills them."""
 
     def __init__(self, model):
         self._config = model.config
@@ -189,25 +331,47 @@ class CacheBridge:
         self.layer_classes = [type(layer).__name__ for layer in probe.layers]
         self._cache_layers = len(probe.layers)
         self._parts = [_PARTS.get(type(layer)) for layer in probe.layers]
-        # The cache layers that hold state, in order: the core's layers.
+        self._indexed_layers = {
+            i for i, layer in enumerate(probe.layers) if type(layer) is DynamicIndexedLayer
+        }
+        # The cache layers that hold state, in order: the core's first layers.
         self._stateful = [i for i, parts in enumerate(self._parts) if parts != ()]
-        self.num_layers = len(self._stateful)
         unsupported = sorted(
             {type(layer).__name__ for layer in probe.layers if type(layer) not in _PARTS}
         )
-        # The token count comes from an attention part; without one it is unknown.
-        has_attention = any(p and p[0] != "recurrent" for p in self._parts)
-        self.supported = self.num_layers > 0 and not unsupported and has_attention
+        self.cache_argument = _cache_argument(model)
+        # Whether the cache can count its tokens (get_seq_length): only an
+        # attention part can; recurrent layers alone leave it to kvchat.
+        self.knows_length = any(p and p[0] != "recurrent" for p in self._parts)
+        self.supported = bool(self._stateful) and not unsupported
         # Anything but full attention cannot crop back, so needs checkpoints.
         self.needs_checkpoints = any(p != ("attention",) for p in self._parts if p != ())
         # Each layer's tensor layout, read once off a cache the model filled;
         # never learned from a turn or a file, so nothing outside can change it.
-        self.templates = _probe_templates(model, self._parts) if self.supported else []
-        if not self.supported:
+        self.templates: list[LayerTemplate] = []
+        self._indexer_of: dict[int, int] = {}  # cache layer -> the core layer of its indexer
+        problem = None if self.supported else f"cache layers {unsupported or ['<no state>']}"
+        if self.supported:
+            filled = _probe(model, self.cache_argument)
+            self.templates = _templates(filled, self._parts)
+            indexed = [
+                i for i in sorted(self._indexed_layers) if filled.layers[i].indexer_keys is not None
+            ]
+            problem = _indexer_problem(filled, indexed)
+            if problem is None and not self.knows_length:
+                if not _continues_state(model, self.cache_argument):
+                    problem = "a forward over several tokens does not continue the cached state"
+            if problem is None:
+                self.templates += [_indexer_template(filled.layers[i]) for i in indexed]
+                self._indexer_of = {i: len(self._stateful) + k for k, i in enumerate(indexed)}
+            else:
+                self.supported, self.templates = False, []
+        self.num_layers = len(self.templates) if self.supported else len(self._stateful)
+        if problem is not None:
             logger.warning(
-                "kvchat: cache layers %s are not supported; every turn will prefill the "
-                "whole prompt (correct, but without reuse)",
-                unsupported or ["<no attention layer>"],
+                "kvchat: %s: not supported; every turn will prefill the whole prompt "
+                "(correct, but without reuse)",
+                problem,
             )
 
     @property
@@ -223,7 +387,7 @@ class CacheBridge:
         """Gives ``cache`` its own copies of its recurrent tensors, which the model
         updates in place: a cache handed back to the caller after the session
         stored those tensors by reference must not write into the session."""
-        for index, template in zip(self._stateful, self.templates, strict=True):
+        for index, template in zip(self._stateful, self.templates, strict=False):
             layer = cache.layers[index]
             for kind, i in template.slots:
                 states = getattr(layer, f"{kind}_states")
@@ -231,6 +395,12 @@ class CacheBridge:
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self._config)
+
+    def cached_tokens(self, cache: DynamicCache, sequence_length: int) -> int:
+        """How many tokens ``cache`` holds once generate returned a sequence of
+        ``sequence_length``: the cache's own count where it keeps one, otherwise
+        all but the last token, which generate samples and never feeds."""
+        return cache.get_seq_length() if self.knows_length else sequence_length - 1
 
     def to_cache(self, states: list[_C.LayerState], reserve: int = 0) -> DynamicCache:
         """A cache holding ``states`` (empty: none), with room for ``reserve`` tokens
@@ -247,17 +417,18 @@ class CacheBridge:
             )
         for j, index in enumerate(self._stateful):
             parts = self._parts[index]
-            state = states[j] if states else None
             if parts == ("attention",):
-                buffer = None if state is None else state.buffer(reserve)
-                if state is not None:
-                    states[j] = state = None
-                cache.layers[index] = BufferedLayer(buffer, reserve)
-            elif state is not None:
+                buffer = _take_buffer(states, j, reserve)
+                if index in self._indexed_layers:
+                    indexer = _take_buffer(states, self._indexer_of.get(index), reserve)
+                    cache.layers[index] = BufferedIndexedLayer(buffer, indexer, reserve)
+                else:
+                    cache.layers[index] = BufferedLayer(buffer, reserve)
+            elif states:
                 # The layer's parts (this model's layout) say what each of the
                 # state's parts is: a hybrid gives (attention, recurrent).
                 layer = cache.layers[index]
-                for part, part_state in zip(parts, state.parts() or [state], strict=True):
+                for part, part_state in zip(parts, states[j].parts() or [states[j]], strict=True):
                     if part == "recurrent":
                         _write_recurrent(layer, part_state, self.templates[j].slots)
                     else:
@@ -270,7 +441,8 @@ class CacheBridge:
             raise ValueError(
                 f"cache has {len(cache.layers)} layers but the model has {self._cache_layers}"
             )
-        return [self._read(j, cache.layers[i], tokens) for j, i in enumerate(self._stateful)]
+        states = [self._read(j, cache.layers[i], tokens) for j, i in enumerate(self._stateful)]
+        return states + [_read_indexer(cache.layers[i]) for i in self._indexer_of]
 
     def snapshot(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState | None]:
         """Owned copies of what cannot be cropped back to ``tokens`` later."""

@@ -17,7 +17,7 @@ from .cache_bridge import CacheBridge
 from .fingerprint import model_fingerprint
 from .generate_args import GenerateArgs, resolve_generate_args
 from .persist import SessionFileError, read_session, write_session
-from .prefill import ChunkedPrefill, PromptEndSnapshot
+from .prefill import ChunkedPrefill, PromptEndSnapshot, tail_kwargs, with_prefix
 from .prompting import (
     render_text,
     require_chat_template,
@@ -314,10 +314,11 @@ class SessionManager:
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
         _check_session_id(session_id)
-        if "past_key_values" in generate_kwargs:
-            raise ValueError(
-                "past_key_values is managed by kvchat; do not pass it to SessionManager.generate"
-            )
+        for name in ("past_key_values", "cache_params"):
+            if name in generate_kwargs:
+                raise ValueError(
+                    f"{name} is managed by kvchat; do not pass it to SessionManager.generate"
+                )
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must be a 2-D tensor [batch, tokens], got "
@@ -618,17 +619,26 @@ class SessionManager:
             checkpoints = []
             if positions:
                 checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
+            # A cache that cannot count its tokens (recurrent layers alone) gets
+            # only the tokens it lacks, or generate would run the whole prompt again.
+            fed = 0
+            if not self._bridge.knows_length:
+                fed = positions[-1] if positions else plan.kept_tokens
+                kwargs = tail_kwargs(kwargs, fed)
             at_end = None
             if plan.snapshot_prompt_end:
-                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel())
+                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel(), fed)
                 kwargs = at_end.attach(kwargs)
-            output = self._model.generate(model_input, past_key_values=cache, **kwargs)
+            cache_argument = self._bridge.cache_argument
+            output = self._model.generate(model_input[:, fed:], **{cache_argument: cache}, **kwargs)
+            output = with_prefix(output, model_input[:, :fed])
             if at_end is not None and at_end.checkpoint is not None:
                 checkpoints.append(at_end.checkpoint)
             result["checkpoints"] = checkpoints
-            cached = cache.get_seq_length()
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            cached = self._bridge.cached_tokens(cache, sequences.shape[-1])
             result.update(layers=self._bridge.from_cache(cache, cached), cached_tokens=cached)
-            if not isinstance(output, torch.Tensor) and output.get("past_key_values") is cache:
+            if not isinstance(output, torch.Tensor) and output.get(cache_argument) is cache:
                 # The caller may run the returned cache on; the session must not see that.
                 self._bridge.detach_recurrent(cache)
         sequences = output if isinstance(output, torch.Tensor) else output.sequences

@@ -7,6 +7,11 @@ kvchat runs the tail itself up to it, one forward per position, snapshots
 there, and then hands the cache to ``generate`` for the rest and decoding.
 Every stop costs a forward; the state at the prompt's end costs only a copy,
 taken when generate asks for the first token's logits.
+
+A cache that cannot count its tokens (recurrent layers alone: Mamba) is
+handed to ``generate`` with only the tokens it lacks (``tail_kwargs``), and
+the prompt's first tokens are put back in front of what it returns
+(``with_prefix``), so the caller sees what plain ``generate`` returns.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ class ChunkedPrefill:
         parameters = inspect.signature(model.forward).parameters
         # Only the state matters here; skip the [tokens, vocab] logits.
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        # Explicit positions where the model takes them: some (Bamba) count
+        # from 0 without them, where generate would pass the true ones. Mamba
+        # takes none (its **kwargs would pass them on to its kernels).
+        self._positions = "position_ids" in parameters
 
     @torch.no_grad()
     def run(
@@ -43,15 +52,14 @@ class ChunkedPrefill:
                     f"checkpoint positions must rise within ({start}, {input_ids.shape[1]}), "
                     f"got {positions}"
                 )
-            # Explicit positions: some models (Bamba) count from 0 without them,
-            # where generate would pass the true ones.
-            position_ids = torch.arange(done, position, device=input_ids.device).unsqueeze(0)
+            extra = dict(self._extra)
+            if self._positions:
+                extra["position_ids"] = torch.arange(done, position, device=input_ids.device)[None]
             self._model(
                 input_ids=input_ids[:, done:position],
-                position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
-                **self._extra,
+                **{self._bridge.cache_argument: cache},
+                **extra,
             )
             done = position
             checkpoints.append(_C.Checkpoint(position, self._bridge.snapshot(cache, position)))
@@ -63,8 +71,10 @@ class PromptEndSnapshot(LogitsProcessor):
     prefilled the whole prompt of ``tokens`` tokens and decoded nothing, so the
     checkpoint lands at the prompt's end without a forward of its own."""
 
-    def __init__(self, bridge: CacheBridge, cache, tokens: int):
-        self._bridge, self._cache, self._tokens = bridge, cache, tokens
+    def __init__(self, bridge: CacheBridge, cache, tokens: int, held: int = 0):
+        """``held``: the prompt's first tokens, which generate was not given
+        (see ``tail_kwargs``)."""
+        self._bridge, self._cache, self._tokens, self._held = bridge, cache, tokens, held
         self.checkpoint: _C.Checkpoint | None = None
         self._done = False
 
@@ -73,7 +83,10 @@ class PromptEndSnapshot(LogitsProcessor):
             self._done = True
             # Anything else (a caller's processor that ran a forward) is no
             # prompt end; better no checkpoint than a wrong one.
-            if input_ids.shape[-1] == self._tokens and self._cache.get_seq_length() == self._tokens:
+            given = self._tokens - self._held
+            # What the cache holds; one that cannot count holds what it was fed.
+            cached = self._bridge.cached_tokens(self._cache, self._tokens + 1)
+            if input_ids.shape[-1] == given and cached == self._tokens:
                 states = self._bridge.snapshot(self._cache, self._tokens)
                 self.checkpoint = _C.Checkpoint(self._tokens, states)
         return scores
@@ -83,3 +96,24 @@ class PromptEndSnapshot(LogitsProcessor):
         time it takes counts toward the time to first token."""
         processors = LogitsProcessorList([self, *(generate_kwargs.get("logits_processor") or [])])
         return {**generate_kwargs, "logits_processor": processors}
+
+
+def tail_kwargs(generate_kwargs: dict, held: int) -> dict:
+    """generate kwargs for a prompt whose first ``held`` tokens the cache holds
+    and generate is not given: an attention mask (all ones, as kvchat takes
+    only unpadded prompts) loses those positions too."""
+    mask = generate_kwargs.get("attention_mask")
+    if mask is None or held == 0:
+        return generate_kwargs
+    return {**generate_kwargs, "attention_mask": mask[:, held:]}
+
+
+def with_prefix(output, prefix: torch.Tensor):
+    """generate's ``output`` for the tokens after ``prefix``, with ``prefix`` put
+    back in front of its sequences: what generate returns for the whole prompt."""
+    if prefix.shape[-1] == 0:
+        return output
+    if isinstance(output, torch.Tensor):
+        return torch.cat([prefix.to(output.device), output], dim=-1)
+    output.sequences = torch.cat([prefix.to(output.sequences.device), output.sequences], dim=-1)
+    return output

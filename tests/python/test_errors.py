@@ -83,9 +83,11 @@ def test_bad_input_ids(mgr, ids, match):
         mgr.generate(ids, max_new_tokens=2)
 
 
-def test_past_key_values_is_refused(mgr):
-    with pytest.raises(ValueError, match="past_key_values"):
-        mgr.generate(torch.ones(1, 3, dtype=torch.long), past_key_values=object())
+@pytest.mark.parametrize("name", ["past_key_values", "cache_params"])
+def test_past_key_values_is_refused(mgr, name):
+    """A cache of the caller's, by either name (Mamba's is cache_params)."""
+    with pytest.raises(ValueError, match=f"{name} is managed by kvchat"):
+        mgr.generate(torch.ones(1, 3, dtype=torch.long), **{name: object()})
 
 
 @pytest.mark.parametrize(
@@ -211,7 +213,7 @@ README_ROWS = {
     ],
     "`max_new_tokens` zero": ["test_bad_max_new_tokens"],
     "`input_ids` not a 2-D": ["test_bad_input_ids"],
-    "`past_key_values` passed": ["test_past_key_values_is_refused"],
+    "`past_key_values` or `cache_params` passed": ["test_past_key_values_is_refused"],
     "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
     "`match`, `busy`, `overflow` or `checkpoints`": ["test_bad_constructor_arguments"],
     "a call on a session in use": ["test_busy_session"],

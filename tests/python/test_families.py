@@ -165,38 +165,163 @@ def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turn
         messages.append({"role": "assistant", "content": reply})
 
 
-def test_dsa_indexed_layers_run_as_plain_generate_exactly(tokenizer):
-    """GLM-MoE-DSA's cache holds DynamicIndexedLayer (keys, values and a
-    per-token indexer key cache), which kvchat does not carry yet: every turn
-    runs as plain generate, passing no cache, with the same tokens. float32:
-    its experts refuse float64 like the other MoE families here."""
-    fields = dict(
-        SHAPE,
-        **MOE,
-        num_key_value_heads=4,
-        num_hidden_layers=2,
-        moe_intermediate_size=32,
-        n_routed_experts=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=8,
-    )
-    model = _tiny("glm_moe_dsa", torch.float32, fields, tokenizer)
+# GLM-MoE-DSA (DeepSeek-V3.2-style sparse attention): multi-head latent
+# attention, and an indexer that picks each query's index_topk keys; with
+# prompts of hundreds of tokens and index_topk=8 the selection is real.
+DSA = dict(
+    SHAPE,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=8,
+)
+DSA_VARIANTS = {
+    # Dense layers run in float64. The middle layer reuses the previous
+    # layer's selection ("shared"), so its indexer keys stay empty.
+    "dense-float64": (
+        torch.float64,
+        dict(
+            num_hidden_layers=3, first_k_dense_replace=3, indexer_types=["full", "shared", "full"]
+        ),
+        2,
+    ),
+    # Its experts refuse float64 like the other MoE families here.
+    "moe-float32": (
+        torch.float32,
+        dict(
+            MOE,
+            num_hidden_layers=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=2,
+            n_shared_experts=1,
+        ),
+        2,
+    ),
+}
+
+
+def _dsa(variant, tokenizer):
+    dtype, fields, _ = DSA_VARIANTS[variant]
+    return _tiny("glm_moe_dsa", dtype, dict(DSA, **fields), tokenizer)
+
+
+@pytest.mark.parametrize("variant", DSA_VARIANTS)
+def test_dsa_indexed_layers_reuse_keys_values_and_indexer_keys(variant, tokenizer, tmp_path):
+    """DynamicIndexedLayer holds keys, values and per-token indexer keys; kvchat
+    carries all three, cropping the indexer keys like KV: every turn is plain
+    generate's reply, from turn 2 at least 90% reused; a second session starts
+    from the first one's system prompt, and a saved session continues exactly."""
+    model = _dsa(variant, tokenizer)
     manager = SessionManager(model, tokenizer)
-    assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * 2
-    assert not manager._bridge.supported
+    layers = len(model.config.layer_types)
+    assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * layers
+    # One core layer per cache layer, then one per indexer that fills its keys.
+    assert manager._bridge.num_layers == layers + DSA_VARIANTS[variant][2]
+    _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=8, min_reuse=0.9)
+
+    messages = [LONGER_SYSTEM, user_message(5)]
+    reply = manager.chat("other", messages, max_new_tokens=8)
+    assert reply == reference_turn(model, tokenizer, messages, 8)[0]
+    report = manager.last_turn("other")
+    assert report.reason == "shared_prefix" and report.reused_tokens > 0, report
+
+    manager.save("other", tmp_path / "other.safetensors")
+    fresh = SessionManager(model, tokenizer)
+    fresh.load(tmp_path / "other.safetensors")
+    messages += [{"role": "assistant", "content": reply}, user_message(6)]
+    reply = fresh.chat("other", messages, max_new_tokens=8)
+    assert reply == reference_turn(model, tokenizer, messages, 8)[0]
+    report = fresh.last_turn("other")
+    assert report.reason in ("extend", "diverged") and report.reused_tokens > 0, report
+
+
+def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog):
+    """A model that keeps per-token indexer positions in its cache
+    (Qwen4-Exp's indexer_position_ids), which kvchat does not carry, runs every
+    turn as plain generate, passing no cache, with the same tokens. A hook
+    makes GLM-MoE-DSA keep them, so the test needs no second tiny family."""
+    model = _dsa("dense-float64", tokenizer)
+
+    def keep_positions(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            seen = cache.get_seq_length()
+            positions = torch.arange(seen, seen + kwargs["input_ids"].shape[1])
+            cache.layers[0].indexer_position_ids = positions.view(1, 1, -1)
+
+    hook = model.model.register_forward_pre_hook(keep_positions, with_kwargs=True)
+    try:
+        manager = SessionManager(model, tokenizer)
+        assert not manager._bridge.supported
+        assert "layer 0 keeps indexer_position_ids" in caplog.text
+        messages = [SYSTEM]
+        for turn in range(2):
+            messages.append(user_message(turn))
+            reply = manager.chat("s", messages, max_new_tokens=6)
+            assert reply == reference_turn(model, tokenizer, messages, 6)[0], turn
+            report = manager.last_turn("s")
+            assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0)
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        hook.remove()
+
+
+# Caches of recurrent layers alone, which cannot count their tokens: kvchat
+# does, and gives generate only the tokens the cache lacks. initializer_range
+# 0.2, so these random models' replies depend on their context.
+RECURRENT_ONLY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    state_size=16,
+    expand=2,
+    conv_kernel=4,
+    initializer_range=0.2,
+    bos_token_id=None,
+)
+
+
+def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer):
+    """Mamba2 takes its cache as cache_params, and its chunked scan starts
+    from the cached state: from turn 2 on every turn reuses at least 90% of a
+    normal conversation's prompt and is exact, and a regenerate restores a
+    checkpoint (float64)."""
+    fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
+    model = _tiny("mamba2", torch.float64, fields, tokenizer)
+    manager = SessionManager(model, tokenizer)
+    assert manager._bridge.layer_classes == ["LinearAttentionLayer"] * 2
+    assert manager._bridge.cache_argument == "cache_params"
+    _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=8, min_reuse=0.9)
+    replies = [m["content"] for m in manager.messages("s") if m["role"] == "assistant"]
+    assert len(set(replies)) == len(replies), "the replies must depend on the context"
+    # A regenerate goes back to the prompt's end: a checkpoint, since
+    # recurrent state cannot crop.
+    messages = manager.messages("s")[:-1]
+    reply = manager.chat("s", messages, max_new_tokens=8)
+    assert reply == reference_turn(model, tokenizer, messages, 8)[0]
+    report = manager.last_turn("s")
+    assert report.checkpoint_restored is not None and report.reused_tokens > 0, report
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_mamba_whose_scan_ignores_the_cache_runs_as_plain_generate(model_type, tokenizer, caplog):
+    """Mamba's and FalconMamba's selective scan over several tokens starts
+    from zeros, not from the cached state, so no reuse could be exact: a
+    probe finds that, and every turn is plain generate (float64). Before the
+    probe, reuse gave a different reply by turn 4."""
+    model = _tiny(model_type, torch.float64, RECURRENT_ONLY, tokenizer)
+    manager = SessionManager(model, tokenizer)
+    assert "does not continue the cached state" in caplog.text
     messages = [SYSTEM]
-    for turn in range(2):
+    for turn in range(4):
         messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=6)
-        assert reply == reference_turn(model, tokenizer, messages, 6)[0], turn
+        reply = manager.chat("s", messages, max_new_tokens=8)
+        assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
         report = manager.last_turn("s")
         assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0)
         messages.append({"role": "assistant", "content": reply})

@@ -148,11 +148,15 @@ def test_a_turn_that_fails_in_generate_leaves_no_half_state(tokenizer):
     assert mgr.last_turn("s").output_ids == expected
 
 
-def test_a_model_kvchat_cannot_carry_runs_as_plain_generate_without_a_cache(tokenizer):
-    # Mamba2's cache holds only recurrent layers, and its generate refuses a
-    # past_key_values argument: the fallback must pass none (it used to crash).
+def test_a_model_kvchat_cannot_carry_runs_as_plain_generate_without_a_cache(tokenizer, monkeypatch):
+    # Mamba2's generate refuses a past_key_values argument: the fallback must
+    # pass no cache at all (it used to crash). Its layers are hidden from the
+    # bridge here, as kvchat carries them now.
+    from kvchat import cache_bridge
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
+    parts = {k: v for k, v in cache_bridge._PARTS.items() if k.__name__ != "LinearAttentionLayer"}
+    monkeypatch.setattr(cache_bridge, "_PARTS", parts)
     torch.manual_seed(0)
     config = Mamba2Config(
         vocab_size=len(tokenizer),
