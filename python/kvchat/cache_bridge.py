@@ -28,12 +28,15 @@ budgets and session files treat them as they treat any KV.
 
 A cache of recurrent layers alone (Mamba, Mamba2, FalconMamba) cannot say how
 many tokens it has seen (``get_seq_length`` refuses), so ``generate`` would run
-the whole prompt over it again; kvchat counts the tokens itself and gives
-``generate`` only those the cache lacks (``CacheBridge.knows_length``). These
-models take the cache as ``cache_params`` (``CacheBridge.cache_argument``).
-That is exact only where a forward over several tokens starts from the state
-the cache holds: Mamba2's chunked scan does, Mamba's and FalconMamba's
-selective scan starts from zeros. A probe decides (``_continues_state``).
+the whole prompt over it again; kvchat counts the tokens itself and cuts
+generate's first forward to those the cache lacks (``CacheBridge.knows_length``,
+``prefill.FeedOnlyTail``). These models take the cache as ``cache_params``
+(``CacheBridge.cache_argument``).
+
+That, and every recurrent layer's reuse, is exact only where a forward over
+several tokens starts from the state the cache holds: Mamba2's chunked scan
+does; the Mamba (v1) selective scan of Mamba, FalconMamba and Jamba starts
+from zeros. A probe decides (``_continues_state``).
 """
 
 from __future__ import annotations
@@ -250,22 +253,45 @@ def _probe(model, cache_argument: str) -> DynamicCache:
 
 def _continues_state(model, cache_argument: str) -> bool:
     """Whether a forward over several tokens continues the recurrent state a
-    cache holds, read off the model's logits: 12 tokens in one forward against
-    6 and then 6, equal up to the rounding the model's dtype allows."""
+    cache holds: 12 tokens in one forward against 6 and then 6, compared on
+    the last logits and on every recurrent tensor (where a lost state shows
+    even when attention layers carry most of the context).
+
+    Equal up to rounding: chunked kernels may compute in float32 even for a
+    float64 model (Qwen3.5's DeltaNet is off by 5e-8 of the largest logit),
+    while a lost state is off by a good part of the tensor. So the bound is
+    1e-3 of each tensor's largest value, or the square root of a half
+    dtype's epsilon."""
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab, (1, 12), generator=generator).to(model.device)
+    # True positions where the model takes them (Bamba counts from 0 without).
+    positions = "position_ids" in inspect.signature(model.forward).parameters
 
-    def last_logits(ids, cache):
-        return model(input_ids=ids, use_cache=True, **{cache_argument: cache}).logits[0, -1]
+    def run(begin, end, cache):
+        extra = {cache_argument: cache}
+        if positions:
+            extra["position_ids"] = torch.arange(begin, end, device=model.device)[None]
+        return model(input_ids=tokens[:, begin:end], use_cache=True, **extra).logits[0, -1]
 
     with torch.no_grad():
-        whole = last_logits(tokens, DynamicCache(config=model.config))
-        cache = DynamicCache(config=model.config)
-        last_logits(tokens[:, :6], cache)
-        split = last_logits(tokens[:, 6:], cache)
-    tolerance = torch.finfo(whole.dtype).eps ** 0.5 * whole.abs().max()
-    return bool((whole - split).abs().max() <= tolerance)
+        whole_cache, split_cache = (
+            DynamicCache(config=model.config),
+            DynamicCache(config=model.config),
+        )
+        whole = [run(0, 12, whole_cache)]
+        run(0, 6, split_cache)
+        split = [run(6, 12, split_cache)]
+    for whole_layer, split_layer in zip(whole_cache.layers, split_cache.layers, strict=True):
+        if hasattr(whole_layer, "number_of_states"):  # a layer with recurrent tensors
+            for kind, i in _recurrent_slots(whole_layer):
+                whole.append(getattr(whole_layer, f"{kind}_states")[i])
+                split.append(getattr(split_layer, f"{kind}_states")[i])
+    for a, b in zip(whole, split, strict=True):
+        tolerance = max(torch.finfo(a.dtype).eps ** 0.5, 1e-3) * a.abs().max()
+        if a.shape != b.shape or (a - b).abs().max() > tolerance:
+            return False
+    return True
 
 
 def _templates(cache: DynamicCache, parts: list) -> list[LayerTemplate]:
@@ -358,7 +384,9 @@ class CacheBridge:
                 i for i in sorted(self._indexed_layers) if filled.layers[i].indexer_keys is not None
             ]
             problem = _indexer_problem(filled, indexed)
-            if problem is None and not self.knows_length:
+            # Every recurrent part relies on it: the tail after a checkpoint
+            # is prefilled in one forward from the restored state.
+            if problem is None and any("recurrent" in p for p in self._parts if p):
                 if not _continues_state(model, self.cache_argument):
                     problem = "a forward over several tokens does not continue the cached state"
             if problem is None:

@@ -17,7 +17,7 @@ from .cache_bridge import CacheBridge
 from .fingerprint import model_fingerprint
 from .generate_args import GenerateArgs, resolve_generate_args
 from .persist import SessionFileError, read_session, write_session
-from .prefill import ChunkedPrefill, PromptEndSnapshot, tail_kwargs, with_prefix
+from .prefill import ChunkedPrefill, FeedOnlyTail, PromptEndSnapshot
 from .prompting import (
     render_text,
     require_chat_template,
@@ -619,19 +619,16 @@ class SessionManager:
             checkpoints = []
             if positions:
                 checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
-            # A cache that cannot count its tokens (recurrent layers alone) gets
-            # only the tokens it lacks, or generate would run the whole prompt again.
-            fed = 0
-            if not self._bridge.knows_length:
-                fed = positions[-1] if positions else plan.kept_tokens
-                kwargs = tail_kwargs(kwargs, fed)
             at_end = None
             if plan.snapshot_prompt_end:
-                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel(), fed)
+                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel())
                 kwargs = at_end.attach(kwargs)
+            # A cache that cannot count its tokens (recurrent layers alone)
+            # must be fed only those it lacks; one that can, generate slices.
+            held = 0 if self._bridge.knows_length else (positions or [plan.kept_tokens])[-1]
             cache_argument = self._bridge.cache_argument
-            output = self._model.generate(model_input[:, fed:], **{cache_argument: cache}, **kwargs)
-            output = with_prefix(output, model_input[:, :fed])
+            with FeedOnlyTail(self._model, cache, cache_argument, prompt.numel(), held):
+                output = self._model.generate(model_input, **{cache_argument: cache}, **kwargs)
             if at_end is not None and at_end.checkpoint is not None:
                 checkpoints.append(at_end.checkpoint)
             result["checkpoints"] = checkpoints

@@ -8,10 +8,11 @@ there, and then hands the cache to ``generate`` for the rest and decoding.
 Every stop costs a forward; the state at the prompt's end costs only a copy,
 taken when generate asks for the first token's logits.
 
-A cache that cannot count its tokens (recurrent layers alone: Mamba) is
-handed to ``generate`` with only the tokens it lacks (``tail_kwargs``), and
-the prompt's first tokens are put back in front of what it returns
-(``with_prefix``), so the caller sees what plain ``generate`` returns.
+A cache that cannot count its tokens (recurrent layers alone: Mamba2) would
+have ``generate`` run the whole prompt over it again. ``generate`` still gets
+the whole prompt, so its logits processors (a repetition penalty, say), its
+streamer and its output see what plain ``generate`` sees; ``FeedOnlyTail``
+cuts its first forward down to the tokens the cache lacks.
 """
 
 from __future__ import annotations
@@ -71,10 +72,8 @@ class PromptEndSnapshot(LogitsProcessor):
     prefilled the whole prompt of ``tokens`` tokens and decoded nothing, so the
     checkpoint lands at the prompt's end without a forward of its own."""
 
-    def __init__(self, bridge: CacheBridge, cache, tokens: int, held: int = 0):
-        """``held``: the prompt's first tokens, which generate was not given
-        (see ``tail_kwargs``)."""
-        self._bridge, self._cache, self._tokens, self._held = bridge, cache, tokens, held
+    def __init__(self, bridge: CacheBridge, cache, tokens: int):
+        self._bridge, self._cache, self._tokens = bridge, cache, tokens
         self.checkpoint: _C.Checkpoint | None = None
         self._done = False
 
@@ -83,10 +82,9 @@ class PromptEndSnapshot(LogitsProcessor):
             self._done = True
             # Anything else (a caller's processor that ran a forward) is no
             # prompt end; better no checkpoint than a wrong one.
-            given = self._tokens - self._held
             # What the cache holds; one that cannot count holds what it was fed.
             cached = self._bridge.cached_tokens(self._cache, self._tokens + 1)
-            if input_ids.shape[-1] == given and cached == self._tokens:
+            if input_ids.shape[-1] == self._tokens and cached == self._tokens:
                 states = self._bridge.snapshot(self._cache, self._tokens)
                 self.checkpoint = _C.Checkpoint(self._tokens, states)
         return scores
@@ -98,22 +96,48 @@ class PromptEndSnapshot(LogitsProcessor):
         return {**generate_kwargs, "logits_processor": processors}
 
 
-def tail_kwargs(generate_kwargs: dict, held: int) -> dict:
-    """generate kwargs for a prompt whose first ``held`` tokens the cache holds
-    and generate is not given: an attention mask (all ones, as kvchat takes
-    only unpadded prompts) loses those positions too."""
-    mask = generate_kwargs.get("attention_mask")
-    if mask is None or held == 0:
-        return generate_kwargs
-    return {**generate_kwargs, "attention_mask": mask[:, held:]}
+# generate's per-token forward arguments, all shaped [..., prompt tokens] on
+# the first forward (cache_position, where given, counts from 0).
+_PER_TOKEN = ("input_ids", "attention_mask", "position_ids", "cache_position")
 
 
-def with_prefix(output, prefix: torch.Tensor):
-    """generate's ``output`` for the tokens after ``prefix``, with ``prefix`` put
-    back in front of its sequences: what generate returns for the whole prompt."""
-    if prefix.shape[-1] == 0:
-        return output
-    if isinstance(output, torch.Tensor):
-        return torch.cat([prefix.to(output.device), output], dim=-1)
-    output.sequences = torch.cat([prefix.to(output.sequences.device), output.sequences], dim=-1)
-    return output
+class FeedOnlyTail:
+    """While entered, ``model``'s first forward over ``cache`` gets only the
+    prompt's tokens after the first ``held``, which the cache already holds.
+
+    A forward over another cache (another session's turn in another thread)
+    is left alone, as is every later forward (decoding)."""
+
+    def __init__(self, model, cache, cache_argument: str, prompt_tokens: int, held: int):
+        self._model, self._cache, self._argument = model, cache, cache_argument
+        self._tokens, self._held = prompt_tokens, held
+        self._done = held == 0
+        self._handle = None
+
+    def __enter__(self):
+        if not self._done:
+            self._handle = self._model.register_forward_pre_hook(self._cut, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.remove()
+
+    def _cut(self, module, args, kwargs):
+        if self._done or kwargs.get(self._argument) is not self._cache:
+            return None
+        self._done = True
+        ids = kwargs.get("input_ids")
+        if args or ids is None or ids.shape[-1] != self._tokens:
+            # Running the whole prompt again over the cache would be wrong.
+            raise RuntimeError(
+                f"generate's first forward is not over the {self._tokens}-token prompt's ids"
+            )
+        cut = {
+            name: value[..., self._held :]
+            for name, value in kwargs.items()
+            if name in _PER_TOKEN
+            and isinstance(value, torch.Tensor)
+            and value.shape[-1] == self._tokens
+        }
+        return args, {**kwargs, **cut}

@@ -72,3 +72,16 @@ def readme_table_rows(heading: str) -> list[str]:
     section = readme.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     return [line.split("|")[1].strip() for line in lines[2:]]  # past the header and rule
+
+
+def assert_plain_turns(manager, model, tokenizer, turns, max_new_tokens=MAX_NEW):
+    """``turns`` turns of a conversation, each plain generate's reply and run
+    as plain generate (reason ``unsupported_layers``, nothing reused)."""
+    messages = [SYSTEM]
+    for turn in range(turns):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=max_new_tokens)
+        assert reply == reference_turn(model, tokenizer, messages, max_new_tokens)[0], turn
+        report = manager.last_turn("s")
+        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
+        messages.append({"role": "assistant", "content": reply})

@@ -3,7 +3,7 @@ against plain ``generate`` on the whole conversation, and reuse from turn 2.
 
 Tiny random configs, built here (they are test fixtures, not kvchat's tiny
 families). float64 where the model runs in it; the mixture-of-experts families
-(GraniteMoeHybrid, Jamba, gpt-oss) refuse float64 in transformers' grouped
+(GraniteMoeHybrid, Jamba, gpt-oss, GLM-MoE-DSA) refuse float64 in transformers' grouped
 matrix product ("Expected mat_a to be Float32, BFloat16 or Float16"), so they
 run in float32, where these seeds leave no near-tie. Zamba2 runs in float64."""
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, _model
-from helpers import LONGER_SYSTEM, SYSTEM, reference_turn, user_message
+from helpers import LONGER_SYSTEM, SYSTEM, assert_plain_turns, reference_turn, user_message
 from kvchat import SessionManager
+from kvchat.prompting import render_prompt
 from transformers import AutoConfig, AutoModelForCausalLM
 
 SHAPE = dict(
@@ -60,24 +61,6 @@ FAMILIES = {
             mamba_n_groups=1,
             mamba_chunk_size=16,
             mamba_expand=1,
-        ),
-        ["LinearAttentionLayer", "DynamicLayer"] * 2,
-    ),
-    "jamba": (
-        "jamba",
-        torch.float32,
-        dict(
-            MOE,
-            num_hidden_layers=4,
-            attn_layer_period=2,
-            attn_layer_offset=1,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            num_experts=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=1,
-            use_mamba_kernels=False,
         ),
         ["LinearAttentionLayer", "DynamicLayer"] * 2,
     ),
@@ -260,14 +243,7 @@ def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog):
         manager = SessionManager(model, tokenizer)
         assert not manager._bridge.supported
         assert "layer 0 keeps indexer_position_ids" in caplog.text
-        messages = [SYSTEM]
-        for turn in range(2):
-            messages.append(user_message(turn))
-            reply = manager.chat("s", messages, max_new_tokens=6)
-            assert reply == reference_turn(model, tokenizer, messages, 6)[0], turn
-            report = manager.last_turn("s")
-            assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0)
-            messages.append({"role": "assistant", "content": reply})
+        assert_plain_turns(manager, model, tokenizer, turns=2, max_new_tokens=6)
     finally:
         hook.remove()
 
@@ -286,11 +262,11 @@ RECURRENT_ONLY = dict(
 )
 
 
-def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer):
+def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer, tmp_path):
     """Mamba2 takes its cache as cache_params, and its chunked scan starts
     from the cached state: from turn 2 on every turn reuses at least 90% of a
-    normal conversation's prompt and is exact, and a regenerate restores a
-    checkpoint (float64)."""
+    normal conversation's prompt and is exact, a regenerate restores a
+    checkpoint, and a saved session continues exactly (float64)."""
     fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
     model = _tiny("mamba2", torch.float64, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
@@ -306,22 +282,75 @@ def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer):
     assert reply == reference_turn(model, tokenizer, messages, 8)[0]
     report = manager.last_turn("s")
     assert report.checkpoint_restored is not None and report.reused_tokens > 0, report
+    # Its state and checkpoints save and load like any recurrent layer's.
+    manager.save("s", tmp_path / "s.safetensors")
+    fresh = SessionManager(model, tokenizer)
+    fresh.load(tmp_path / "s.safetensors")
+    messages = fresh.messages("s") + [user_message(7)]
+    assert (
+        fresh.chat("s", messages, max_new_tokens=8)
+        == reference_turn(model, tokenizer, messages, 8)[0]
+    )
+    assert fresh.last_turn("s").reused_tokens > 0
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
-def test_mamba_whose_scan_ignores_the_cache_runs_as_plain_generate(model_type, tokenizer, caplog):
-    """Mamba's and FalconMamba's selective scan over several tokens starts
-    from zeros, not from the cached state, so no reuse could be exact: a
-    probe finds that, and every turn is plain generate (float64). Before the
-    probe, reuse gave a different reply by turn 4."""
-    model = _tiny(model_type, torch.float64, RECURRENT_ONLY, tokenizer)
+def test_mamba2_processors_see_the_whole_prompt(tokenizer):
+    """generate gets the whole prompt even where kvchat feeds the model only
+    the uncached tail, so a repetition penalty and an n-gram ban, which read
+    the prompt's ids, act as in plain generate; the returned ids are the whole
+    sequence too. Feeding generate the tail alone failed this (float64)."""
+    fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
+    model = _tiny("mamba2", torch.float64, fields, tokenizer)
+    manager = SessionManager(model, tokenizer)
+    penalties = dict(repetition_penalty=3.0, no_repeat_ngram_size=2, max_new_tokens=12)
+    messages = [LONGER_SYSTEM]
+    for turn in range(3):
+        messages.append(user_message(turn))
+        prompt = render_prompt(tokenizer, messages).unsqueeze(0)
+        output = manager.generate(prompt, "s", do_sample=False, **penalties)
+        assert torch.equal(output, model.generate(prompt, do_sample=False, **penalties)), turn
+        reply = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+    assert manager.last_turn("s").reused_tokens > 0
+
+
+# Models whose Mamba (v1) selective scan over several tokens starts from
+# zeros: (dtype, config fields). Jamba puts attention beside those layers and
+# is a mixture of experts, so float32.
+ZERO_START_SCANS = {
+    "mamba": (torch.float64, RECURRENT_ONLY),
+    "falcon_mamba": (torch.float64, RECURRENT_ONLY),
+    "jamba": (
+        torch.float32,
+        dict(
+            SHAPE,
+            **MOE,
+            initializer_range=0.2,
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            use_mamba_kernels=False,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ZERO_START_SCANS))
+def test_a_scan_that_ignores_the_cache_runs_as_plain_generate(model_type, tokenizer, caplog):
+    """Mamba's, FalconMamba's and Jamba's selective scan over several tokens
+    starts from zeros, not from the cached state, so no reuse could be exact:
+    a probe finds that, and every turn is plain generate. Before the probe,
+    reuse gave a different reply by turn 4 on each of them; on Jamba, whose
+    attention layers carry most of a random model's context, only with
+    initializer_range=0.2 (Jamba had reused, and passed, at the default)."""
+    dtype, fields = ZERO_START_SCANS[model_type]
+    model = _tiny(model_type, dtype, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert "does not continue the cached state" in caplog.text
-    messages = [SYSTEM]
-    for turn in range(4):
-        messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=8)
-        assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
-        report = manager.last_turn("s")
-        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0)
-        messages.append({"role": "assistant", "content": reply})
+    assert_plain_turns(manager, model, tokenizer, turns=4, max_new_tokens=8)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHECKPOINT_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    MAX_NEW,
+    SYSTEM,
+    assert_plain_turns,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import (
@@ -304,10 +311,36 @@ def test_unknown_layer_class_falls_back_to_no_reuse(monkeypatch, caplog, tokeniz
     with caplog.at_level("WARNING", logger="kvchat"):
         mgr = SessionManager(model, tokenizer)
     assert "LinearAttentionLayer" in caplog.text
-    messages = [SYSTEM]
-    for turn in range(2):
-        messages.append(user_message(turn))
-        reply, t = chat_turn(mgr, model, tokenizer, messages)
-        assert (t.reason, t.reused_tokens) == ("unsupported_layers", 0)
-        messages.append({"role": "assistant", "content": reply})
+    assert_plain_turns(mgr, model, tokenizer, turns=2)
     assert not mgr.info("s").resident
+
+
+def _forget_state_on_long_forwards(module, args, kwargs):
+    """Zeroes a cache's recurrent tensors before a forward over several tokens:
+    a model whose scan over a chunk starts from zeros, as Mamba's does."""
+    cache = kwargs.get("past_key_values")
+    if cache is None or kwargs["input_ids"].shape[-1] == 1:
+        return
+    for layer in cache.layers:
+        for kind in ("conv", "recurrent"):
+            # {state index: initialized}, as LinearAttentionLayer keeps it.
+            for i, initialized in getattr(layer, f"is_{kind}_states_initialized", {}).items():
+                if initialized:
+                    getattr(layer, f"{kind}_states")[i].zero_()
+
+
+def test_a_hybrid_whose_scan_ignores_the_cache_runs_as_plain_generate(caplog, tokenizer):
+    """kvchat prefills the tail after a checkpoint in one forward from the
+    restored state, so a model whose forward over several tokens starts its
+    recurrent layers from zeros cannot reuse exactly: the probe at
+    construction finds that (here FalconH1, made to forget its state), and
+    every turn is plain generate, exact."""
+    model = _model("falcon_h1")
+    hook = model.register_forward_pre_hook(_forget_state_on_long_forwards, with_kwargs=True)
+    try:
+        with caplog.at_level("WARNING", logger="kvchat"):
+            mgr = SessionManager(model, tokenizer)
+        assert "does not continue the cached state" in caplog.text
+        assert_plain_turns(mgr, model, tokenizer, turns=2)
+    finally:
+        hook.remove()
