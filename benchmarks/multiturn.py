@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import platform
 import sys
@@ -68,6 +69,13 @@ def parse_args(argv=None):
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype, args.device, args.seed)
+    cacheless = {"hf-reuse", "limit"} & set(args.modes)
+    if cacheless and "past_key_values" not in inspect.signature(model.forward).parameters:
+        # Mamba-family models take cache_params; both modes crop a DynamicCache.
+        raise SystemExit(
+            f"--modes {' '.join(sorted(cacheless))} pass past_key_values, which "
+            f"{args.model}'s forward does not take; use --modes baseline kvchat"
+        )
     system_range, user_range, reply_range = SHAPES[args.shape]
     conversations = [
         make_conversation(

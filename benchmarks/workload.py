@@ -81,6 +81,22 @@ PRESETS = {
         max_position_embeddings=16384,
         tie_word_embeddings=False,
     ),
+    # Mamba2-130M's shape: 24 Mamba2 layers and nothing else, so the cache
+    # cannot count its tokens and kvchat feeds generate only the new ones.
+    "mamba2-130m": dict(
+        model_type="mamba2",
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=128,
+        expand=2,
+        head_dim=64,
+        num_heads=24,
+        n_groups=1,
+        conv_kernel=4,
+        chunk_size=256,
+        vocab_size=50288,
+        tie_word_embeddings=True,
+    ),
 }
 TINY = "tiny"
 
