@@ -35,7 +35,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/python/test_exactness.py tests/python/test_hybrid.py tests/python/test_sharing.py \
     tests/python/test_persistence.py tests/python/test_generate_args.py \
-    tests/python/test_returned_cache.py tests/python/test_bfloat16.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+    tests/python/test_returned_cache.py tests/python/test_bfloat16.py \
+    tests/python/test_families.py 2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -51,6 +52,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     python3 benchmarks/multiturn.py --model $preset --turns 10 --device cuda \
       --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn-$preset.txt" | tail -30
   done
+  # Hybrids at the public shapes with the fast kernels, if the image has them
+  # (RESULTS section 10 has the CPU run), and Mamba2 (section 11).
+  python3 benchmarks/hybrid.py --turns 10 --device cuda --dtype bfloat16 --out "$out" \
+    2>&1 | tee "$out/hybrid.txt" | tail -30
+  python3 benchmarks/multiturn.py --model mamba2-130m --turns 10 --modes baseline kvchat \
+    --device cuda --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn-mamba2.txt" | tail -20
   python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 32768 \
     --device cuda --dtype bfloat16 --out "$out" \
     --caches DynamicCache kvchat StaticCache StaticCache+compile \
