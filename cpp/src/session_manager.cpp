@@ -167,8 +167,15 @@ std::vector<EvictedCache> SessionManager::take_evicted() {
 void SessionManager::forget_index_locked(const std::string& id) { session_index_.erase(id); }
 
 void SessionManager::drop_unused_prefixes_locked(Graveyard* dead) {
+  if (prefixes_.empty()) return;
+  StorageBytes by_sessions;
+  bool in_flight = false;
+  for (const auto& [id, entry] : entries_) {
+    entry.session->collect_storage(&by_sessions);
+    in_flight = in_flight || entry.in_use > 0;
+  }
   for (auto it = prefixes_.begin(); it != prefixes_.end();) {
-    if (it->second->referenced()) {
+    if (it->second->referenced(by_sessions, in_flight)) {
       ++it;
     } else {
       prefix_index_.erase(it->first);

@@ -2,9 +2,15 @@
 
 namespace kvchat {
 
-bool SharedPrefix::referenced() const {
+bool SharedPrefix::referenced(const StorageBytes& by_sessions, bool in_flight) const {
   for (const auto& state : states) {
-    if (held_elsewhere(state)) return true;
+    if (in_flight && held_elsewhere(state)) return true;
+    StorageBytes own;
+    state->collect_storage(&own);
+    for (const auto& [data, bytes] : own) {
+      // Empty storage (zero-width values) has no address to share.
+      if (bytes > 0 && by_sessions.count(data) > 0) return true;
+    }
   }
   return false;
 }

@@ -192,6 +192,41 @@ TEST(SharedPrefixManager, EvictingEverySharerFreesThePrefix) {
   EXPECT_EQ(mgr->stats().resident_bytes, 0);
 }
 
+TEST(SharedPrefixManager, AStateHeldOutsideTheSessionsDoesNotKeepThePrefix) {
+  // A caller's cached_state() (or a queued tier write) holds layers sitting
+  // on the prefix. Once no session holds it and no turn is in flight, the
+  // manager drops it and counts nothing; the caller's copy stays readable.
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  {
+    auto lease = mgr->acquire("b");
+    share(*mgr, *lease, conversation(60, 9));
+  }
+  commit(*mgr, "b", conversation(60, 12));
+  const auto held = mgr->find("b")->cached_state();
+  mgr->clear("a");
+  mgr->clear("b");
+  mgr->enforce_limits();
+  EXPECT_EQ(mgr->stats().shared_prefixes, 0);
+  EXPECT_EQ(mgr->stats().resident_bytes, 0);
+  ASSERT_EQ(held.layers.size(), 2u);
+  EXPECT_EQ(held.layers[0]->num_tokens(), 12);
+  EXPECT_EQ(held.layers[0]->tensors()[0].size(2), 12);
+}
+
+TEST(SharedPrefixManager, ATurnInFlightKeepsThePrefixItsPlanHolds) {
+  // Between begin_turn and finish_turn the layers are the plan's, not the
+  // session's: a release elsewhere must not drop the prefix under them.
+  auto mgr = sharing_manager();
+  commit(*mgr, "a", conversation(50, 12));
+  auto lease = mgr->acquire("b");
+  ASSERT_EQ(share(*mgr, *lease, conversation(60, 9)), 6);
+  const auto taken = lease->session()->take_cache();  // as begin_turn hands them out
+  mgr->clear("a");
+  mgr->enforce_limits();
+  EXPECT_EQ(mgr->stats().shared_prefixes, 1);
+}
+
 TEST(SharedPrefixManager, NoShareBelowTheMinimumOrWhenOwnCacheIsBetter) {
   auto mgr = sharing_manager();
   commit(*mgr, "a", conversation(50, 12));
