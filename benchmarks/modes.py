@@ -7,11 +7,14 @@
 - kvchat: ``SessionManager.chat``.
 - limit: one forward over only the turn's new tokens on a cache already in
   place, then argmax: the floor no cache manager can beat. It does not decode.
+  (A cache of recurrent layers alone cannot crop: its state at the common
+  prefix is rebuilt, untimed.)
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -159,9 +162,18 @@ class Limit(Mode):
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
         self.caches: dict[str, tuple[DynamicCache, torch.Tensor]] = {}
+        # Mamba-family models take the cache as cache_params, and theirs (recurrent
+        # layers alone) cannot crop: the state at the common prefix is rebuilt.
+        parameters = inspect.signature(model.forward).parameters
+        self.recurrent_only = "past_key_values" not in parameters
+        self.cache_argument = "cache_params" if self.recurrent_only else "past_key_values"
 
     def held_bytes(self):
         return tensor_bytes(t for c, _ in self.caches.values() for t in _cache_tensors(c))
+
+    def _forward(self, ids, cache, **extra):
+        ids = ids.unsqueeze(0).to(self.model.device)
+        return self.model(ids, **{self.cache_argument: cache}, use_cache=True, **extra)
 
     @torch.no_grad()
     def turn(self, session, messages, prompt, generate_kwargs, reference=None):
@@ -170,15 +182,17 @@ class Limit(Mode):
         # The cache is "already in place": keep the common prefix (untimed).
         common = int((ids[: prompt.numel()] == prompt[: ids.numel()]).cumprod(0).sum())
         common = min(common, prompt.numel() - 1)
-        if common < ids.numel():
+        if common < ids.numel() and self.recurrent_only:
+            cache = DynamicCache(config=self.model.config)
+            if common:
+                self._forward(prompt[:common], cache)
+        elif common < ids.numel():
             cache.crop(common - ids.numel())
         held = self.held_bytes()
         device = self.model.device
         with PeakMemory(device) as peak:
             started = time.perf_counter()
-            logits = self.model(
-                prompt[common:].unsqueeze(0).to(device), past_key_values=cache, logits_to_keep=1
-            )
+            logits = self._forward(prompt[common:], cache, logits_to_keep=1)
             scores = logits.logits[0, -1]
             # The same suppressions generate applies, so the first token is comparable.
             banned = list(generate_kwargs.get("suppress_tokens") or [])
@@ -195,7 +209,7 @@ class Limit(Mode):
         # every reply token but the last, which is sampled and never forwarded.
         reply = torch.tensor(reference[:-1] if reference else [], dtype=torch.long)
         if reply.numel():
-            self.model(reply.unsqueeze(0).to(device), past_key_values=cache)
+            self._forward(reply, cache)
         self.caches[session] = (cache, torch.cat([prompt, reply]))
         return Measured(
             ttft, None, prompt.numel() - common, common, (first,), self.held_bytes(),

@@ -69,12 +69,15 @@ def parse_args(argv=None):
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype, args.device, args.seed)
-    cacheless = {"hf-reuse", "limit"} & set(args.modes)
-    if cacheless and "past_key_values" not in inspect.signature(model.forward).parameters:
-        # Mamba-family models take cache_params; both modes crop a DynamicCache.
+    if (
+        "hf-reuse" in args.modes
+        and "past_key_values" not in inspect.signature(model.forward).parameters
+    ):
+        # Mamba-family models take cache_params, and transformers' recipe passes
+        # past_key_values back to generate.
         raise SystemExit(
-            f"--modes {' '.join(sorted(cacheless))} pass past_key_values, which "
-            f"{args.model}'s forward does not take; use --modes baseline kvchat"
+            f"--modes hf-reuse passes past_key_values, which {args.model}'s forward does "
+            "not take; leave it out (--modes baseline kvchat limit)"
         )
     system_range, user_range, reply_range = SHAPES[args.shape]
     conversations = [
