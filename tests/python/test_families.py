@@ -249,8 +249,8 @@ def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog):
 
 
 # Caches of recurrent layers alone, which cannot count their tokens: kvchat
-# does, and gives generate only the tokens the cache lacks. initializer_range
-# 0.2, so these random models' replies depend on their context.
+# does, and cuts generate's first forward to the tokens the cache lacks.
+# initializer_range 0.2, so these random models' replies depend on context.
 RECURRENT_ONLY = dict(
     hidden_size=64,
     num_hidden_layers=2,
