@@ -233,13 +233,26 @@ class LayerTemplate:
     recurrent: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()  # their shapes and dtypes
 
 
-def _cache_argument(model) -> str:
-    """The name the model's forward takes its cache by: Mamba-family models
-    take ``cache_params`` and refuse ``past_key_values``."""
-    parameters = inspect.signature(model.forward).parameters
-    if "cache_params" in parameters and "past_key_values" not in parameters:
-        return "cache_params"
-    return "past_key_values"
+class ForwardArguments:
+    """How this model's forward takes a cache and positions, for kvchat's own
+    forwards over a token range (checkpoint prefills, the probe)."""
+
+    def __init__(self, model):
+        parameters = inspect.signature(model.forward).parameters
+        # Mamba-family models take cache_params and refuse past_key_values.
+        mamba_style = "cache_params" in parameters and "past_key_values" not in parameters
+        self.cache_name = "cache_params" if mamba_style else "past_key_values"
+        # True positions where the model takes them: some (Bamba) count from 0
+        # without them, where generate would pass the true ones. Mamba takes
+        # none (its **kwargs would pass them on to its kernels).
+        self._positions = "position_ids" in parameters
+
+    def __call__(self, cache, begin: int, end: int, device) -> dict:
+        """Keyword arguments for a forward over tokens [begin, end) into ``cache``."""
+        kwargs = {self.cache_name: cache}
+        if self._positions:
+            kwargs["position_ids"] = torch.arange(begin, end, device=device)[None]
+        return kwargs
 
 
 def _probe(model, cache_argument: str) -> DynamicCache:
@@ -251,7 +264,7 @@ def _probe(model, cache_argument: str) -> DynamicCache:
     return cache
 
 
-def _continues_state(model, cache_argument: str) -> bool:
+def _continues_state(model, arguments: ForwardArguments) -> bool:
     """Whether a forward over several tokens continues the recurrent state a
     cache holds: 12 tokens in one forward against 6 and then 6, compared on
     the last logits and on every recurrent tensor (where a lost state shows
@@ -265,13 +278,9 @@ def _continues_state(model, cache_argument: str) -> bool:
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab, (1, 12), generator=generator).to(model.device)
-    # True positions where the model takes them (Bamba counts from 0 without).
-    positions = "position_ids" in inspect.signature(model.forward).parameters
 
     def run(begin, end, cache):
-        extra = {cache_argument: cache}
-        if positions:
-            extra["position_ids"] = torch.arange(begin, end, device=model.device)[None]
+        extra = arguments(cache, begin, end, model.device)
         return model(input_ids=tokens[:, begin:end], use_cache=True, **extra).logits[0, -1]
 
     with torch.no_grad():
@@ -365,7 +374,8 @@ class CacheBridge:
         unsupported = sorted(
             {type(layer).__name__ for layer in probe.layers if type(layer) not in _PARTS}
         )
-        self.cache_argument = _cache_argument(model)
+        self.forward_arguments = ForwardArguments(model)
+        self.cache_argument = self.forward_arguments.cache_name
         # Whether the cache can count its tokens (get_seq_length): only an
         # attention part can; recurrent layers alone leave it to kvchat.
         self.knows_length = any(p and p[0] != "recurrent" for p in self._parts)
@@ -387,7 +397,7 @@ class CacheBridge:
             # Every recurrent part relies on it: the tail after a checkpoint
             # is prefilled in one forward from the restored state.
             if problem is None and any("recurrent" in p for p in self._parts if p):
-                if not _continues_state(model, self.cache_argument):
+                if not _continues_state(model, self.forward_arguments):
                     problem = "a forward over several tokens does not continue the cached state"
             if problem is None:
                 self.templates += [_indexer_template(filled.layers[i]) for i in indexed]
@@ -415,7 +425,9 @@ class CacheBridge:
         """Gives ``cache`` its own copies of its recurrent tensors, which the model
         updates in place: a cache handed back to the caller after the session
         stored those tensors by reference must not write into the session."""
-        for index, template in zip(self._stateful, self.templates, strict=False):
+        # The templates past the stateful layers are indexer keys: no recurrent part.
+        layer_templates = self.templates[: len(self._stateful)]
+        for index, template in zip(self._stateful, layer_templates, strict=True):
             layer = cache.layers[index]
             for kind, i in template.slots:
                 states = getattr(layer, f"{kind}_states")

@@ -35,10 +35,6 @@ class ChunkedPrefill:
         parameters = inspect.signature(model.forward).parameters
         # Only the state matters here; skip the [tokens, vocab] logits.
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
-        # Explicit positions where the model takes them: some (Bamba) count
-        # from 0 without them, where generate would pass the true ones. Mamba
-        # takes none (its **kwargs would pass them on to its kernels).
-        self._positions = "position_ids" in parameters
 
     @torch.no_grad()
     def run(
@@ -53,14 +49,11 @@ class ChunkedPrefill:
                     f"checkpoint positions must rise within ({start}, {input_ids.shape[1]}), "
                     f"got {positions}"
                 )
-            extra = dict(self._extra)
-            if self._positions:
-                extra["position_ids"] = torch.arange(done, position, device=input_ids.device)[None]
             self._model(
                 input_ids=input_ids[:, done:position],
                 use_cache=True,
-                **{self._bridge.cache_argument: cache},
-                **extra,
+                **self._bridge.forward_arguments(cache, done, position, input_ids.device),
+                **self._extra,
             )
             done = position
             checkpoints.append(_C.Checkpoint(position, self._bridge.snapshot(cache, position)))
@@ -82,9 +75,10 @@ class PromptEndSnapshot(LogitsProcessor):
             self._done = True
             # Anything else (a caller's processor that ran a forward) is no
             # prompt end; better no checkpoint than a wrong one.
-            # What the cache holds; one that cannot count holds what it was fed.
-            cached = self._bridge.cached_tokens(self._cache, self._tokens + 1)
-            if input_ids.shape[-1] == self._tokens and cached == self._tokens:
+            # A cache that cannot count its tokens holds what generate fed it.
+            knows = self._bridge.knows_length
+            holds = not knows or self._cache.get_seq_length() == self._tokens
+            if input_ids.shape[-1] == self._tokens and holds:
                 states = self._bridge.snapshot(self._cache, self._tokens)
                 self.checkpoint = _C.Checkpoint(self._tokens, states)
         return scores
