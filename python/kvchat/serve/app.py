@@ -373,20 +373,25 @@ class _Turn:
         self._first = first
         self._finished = threading.Lock()  # finish() runs once, whoever gets here first
         self._trim = protocol.StopTrimmer(chat.stop)
+        self._ended = False  # the stream's end was seen: never ask it again
         self.text = ""
 
     def next_piece(self):
         """The next text to send ("" while held back), or _DONE."""
-        if self._trim.stopped:
+        if self._trim.stopped or self._ended:
             return _DONE
         if self._first is not None:
             raw, self._first = self._first, None
         else:
             raw = next(self.stream, _DONE)
-        out = self._trim.flush() if raw is _DONE else self._trim.feed(raw)
-        self.text += out
         if raw is _DONE:
+            # What a stop string that never matched held back is the reply's end.
+            self._ended = True
+            out = self._trim.flush()
+            self.text += out
             return out if out else _DONE
+        out = self._trim.feed(raw)
+        self.text += out
         return out
 
     def collect(self) -> str:
