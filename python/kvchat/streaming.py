@@ -1,6 +1,7 @@
 """A streamed turn: text pieces as they are generated, and a way to stop.
 
-``generate`` runs in a worker thread and feeds a ``TextIteratorStreamer``. A
+``generate`` runs in a worker thread and feeds a ``TextQueue``, which queues
+each token's text as soon as it is final (``detokenize.IncrementalText``). A
 consumer that stops reading (``close()``, ``break`` out of a ``for`` loop, or
 dropping the stream, as a server does when its client disconnects) sets a flag
 that a stopping criterion reads after every token, so the worker stops within
@@ -10,11 +11,17 @@ its next turn at once.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from .detokenize import IncrementalText
+
+_END = object()  # queued once, after the last piece
 
 
 class StopWhenSet(StoppingCriteria):
@@ -28,6 +35,34 @@ class StopWhenSet(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+class TextQueue(BaseStreamer):
+    """A generate streamer: queues the reply's text, token by token, as soon as
+    each piece is final, then ``_END``. The prompt (generate's first ``put``)
+    is not part of the reply."""
+
+    def __init__(self, tokenizer):
+        self._text = IncrementalText(tokenizer)
+        self._prompt_seen = False
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        if value.dim() > 1 and value.shape[0] > 1:
+            raise ValueError("a reply stream holds one sequence, not a batch")
+        for token in value.reshape(-1).tolist():
+            piece = self._text.push(token)
+            if piece:
+                self.queue.put(piece)
+
+    def end(self) -> None:
+        rest = self._text.finish()
+        if rest:
+            self.queue.put(rest)
+        self.queue.put(_END)
+
+
 class ReplyStream(Iterator[str]):
     """Iterates over the reply's text pieces; ``close()`` stops generation."""
 
@@ -35,7 +70,8 @@ class ReplyStream(Iterator[str]):
         """``generate_kwargs`` plus this stream's streamer and stopping criterion
         become ``self.kwargs``, what the turn passes to generate."""
         self._cancel = threading.Event()
-        self._streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self._streamer = TextQueue(tokenizer)
+        self._ended = False  # the last piece was returned: next() stops at once
         criteria = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), StopWhenSet(self._cancel)]
         )
@@ -59,9 +95,11 @@ class ReplyStream(Iterator[str]):
         return self
 
     def __next__(self) -> str:
-        for text in self._streamer:
-            if text:
-                return text
+        if not self._ended:
+            piece = self._streamer.queue.get()
+            if piece is not _END:
+                return piece
+            self._ended = True
         self._worker.join()
         if self._failure:
             failure, self._failure = self._failure[0], []
