@@ -27,13 +27,6 @@ def _tokenizer(name: str):
     return AutoTokenizer.from_pretrained(fetch(), gguf_file=f"ggml-vocab-{name}.gguf")
 
 
-class _DecodeOnly:
-    """A tokenizer with no streaming decoder behind it: only ``decode``."""
-
-    def __init__(self, tokenizer):
-        self.decode = tokenizer.decode
-
-
 def _sequences(tokenizer) -> list[list[int]]:
     ids = tokenizer(TEXT, add_special_tokens=False).input_ids
     rng = random.Random(0)
@@ -43,35 +36,28 @@ def _sequences(tokenizer) -> list[list[int]]:
     return [ids, random_ids, with_specials]
 
 
-def _pieces(text: IncrementalText, ids: list[int]) -> list[str]:
-    return [text.push(i) for i in ids] + [text.finish()]
-
-
-@pytest.mark.parametrize("fast", [True, False], ids=["DecodeStream", "window"])
 @pytest.mark.parametrize("name", ["tiny", "qwen2", "llama-bpe", "gpt-2", "phi-3"])
-def test_pieces_join_to_the_whole_decode(name, fast):
+def test_pieces_join_to_the_whole_decode(name):
     tokenizer = _tokenizer(name)
     for ids in _sequences(tokenizer):
-        text = IncrementalText(tokenizer if fast else _DecodeOnly(tokenizer))
-        pieces = _pieces(text, ids)
+        text = IncrementalText(tokenizer)
+        pieces = [text.push(i) for i in ids] + [text.finish()]
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["DecodeStream", "window"])
-@pytest.mark.parametrize("name", ["tiny", "qwen2", "phi-3"])
-def test_text_is_released_once_its_characters_are_whole(name, fast):
-    # After each token, everything whose bytes are complete has been released:
-    # the text so far equals the whole decode of the ids so far, minus at most
-    # an incomplete character at its end (never a whole word held back).
+@pytest.mark.parametrize("name", ["tiny", "qwen2", "llama-bpe", "gpt-2", "phi-3"])
+def test_only_an_incomplete_character_is_held_back(name):
+    # After every token, all that is not released is at most 3 characters of
+    # U+FFFD (bytes that may yet form a character): never a word waiting for a
+    # space, and never the rest of a reply of invalid bytes, as a random model
+    # writes (the random sequence) and as the streamer once held until the end.
     tokenizer = _tokenizer(name)
-    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
-    text = IncrementalText(tokenizer if fast else _DecodeOnly(tokenizer))
-    released = ""
-    for k, token in enumerate(ids, start=1):
-        released += text.push(token)
-        whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        assert whole.startswith(released)
-        assert "\ufffd" in whole[len(released) :] or len(whole) - len(released) <= 1, (
-            k,
-            whole[len(released) :],
-        )
+    for ids in _sequences(tokenizer):
+        text = IncrementalText(tokenizer)
+        released = ""
+        for k, token in enumerate(ids, start=1):
+            released += text.push(token)
+            whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            assert whole.startswith(released), k
+            held = whole[len(released) :]
+            assert len(held) <= 3 and set(held) <= {"\ufffd"}, (k, held)
