@@ -18,6 +18,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
 	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
+	bench-first-piece \
 	sanitize
 
 help:
@@ -26,7 +27,8 @@ help:
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
-	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas - see benchmarks/RESULTS.md"
+	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas,"
+	@echo "     bench-first-piece - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
@@ -96,6 +98,10 @@ bench-serve: build
 	$(PY) -m pip install -q "accelerate>=1.1.0" rich
 	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
 	$(PY) benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
+
+# Client-side time to the first streamed piece against the server's prefill time.
+bench-first-piece: build
+	$(PY) benchmarks/first_piece.py --model smollm2-135m --turns 6 --reply-tokens 48
 
 # Two kvchat serve replicas round-robin, with and without a Redis store, against one.
 bench-replicas: build
