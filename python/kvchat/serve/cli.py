@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..manager import SessionManager
+from ..pretrained import load_pretrained
 from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from ..units import parse_bytes
 
@@ -27,8 +28,9 @@ _DTYPES = {
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model",
-        help="a local checkpoint directory, or an embedded tiny model with random weights "
-        f"that writes whole words: tiny, tiny:FAMILY (FAMILY one of {', '.join(FAMILIES)})",
+        help="a local checkpoint directory, a .gguf file transformers can load (dequantized "
+        "to float32 unless --dtype says otherwise), or an embedded tiny model with random "
+        f"weights that writes whole words: tiny, tiny:FAMILY (FAMILY one of {', '.join(FAMILIES)})",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -95,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def load_model(spec: str, dtype: torch.dtype | None, device: str):
-    """(model, tokenizer) for a checkpoint directory or ``tiny[:family]``."""
+    """(model, tokenizer) for a checkpoint directory, a GGUF file or ``tiny[:family]``."""
     if spec == "tiny" or spec.startswith("tiny:"):
         family = spec.partition(":")[2] or "llama"
         if family not in FAMILIES:
@@ -107,15 +109,12 @@ def load_model(spec: str, dtype: torch.dtype | None, device: str):
         model.generation_config.suppress_tokens = words_only(tokenizer, model.config.vocab_size)
         return model.to(device), tokenizer
     path = Path(spec)
-    if not path.is_dir():
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
         raise SystemExit(
-            f"kvchat serve: MODEL {spec!r} is neither a checkpoint directory nor tiny[:FAMILY]"
+            f"kvchat serve: MODEL {spec!r} is neither a checkpoint directory, a .gguf file "
+            "nor tiny[:FAMILY]"
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-    return model.to(device).eval(), tokenizer
+    return load_pretrained(path, dtype, device)
 
 
 def build_app(args: argparse.Namespace):

