@@ -1,8 +1,8 @@
 """Loading a real checkpoint: a folder transformers reads, or one GGUF file.
 
 transformers reads GGUF files of the architectures its GGUF loader knows
-(llama, mistral, qwen2, qwen3, gemma2/3, phi3, falcon, ... : see
-``transformers.integrations.ggml.GGUF_SUPPORTED_ARCHITECTURES``) and
+(llama, mistral, qwen2/3 and their MoE, gemma2/3/4, phi3, lfm2, gpt-oss, ...:
+``transformers.modeling_gguf_pytorch_utils.GGUF_SUPPORTED_ARCHITECTURES``) and
 dequantizes their weights, to float32 unless ``dtype`` says otherwise; the
 tokenizer and chat template come from the same file.
 
