@@ -23,3 +23,12 @@ def test_main_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "kvchat demo: tiny random llama (tiny)" in out
     assert "speedup" in out
+
+
+def test_main_replays_a_real_conversation_by_default(capsys):
+    # make demo's default: SmolLM2-135M-Instruct's real weights (make test installs them).
+    demo.main(["--turns", "2", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert "kvchat demo: SmolLM2-135M-Instruct" in out
+    assert "[1] user: " + demo.REAL_USER_TURNS[0] in out and "[2] user: " in out
+    assert "assistant: " in out and "NO" not in out.split("speedup")[1]
