@@ -36,7 +36,8 @@ generate's first forward to those the cache lacks (``CacheBridge.knows_length``,
 That, and every recurrent layer's reuse, is exact only where a forward over
 several tokens starts from the state the cache holds: Mamba2's chunked scan
 does; the Mamba (v1) selective scan of Mamba, FalconMamba and Jamba starts
-from zeros. A probe decides (``_continues_state``).
+from zeros. A probe decides (``_split_problem``), for every model:
+GLM-MoE-DSA's sparse selection is inexact the same way.
 """
 
 from __future__ import annotations
@@ -264,43 +265,144 @@ def _probe(model, cache_argument: str) -> DynamicCache:
     return cache
 
 
-def _continues_state(model, arguments: ForwardArguments) -> bool:
-    """Whether a forward over several tokens continues the recurrent state a
-    cache holds: 12 tokens in one forward against 6 and then 6, compared on
-    the last logits and on every recurrent tensor (where a lost state shows
-    even when attention layers carry most of the context).
+# The split probe: a prefix forward, then this many tokens in one more forward.
+_PROBE_TAIL = 6
+# A model that declares a sparse selection (each query attends to the top
+# few keys it picks) is probed with a prefix this many times that selection:
+# its inexactness needs more keys than it selects, and shows only where a
+# near-tie in the selection falls differently, which a longer prefix makes
+# likely (at 4x, 15 of 16 random prompts showed it on GLM-MoE-DSA).
+_SELECTION_MULTIPLE = 4
+# How many roundings in the compute precision a tensor may be off by however
+# close a lost state would be (a tensor that does not depend on earlier
+# tokens: the first layer's short convolution holds only the last inputs).
+_ROUNDINGS = 8
 
-    Equal up to rounding: chunked kernels may compute in float32 even for a
-    float64 model (Qwen3.5's DeltaNet is off by 5e-8 of the largest logit),
-    while a lost state is off by a good part of the tensor. So the bound is
-    1e-3 of each tensor's largest value, or the square root of a half
-    dtype's epsilon."""
+
+def _selected_tokens(config) -> int:
+    """The most keys a query's sparse attention selects, as the config
+    declares it (0: it declares none)."""
+    text = config.get_text_config()
+    tokens = getattr(text, "index_topk", None) or 0  # DeepSeek-V3.2, GLM-MoE-DSA
+    blocks, size = getattr(text, "index_topk_blocks", None), getattr(text, "index_block_size", None)
+    if blocks and size:  # MiniMax-M3: blocks of keys, plus the local ones
+        tokens = max(tokens, (blocks + (getattr(text, "index_local_blocks", None) or 0)) * size)
+    return int(tokens)
+
+
+@dataclass(frozen=True)
+class SplitError:
+    """One tensor of the probe: how far the split forward is from the whole
+    one (``split``), how far a forward that lost the state is (``lost``), the
+    tensor's largest value and the compute precision's epsilon."""
+
+    name: str
+    split: float
+    lost: float
+    largest: float
+    eps: float
+
+    @property
+    def allowed(self) -> float:
+        return max(_ROUNDINGS * self.eps * self.largest, self.eps**0.5 * self.lost)
+
+    @property
+    def ok(self) -> bool:
+        return self.split <= self.allowed
+
+
+def _split_errors(model, arguments: ForwardArguments) -> list[SplitError]:
+    """Runs the probe: the same random tokens in one forward ("whole"), in
+    two ("split": a prefix, then the last ``_PROBE_TAIL`` tokens over the
+    cache it filled) and the tail alone from an empty cache ("lost": what a
+    forward that ignores the cache gives). Compared: the logits of the
+    prefix's last positions and of the tail (a prefix computed without what
+    follows it is what a cache holds), and every recurrent tensor."""
+    selected = _selected_tokens(model.config)
+    prefix = max(_PROBE_TAIL, _SELECTION_MULTIPLE * selected)
+    total = prefix + _PROBE_TAIL
+    kept = range(prefix - _PROBE_TAIL, total)  # the logits compared
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab, (1, 12), generator=generator).to(model.device)
+    tokens = torch.randint(vocab, (1, total), generator=generator).to(model.device)
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def run(begin, end, cache):
+    def run(begin, end, cache, keep_from=None):
         extra = arguments(cache, begin, end, model.device)
-        return model(input_ids=tokens[:, begin:end], use_cache=True, **extra).logits[0, -1]
+        keep_from = begin if keep_from is None else keep_from
+        if takes_keep:  # only the logits compared: a long prefix, a large vocabulary
+            extra["logits_to_keep"] = end - keep_from
+        logits = model(input_ids=tokens[:, begin:end], use_cache=True, **extra).logits[0]
+        return logits[-(end - keep_from) :]
 
     with torch.no_grad():
-        whole_cache, split_cache = (
-            DynamicCache(config=model.config),
-            DynamicCache(config=model.config),
+        whole_cache, split_cache, lost_cache = (DynamicCache(config=model.config) for _ in range(3))
+        whole = run(0, total, whole_cache, keep_from=kept.start)
+        split = torch.cat(
+            [run(0, prefix, split_cache, keep_from=kept.start), run(prefix, total, split_cache)]
         )
-        whole = [run(0, 12, whole_cache)]
-        run(0, 6, split_cache)
-        split = [run(6, 12, split_cache)]
-    for whole_layer, split_layer in zip(whole_cache.layers, split_cache.layers, strict=True):
-        if hasattr(whole_layer, "number_of_states"):  # a layer with recurrent tensors
-            for kind, i in _recurrent_slots(whole_layer):
-                whole.append(getattr(whole_layer, f"{kind}_states")[i])
-                split.append(getattr(split_layer, f"{kind}_states")[i])
-    for a, b in zip(whole, split, strict=True):
-        tolerance = max(torch.finfo(a.dtype).eps ** 0.5, 1e-3) * a.abs().max()
-        if a.shape != b.shape or (a - b).abs().max() > tolerance:
-            return False
-    return True
+        lost = run(prefix, total, lost_cache)
+    pieces = [("logits", whole, split, lost, _PROBE_TAIL)]
+    for index, layers in enumerate(
+        zip(whole_cache.layers, split_cache.layers, lost_cache.layers, strict=True)
+    ):
+        if hasattr(layers[0], "number_of_states"):  # a layer with recurrent tensors
+            for kind, i in _recurrent_slots(layers[0]):
+                tensors = [getattr(layer, f"{kind}_states")[i] for layer in layers]
+                pieces.append((f"layer {index} {kind} {i}", *tensors, None))
+    # The coarsest precision the computation went through: the model's
+    # dtype even where a state is kept in float32, and never finer than
+    # float32, which chunked kernels use even in a float64 model.
+    model_eps = max(torch.finfo(model.dtype).eps, torch.finfo(torch.float32).eps)
+    errors = []
+    for name, a, b, c, tail in pieces:
+        a, b, c = a.double(), b.double(), c.double()
+        eps = max(model_eps, torch.finfo(b.dtype).eps)
+        tail_a = a if tail is None else a[-tail:]  # the positions the lost forward ran
+        if a.shape != b.shape or tail_a.shape != c.shape:
+            errors.append(SplitError(name, float("inf"), 0.0, 0.0, eps))
+            continue
+        errors.append(
+            SplitError(
+                name,
+                split=float((a - b).abs().max()),
+                lost=float((tail_a - c).abs().max()),
+                largest=float(a.abs().max()),
+                eps=eps,
+            )
+        )
+    return errors
+
+
+def _split_problem(model, arguments: ForwardArguments) -> str | None:
+    """Why a forward over several tokens, over a cache, gives what one
+    forward over all of them gives, beyond rounding (None: it does not):
+    what every turn that reuses a cache relies on (see ``_split_errors``).
+
+    Rounding and a wrong continuation differ in kind, not in a fixed size.
+    Rounding scales with the compute precision (bfloat16 moves a recurrent
+    state by about 1e-2 of its largest value even where the state is kept in
+    float32), while a state that was lost, or a sparse selection that falls
+    otherwise (GLM-MoE-DSA), moves a tensor by a good part of it in every
+    dtype. So a tensor may be off by a few roundings, or by a small part of
+    what losing the state would cost it: the square root of epsilon of that
+    distance (about 9% in bfloat16, 3e-4 in float32). In float32 and
+    float64 that is far below a sparse selection's error (1e-2 of the
+    largest logit or more); in every dtype far below a lost state's (a
+    third of that distance or more for Mamba's scan, which restarts from
+    zeros), and far above what rounding does (1e-2 of it in bfloat16)."""
+    errors = _split_errors(model, arguments)
+    for error in errors:
+        logger.debug("kvchat probe: %s", error)
+    failed = [error for error in errors if not error.ok]
+    if not failed:
+        return None
+    worst = max(failed, key=lambda e: e.split / max(e.allowed, 1e-300))
+    return (
+        "a forward over several tokens does not continue the cached state "
+        f"({worst.name} off by {worst.split:.3g}, rounding allows {worst.allowed:.3g}, "
+        f"a lost state is off by {worst.lost:.3g})"
+    )
 
 
 def _templates(cache: DynamicCache, parts: list) -> list[LayerTemplate]:
@@ -394,11 +496,12 @@ class CacheBridge:
                 i for i in sorted(self._indexed_layers) if filled.layers[i].indexer_keys is not None
             ]
             problem = _indexer_problem(filled, indexed)
-            # Every recurrent part relies on it: the tail after a checkpoint
-            # is prefilled in one forward from the restored state.
-            if problem is None and any("recurrent" in p for p in self._parts if p):
-                if not _continues_state(model, self.forward_arguments):
-                    problem = "a forward over several tokens does not continue the cached state"
+            # Every reused turn relies on it: the uncached tail (after a
+            # checkpoint, for a recurrent part) is prefilled in one forward
+            # over the cache. Any layer kind can break it (a sparse
+            # selection, a scan that restarts), so every model is probed.
+            if problem is None:
+                problem = _split_problem(model, self.forward_arguments)
             if problem is None:
                 self.templates += [_indexer_template(filled.layers[i]) for i in indexed]
                 self._indexer_of = {i: len(self._stateful) + k for k, i in enumerate(indexed)}
