@@ -189,18 +189,52 @@ DSA_VARIANTS = {
 }
 
 
-def _dsa(variant, tokenizer):
-    dtype, fields, _ = DSA_VARIANTS[variant]
-    return _tiny("glm_moe_dsa", dtype, dict(DSA, **fields), tokenizer)
+def _dsa(variant, tokenizer, **fields):
+    dtype, variant_fields, _ = DSA_VARIANTS[variant]
+    return _tiny("glm_moe_dsa", dtype, dict(DSA, **variant_fields, **fields), tokenizer)
 
 
 @pytest.mark.parametrize("variant", DSA_VARIANTS)
-def test_dsa_indexed_layers_reuse_keys_values_and_indexer_keys(variant, tokenizer, tmp_path):
-    """DynamicIndexedLayer holds keys, values and per-token indexer keys; kvchat
-    carries all three, cropping the indexer keys like KV: every turn is plain
-    generate's reply, from turn 2 at least 90% reused; a second session starts
-    from the first one's system prompt, and a saved session continues exactly."""
+def test_dsa_sparse_selection_runs_as_plain_generate_exactly(variant, tokenizer, caplog):
+    """Once a prompt is longer than index_topk, GLM-MoE-DSA's forward over
+    several tokens over a cache selects other keys than one forward over the
+    whole prompt (in transformers itself: its logits move by about 0.2), so
+    no reuse is exact. The probe finds it, with a prompt longer than the
+    selection, and every turn is plain generate, with a warning. Before the
+    probe ran on attention-only models, kvchat reused these prompts and its
+    reply differed from plain generate's (1 turn in 6 of a short replay)."""
     model = _dsa(variant, tokenizer)
+    with caplog.at_level("WARNING", logger="kvchat"):
+        manager = SessionManager(model, tokenizer)
+    assert not manager._bridge.supported
+    assert "does not continue the cached state" in caplog.text
+    messages = [LONGER_SYSTEM]
+    for turn in range(4):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=8)
+        assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
+        report = manager.last_turn("s")
+        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
+        assert report.prompt_tokens > 8 * DSA["index_topk"], report  # the selection is real
+        messages.append({"role": "assistant", "content": reply})
+
+
+@pytest.mark.parametrize("variant", DSA_VARIANTS)
+def test_dsa_indexed_layers_carry_keys_values_and_indexer_keys(
+    variant, tokenizer, tmp_path, monkeypatch
+):
+    """How kvchat carries a DynamicIndexedLayer were its forward exact: keys,
+    values and per-token indexer keys, the indexer keys cropped like KV.
+    With index_topk above every prompt's length the selection keeps every
+    key, so reuse is exact; the probe (which uses a prompt longer than the
+    selection, and so refuses this model) is bypassed. Every turn is plain
+    generate's reply, from turn 2 at least 90% reused; a second session
+    starts from the first one's system prompt, and a saved session
+    continues exactly."""
+    from kvchat import cache_bridge
+
+    monkeypatch.setattr(cache_bridge, "_split_problem", lambda model, arguments: None)
+    model = _dsa(variant, tokenizer, index_topk=1024)
     manager = SessionManager(model, tokenizer)
     layers = len(model.config.layer_types)
     assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * layers
@@ -213,6 +247,7 @@ def test_dsa_indexed_layers_reuse_keys_values_and_indexer_keys(variant, tokenize
     assert reply == reference_turn(model, tokenizer, messages, 8)[0]
     report = manager.last_turn("other")
     assert report.reason == "shared_prefix" and report.reused_tokens > 0, report
+    assert report.prompt_tokens < 1024, report  # below the selection: exact
 
     manager.save("other", tmp_path / "other.safetensors")
     fresh = SessionManager(model, tokenizer)
@@ -224,11 +259,15 @@ def test_dsa_indexed_layers_reuse_keys_values_and_indexer_keys(variant, tokenize
     assert report.reason in ("extend", "diverged") and report.reused_tokens > 0, report
 
 
-def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog):
+def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog, monkeypatch):
     """A model that keeps per-token indexer positions in its cache
     (Qwen4-Exp's indexer_position_ids), which kvchat does not carry, runs every
     turn as plain generate, passing no cache, with the same tokens. A hook
-    makes GLM-MoE-DSA keep them, so the test needs no second tiny family."""
+    makes GLM-MoE-DSA keep them, so the test needs no second tiny family; the
+    split probe, which refuses GLM-MoE-DSA on its own, is bypassed."""
+    from kvchat import cache_bridge
+
+    monkeypatch.setattr(cache_bridge, "_split_problem", lambda model, arguments: None)
     model = _dsa("dense-float64", tokenizer)
 
     def keep_positions(module, args, kwargs):
