@@ -1,4 +1,4 @@
-"""What bfloat16 can promise, on the test device (KVCHAT_TEST_DEVICE).
+"""What bfloat16 and float16 can promise, on the test device (KVCHAT_TEST_DEVICE).
 
 Reuse changes the shapes of the matrix products (a turn prefills only its new
 tokens, against a cache), so a cached turn's logits differ from plain
@@ -11,6 +11,10 @@ near-tie, after which the two continuations differ. What bfloat16 can promise:
   so its reply is the same, token for token;
 - a later turn's first token is plain generate's wherever plain generate's
   best token leads the runner-up by more than that rounding (``MARGIN``).
+
+Every hybrid family reuses in these dtypes too: the construction probe must
+tell their rounding from a lost state (it refused FalconH1 and NemotronH in
+bfloat16, and FalconH1 in float16, on an AVX2 CPU). float32 runs beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from helpers import LONG_SYSTEM, MAX_NEW, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
+from test_families import FAMILIES, RECURRENT_ONLY, SHAPE, _tiny
 
 # Logits of these random models spread by about 0.15; bfloat16 rounding moved
 # them by at most 0.004 between a cached and a full prefill (one bfloat16 step
@@ -42,10 +47,28 @@ def _plain(model, prompt):
     return tuple(out.sequences[0, prompt.numel() :].tolist()), float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2", "falcon_h1"])
-def test_bfloat16_turns_keep_plain_generates_clear_first_tokens(family, tokenizer):
-    model = tiny_model(family, dtype=torch.bfloat16, seed=0).to(DEVICE)
+# Every hybrid family kvchat supports, and two attention-only ones.
+TINY_FAMILIES = ["llama", "gemma3", "lfm2", "qwen3_5", "bamba", "falcon_h1", "nemotron_h"]
+FIXTURE_FAMILIES = ["zamba2", "granitemoehybrid", "mamba2"]  # built as test_families does
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _build(family, dtype, tokenizer):
+    if family in TINY_FAMILIES:
+        return tiny_model(family, dtype=dtype, seed=0).to(DEVICE)
+    if family == "mamba2":
+        fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
+        return _tiny("mamba2", dtype, fields, tokenizer)
+    model_type, _, fields, _ = FAMILIES[family]
+    return _tiny(model_type, dtype, dict(SHAPE, **fields), tokenizer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("family", TINY_FAMILIES + FIXTURE_FAMILIES)
+def test_bfloat16_turns_keep_plain_generates_clear_first_tokens(family, dtype, tokenizer):
+    model = _build(family, dtype, tokenizer)
     manager = SessionManager(model, tokenizer)
+    assert manager._bridge.supported, f"{family} in {dtype} runs as plain generate"
     messages, checked = [LONG_SYSTEM], 0
     for turn in range(TURNS):
         messages.append(user_message(turn))
@@ -55,7 +78,7 @@ def test_bfloat16_turns_keep_plain_generates_clear_first_tokens(family, tokenize
         if turn == 0:
             assert report.reused_tokens == 0 and report.output_ids == expected
         else:
-            assert report.reused_tokens > 0
+            assert report.reused_tokens > 0, report
             if margin > MARGIN:
                 assert report.output_ids[0] == expected[0], (turn, margin)
                 checked += 1
