@@ -380,15 +380,18 @@ ZERO_START_SCANS = {
 }
 
 
+@pytest.mark.parametrize("half", [None, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("model_type", sorted(ZERO_START_SCANS))
-def test_a_scan_that_ignores_the_cache_runs_as_plain_generate(model_type, tokenizer, caplog):
+def test_a_scan_that_ignores_the_cache_runs_as_plain_generate(model_type, half, tokenizer, caplog):
     """Mamba's, FalconMamba's and Jamba's selective scan over several tokens
     starts from zeros, not from the cached state, so no reuse could be exact:
     a probe finds that, and every turn is plain generate. Before the probe,
     reuse gave a different reply by turn 4 on each of them; on Jamba, whose
     attention layers carry most of a random model's context, only with
-    initializer_range=0.2 (Jamba had reused, and passed, at the default)."""
+    initializer_range=0.2 (Jamba had reused, and passed, at the default).
+    The probe's bound follows the precision, so in bfloat16 and float16 too."""
     dtype, fields = ZERO_START_SCANS[model_type]
+    dtype = half or dtype
     model = _tiny(model_type, dtype, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert "does not continue the cached state" in caplog.text
