@@ -19,6 +19,9 @@ from .generate_args import GenerateArgs, resolve_generate_args
 from .persist import SessionFileError, read_session, write_session
 from .prefill import ChunkedPrefill, FeedOnlyTail, PromptEndSnapshot
 from .prompting import (
+    check_template_kwargs,
+    check_tools,
+    max_prompt_chars,
     render_text,
     require_chat_template,
     rewritten_tail,
@@ -246,6 +249,7 @@ class SessionManager:
             isolate_namespaces=isolate_namespaces,
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
+        self._tier.isolate_namespaces = isolate_namespaces  # stored data stays in its namespace
         self._tier.bind(self._fingerprint, self._bridge, model.device)
         text_config = model.config.get_text_config()
         self._max_context = _positive_int(
@@ -369,12 +373,33 @@ class SessionManager:
         self._tier.forget(session_id)
 
     def remove(self, session_id: str, local_only: bool = False) -> None:
-        """Forgets the session entirely. ``local_only``: only in this process;
-        a shared store keeps its snapshot for other processes (an idle timeout
-        on one server replica wants this)."""
-        self._core.remove(_check_session_id(session_id))
+        """Forgets the session entirely: here and, with a shared store, in the
+        store and so on every process that uses it (each drops its copy before
+        its next turn). A session only the shared store holds is removed there
+        (``KeyError`` if neither holds it). ``local_only``: only in this
+        process; a shared store keeps its snapshot for other processes (an idle
+        timeout on one server replica wants this)."""
+        try:
+            self._core.remove(_check_session_id(session_id))
+        except KeyError:
+            if local_only or not self._tier.shared or not self._tier.forget(session_id):
+                raise
+            return
         if not (local_only and self._tier.shared):
             self._tier.forget(session_id)
+
+    def drop_if_deleted(self, session_id: str) -> bool:
+        """With a shared store: whether the session was deleted (on any process)
+        since its copy here began; if so, removes that copy here (unless a turn
+        is running on it, which drops it itself first)."""
+        if not self._tier.shared or not self._tier.deleted_since(session_id, update=False):
+            return False
+        try:
+            self._core.remove(_check_session_id(session_id))
+        except (KeyError, _C.SessionBusy):
+            return True
+        self._tier.deleted_since(session_id)  # a copy here begins anew
+        return True
 
     def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
         """Waits until the tier has written every snapshot queued so far (the
@@ -459,25 +484,33 @@ class SessionManager:
         _positive_int(max_new_tokens, "max_new_tokens")
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
-        if tools is not None and not isinstance(tools, list):
-            raise TypeError(f"tools must be a list of tool specs, got {type(tools).__name__}")
-        if template_kwargs is not None and not isinstance(template_kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}"
-            )
+        check_tools(tools)
+        check_template_kwargs(template_kwargs)
+        # A text longer than this is over the context whatever its tokens:
+        # refused before tokenizing, which would cost time and memory for nothing.
+        limit = None
+        if self._max_context is not None:
+            limit = max_prompt_chars(self._tokenizer, self._max_context)
 
         def render(messages):
-            return render_text(self._tokenizer, messages, tools, template_kwargs)
+            text = render_text(self._tokenizer, messages, tools, template_kwargs)
+            if limit is not None and len(text) > limit:
+                return text, None
+            return text, tokenize_text(self._tokenizer, text)
 
-        text = render(messages)
-        ids = tokenize_text(self._tokenizer, text)
+        def over(ids) -> bool:
+            return ids is None or ids.numel() + max_new_tokens > self._max_context
+
+        text, ids = render(messages)
         if self._truncate and self._max_context is not None:
-            while ids.numel() + max_new_tokens > self._max_context and (
-                shorter := _drop_oldest_turn(messages)
-            ):
+            while over(ids) and (shorter := _drop_oldest_turn(messages)):
                 messages = shorter
-                text = render(messages)
-                ids = tokenize_text(self._tokenizer, text)
+                text, ids = render(messages)
+        if ids is None:
+            raise ValueError(
+                f"prompt of {len(text)} characters (more than {self._max_context} tokens) plus "
+                f"max_new_tokens={max_new_tokens} exceeds max_context_length={self._max_context}"
+            )
         return text, ids, messages
 
     def _decode_reply(self, sequences: torch.Tensor, prompt_tokens: int) -> str:
@@ -540,6 +573,7 @@ class SessionManager:
         kwargs = timer.attach(args.kwargs)
         try:
             with self._core.acquire(session_id, wait=self._wait) as session:
+                self._drop_if_deleted(session)
                 # Text mode reads the session's cached text, so it matches under the lease.
                 prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
                 prompt = prompt.to("cpu", torch.long).contiguous()
@@ -588,6 +622,15 @@ class SessionManager:
             return output, reply, record
         finally:
             self._flush_evicted()
+
+    def _drop_if_deleted(self, session) -> None:
+        """Under the lease: a session deleted on another process (a shared
+        store's tombstone) since its copy here began loses that copy (cache and
+        history) before this turn, which then starts it anew."""
+        if self._tier.shared and self._tier.deleted_since(session.id):
+            logger.info("kvchat: session %r was deleted elsewhere; dropped it here", session.id)
+            session.invalidate_cache()
+            session.set_messages([])
 
     def _from_tier(self, session, prompt: torch.Tensor):
         """A cache from the tier, or None: asked when the session holds nothing

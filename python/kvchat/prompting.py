@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import functools
+import inspect
 import logging
+import math
+import reprlib
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +24,101 @@ _REWRITE_PROBE = (
 # More than this is no rewrite of the generation prompt but of earlier history
 # (a system prompt the template moves, say), which a tail stop cannot serve.
 _MAX_REWRITTEN_TAIL = 16
+
+
+# JSON a client sends (message fields, tools, template variables) nested deeper
+# than this is refused: templates and encoders walk it recursively.
+MAX_JSON_DEPTH = 64
+
+
+def _template_arguments() -> frozenset[str]:
+    """Names that apply_chat_template (or the renderer under it) takes as its
+    own arguments: in ``chat_template_kwargs`` they would replace the template,
+    tokenize, or collide with the conversation, rather than be template variables."""
+    names = {
+        "conversation", "conversations", "messages", "chat", "tools", "documents",
+        "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+        "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "compiled_template",
+    }  # fmt: skip
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        for function in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+            for name, parameter in inspect.signature(function).parameters.items():
+                if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                    names.add(name)
+    except (ImportError, AttributeError, TypeError, ValueError) as error:  # another version
+        logger.debug("kvchat: apply_chat_template's signature unread: %s", error)
+    names.discard("self")
+    return frozenset(names)
+
+
+TEMPLATE_ARGUMENTS = _template_arguments()
+
+
+def check_json(value, where: str, strict: bool = True, _depth: int = 0, _root=None) -> None:
+    """Checks data a client hands the chat template: every string valid Unicode,
+    nested at most MAX_JSON_DEPTH deep, numbers finite; with ``strict``, only
+    JSON types (dicts with string keys, lists, strings, numbers, bools, None).
+    Raises ValueError naming the place (``where``)."""
+    if isinstance(value, str):
+        _text(value, where)
+    elif value is None or isinstance(value, (bool, int)):
+        return
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} must be a finite number, got {reprlib.repr(value)}")
+    elif isinstance(value, (dict, list, tuple)):
+        if _depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"{_root or where} is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"{where} has a key that is not a string: {key!r}")
+                _text(key, f"{where} key {key!r}")
+                check_json(item, f"{where}[{key!r}]", strict, _depth + 1, _root or where)
+        else:
+            for j, item in enumerate(value):
+                check_json(item, f"{where}[{j}]", strict, _depth + 1, _root or where)
+    elif strict:
+        raise ValueError(f"{where} is not JSON data: {type(value).__name__}")
+
+
+def check_tools(tools) -> None:
+    """``tools``: None, or a list of tool specs (dicts of JSON data, or callables,
+    which transformers turns into specs)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise TypeError(f"tools must be a list of tool specs, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if callable(tool) and not isinstance(tool, dict):
+            continue
+        if not isinstance(tool, dict):
+            raise TypeError(f"tools[{i}] must be a dict (a tool spec), got {type(tool).__name__}")
+        check_json(tool, f"tools[{i}]")
+
+
+def check_template_kwargs(template_kwargs) -> None:
+    """``chat_template_kwargs``: None, or a dict of template variables (such as
+    ``enable_thinking``), none of them an argument of apply_chat_template."""
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}"
+        )
+    for name, value in template_kwargs.items():
+        if not isinstance(name, str):
+            raise TypeError(f"chat_template_kwargs keys must be strings, got {name!r}")
+        if name in TEMPLATE_ARGUMENTS or name.startswith("return_"):
+            raise ValueError(
+                f"chat_template_kwargs[{name!r}] is an argument of apply_chat_template, not a "
+                f"template variable; kvchat renders with the tokenizer's own chat_template"
+            )
+        check_json(value, f"chat_template_kwargs[{name!r}]", strict=False)
 
 
 def _text(value, where: str) -> str:
@@ -55,6 +153,23 @@ def _content(message: dict, where: str) -> str | None:
     return _text(content, where)
 
 
+def _check_tool_call(call, where: str) -> None:
+    """A tool call as OpenAI clients send it (``{"id", "type": "function",
+    "function": {"name", "arguments"}}``), arguments a string or an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(
+            f"{where} must be a tool call {{'type': 'function', 'function': {{'name': str, "
+            f"'arguments': str}}}}, got {reprlib.repr(call)}"
+        )
+    arguments = function.get("arguments")
+    if arguments is not None and not isinstance(arguments, (str, dict)):
+        raise ValueError(
+            f"{where}['function']['arguments'] must be a string or an object, "
+            f"got {type(arguments).__name__}"
+        )
+
+
 def validate_messages(messages) -> list[dict]:
     """Checks the chat format: a non-empty list of {'role': str, 'content': str} dicts.
 
@@ -74,18 +189,21 @@ def validate_messages(messages) -> list[dict]:
             raise TypeError(f"messages[{i}] must be a dict, got {type(message).__name__}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}]['role'] must be a non-empty string, got {role!r}")
+            raise ValueError(
+                f"messages[{i}]['role'] must be a non-empty string, got {reprlib.repr(role)}"
+            )
         _text(role, f"messages[{i}]['role']")
         tool_calls = message.get("tool_calls")
         if tool_calls is not None and not isinstance(tool_calls, list):
             raise ValueError(
                 f"messages[{i}]['tool_calls'] must be a list, got {type(tool_calls).__name__}"
             )
-        extras = {k: v for k, v in message.items() if k not in ("role", "content")}
-        try:  # the history keeps these as JSON
-            json.dumps(extras)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"messages[{i}] has a field that is not JSON data: {error}") from None
+        for j, call in enumerate(tool_calls or []):
+            _check_tool_call(call, f"messages[{i}]['tool_calls'][{j}]")
+        for key, value in message.items():  # the history keeps these as JSON
+            if key not in ("role", "content"):
+                _text(key, f"messages[{i}] key {key!r}")
+                check_json(value, f"messages[{i}][{key!r}]")
         clean.append(dict(message, content=_content(message, f"messages[{i}]['content']")))
     return clean
 
@@ -106,13 +224,36 @@ def render_text(tokenizer, messages: list[dict], tools=None, template_kwargs=Non
     ``tools`` (OpenAI-style function specs) and ``template_kwargs`` (such as
     ``enable_thinking``) go to the template, as transformers passes them."""
     require_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(
-        messages,
-        tools=tools,
-        tokenize=False,
-        add_generation_prompt=True,
-        **(template_kwargs or {}),
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=True,
+            **(template_kwargs or {}),
+        )
+    except Exception as error:  # the template refused this input (raise_exception, say)
+        raise ValueError(
+            f"messages: the chat template refused them ({type(error).__name__}: {error})"
+        ) from error
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer) -> int:
+    """Characters in the tokenizer's longest token (byte-level tokens count at
+    least one character per character they decode to)."""
+    try:
+        return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+    except Exception as error:  # a tokenizer without a vocabulary to list
+        logger.debug("kvchat: the tokenizer's vocabulary is unread: %s", error)
+        return 1024
+
+
+def max_prompt_chars(tokenizer, max_tokens: int) -> int:
+    """A text longer than this has more than ``max_tokens`` tokens, whatever
+    they are: checked before tokenizing, so an overlong render costs nothing.
+    Twice the bound, for normalizers that join characters."""
+    return 2 * max_tokens * _longest_token(tokenizer) + 1024
 
 
 def tokenize_text(tokenizer, text: str) -> torch.Tensor:

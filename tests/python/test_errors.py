@@ -206,6 +206,10 @@ README_ROWS = {
         "test_messages.py::test_malformed_client_messages_name_the_field",
         "test_messages.py::test_tools_and_template_kwargs_of_the_wrong_type_name_the_argument",
     ],
+    "`chat_template_kwargs` holding an argument of `apply_chat_template`": [
+        "test_messages.py::test_what_the_template_must_not_run_is_refused_naming_the_argument",
+        "test_messages.py::test_a_template_that_raises_is_a_value_error_naming_messages",
+    ],
     "tokenizer without a `chat_template`": ["test_tokenizer_without_chat_template"],
     "prompt + `max_new_tokens` over": [
         "test_prompt_longer_than_max_context_length",

@@ -94,7 +94,7 @@ def test_chat_template_kwargs_reach_the_template(llama):
         ),
         (
             {"role": "user", "content": "hi", "name": object()},
-            r"messages\[0\] has a field that is not JSON",
+            r"messages\[0\]\['name'\] is not JSON data",
         ),
     ],
 )
@@ -112,6 +112,51 @@ def test_tools_and_template_kwargs_of_the_wrong_type_name_the_argument(llama, to
         mgr.chat("s", messages, tools={"name": "x"})
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         mgr.stream_chat("s", messages, chat_template_kwargs=["enable_thinking"])
+    assert mgr.sessions() == []
+
+
+NESTED = [[[[0]]]]
+for _ in range(70):
+    NESTED = [NESTED]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        # A client's own Jinja, or an argument that changes what is rendered.
+        ({"chat_template_kwargs": {"chat_template": "{{ 'x' * 10**9 }}"}}, ValueError, "argument"),
+        ({"chat_template_kwargs": {"tokenize": True}}, ValueError, "'tokenize'"),
+        ({"chat_template_kwargs": {"return_dict": True}}, ValueError, "'return_dict'"),
+        ({"chat_template_kwargs": {"deep": NESTED}}, ValueError, "nested more than 64"),
+        ({"tools": [{"type": "function", "function": {"name": "\ud800"}}]}, ValueError, "tools"),
+        ({"tools": [1]}, TypeError, r"tools\[0\] must be a dict"),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
+            ValueError,
+            r"messages\[0\]\['tool_calls'\]\[0\] must be a tool call",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "name": NESTED}]},
+            ValueError,
+            "nested more than 64",
+        ),
+    ],
+)
+def test_what_the_template_must_not_run_is_refused_naming_the_argument(
+    llama, tokenizer, kwargs, error, match
+):
+    mgr = SessionManager(llama, tokenizer)
+    messages = kwargs.pop("messages", [{"role": "user", "content": "hi"}])
+    with pytest.raises(error, match=match):
+        mgr.chat("s", messages, max_new_tokens=2, **kwargs)
+    assert mgr.sessions() == []
+
+
+def test_a_template_that_raises_is_a_value_error_naming_messages(llama):
+    refusing = tiny_tokenizer("{{ raise_exception('system message required') }}")
+    mgr = SessionManager(llama, refusing)
+    with pytest.raises(ValueError, match="messages: the chat template refused them"):
+        mgr.chat("s", [{"role": "user", "content": "hi"}], max_new_tokens=2)
     assert mgr.sessions() == []
 
 

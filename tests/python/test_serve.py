@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -343,6 +344,28 @@ def _chat_body(**fields) -> dict:
     return {"model": "tiny:llama", "messages": [user_message(0)], "max_tokens": 4, **fields}
 
 
+def _raw(**fields) -> dict:
+    """A request whose JSON may hold lone surrogates (escaped, as JSON allows),
+    and lists nested deeper than json.dumps would write (``_nested``)."""
+    text = json.dumps(_chat_body(**fields))
+    text = re.sub(r'"nested-(\d+)"', lambda m: "[" * int(m[1]) + "1" + "]" * int(m[1]), text)
+    return {"content": text.encode()}
+
+
+def _nested(depth: int) -> str:
+    """A list nested ``depth`` deep, as ``_raw`` writes it."""
+    return f"nested-{depth}"
+
+
+def _tool(name: str = "get_weather", parameters=None) -> dict:
+    function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    return {"type": "function", "function": function}
+
+
+def _tool_call_message(call) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 # README "Bad requests" row -> (request, status, error code, param)
 SERVE_ERROR_CASES = {
     "malformed JSON": [({"content": b"{not json"}, 400, "invalid_json", None)],
@@ -399,6 +422,70 @@ SERVE_ERROR_CASES = {
     ],
     "an unknown session": [
         ({"path": "/v1/sessions/ghost", "method": "GET"}, 404, "session_not_found", "session_id")
+    ],
+    "a `prompt_cache_key` or `user` that cannot be an HTTP header": [
+        ({"json": _chat_body(stream=stream, **{field: value})}, 400, "invalid_value", field)
+        for value, field, stream in [
+            ("\u2603", "prompt_cache_key", False),
+            ("\u2603", "user", True),
+            ("a\nb", "prompt_cache_key", True),
+            ("a\nb", "user", False),
+            (" ", "prompt_cache_key", False),
+            (" ", "user", True),
+            ("tab\tkey", "prompt_cache_key", False),
+        ]
+    ],
+    "JSON nested too deeply": [
+        ({"content": b"[" * 100_000 + b"]" * 100_000}, 400, "invalid_json", None),
+        (
+            _raw(messages=[{**user_message(0), "name": _nested(950)}]),
+            400,
+            "invalid_value",
+            "messages",
+        ),
+        (_raw(tools=[_tool(parameters=_nested(200))]), 400, "invalid_value", "tools"),
+        (
+            _raw(chat_template_kwargs={"deep": _nested(100)}),
+            400,
+            "invalid_value",
+            "chat_template_kwargs",
+        ),
+    ],
+    "text that is not valid Unicode": [
+        (_raw(messages=[{**user_message(0), "name": "\ud800"}]), 400, "invalid_value", "messages"),
+        (
+            _raw(messages=[{**user_message(0), "name": "\ud800"}], prompt_cache_key="surrogate"),
+            400,
+            "invalid_value",
+            "messages",
+        ),
+        (_raw(tools=[_tool(name="\ud800")]), 400, "invalid_value", "tools"),
+        (_raw(stop=["\ud800"]), 400, "invalid_value", "stop"),
+        (_raw(chat_template_kwargs={"x": "\udfff"}), 400, "invalid_value", "chat_template_kwargs"),
+        (_raw(**{"\ud800": 1}), 400, "unknown_parameter", "\\ud800"),
+    ],
+    "messages the chat template refuses": [
+        (_raw(messages=[_tool_call_message(1)]), 400, "invalid_value", "messages"),
+        (_raw(messages=[_tool_call_message({})]), 400, "invalid_value", "messages"),
+        (_raw(messages=[_tool_call_message({"function": 3})]), 400, "invalid_value", "messages"),
+        (_raw(tools=[{"type": "function"}]), 400, "invalid_value", "tools"),
+        (_raw(tools=[1]), 400, "invalid_value", "tools"),
+    ],
+    "`chat_template_kwargs` that are no template variable": [
+        (_raw(chat_template_kwargs={name: value}), 400, "invalid_value", "chat_template_kwargs")
+        for name, value in [
+            ("chat_template", "{{ raise_exception('no') }}"),
+            ("chat_template", "{% for %}"),
+            ("tokenize", True),
+            ("add_generation_prompt", False),
+            ("continue_final_message", True),
+            ("return_tensors", "pt"),
+            ("return_whatever", 1),
+            ("tools", []),
+            ("documents", []),
+            ("messages", []),
+            ("tokenizer_kwargs", {}),
+        ]
     ],
 }
 
@@ -522,3 +609,249 @@ def test_idle_sessions_expire_but_never_mid_turn():
         assert float(expired.group(1)) >= 1
     finally:
         server.stop()
+
+
+def _status(server: Server, body: dict) -> int | str:
+    """The response's status, or the name of what went wrong on the way."""
+    try:
+        return server.post("/v1/chat/completions", key=None, json=body).status_code
+    except httpx.HTTPError as error:
+        return type(error).__name__
+
+
+def test_a_session_key_that_cannot_be_a_header_runs_nothing_and_leaks_no_slot():
+    server = Server("tiny:llama", "--max-pending", "1")
+    try:
+        statuses = {}
+        for stream in (False, True):
+            for field in ("prompt_cache_key", "user"):
+                for value in ("\u2603", "a\nb", " "):
+                    body = _chat_body(stream=stream, **{field: value})
+                    statuses[stream, field, value] = _status(server, body)
+        # Nothing ran: no session, no turn counted.
+        sessions = server.get("/v1/sessions", key=None).json()["data"]
+        counted = re.search(
+            r'^kvchat_requests_total\{status="200"\} (\S+)$', server.get("/metrics").text, re.M
+        )
+        # And no slot was kept: with --max-pending 1, every request after them runs.
+        after = []
+        for i, stream in enumerate((True, False, True)):
+            body = _chat_body(stream=stream, prompt_cache_key=f"after-{i}")
+            after.append(_status(server, body))
+        assert statuses == dict.fromkeys(statuses, 400)
+        assert sessions == [] and counted is None
+        assert after == [200, 200, 200]
+    finally:
+        server.stop()
+
+
+def _slow_reader(server: Server, body: dict) -> socket.socket:
+    """A request whose reader holds a tiny receive window and reads nothing
+    until told: the server's writes then wait on it (small segments keep the
+    server's send buffer small, as over a real network)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.settimeout(120)
+    sock.connect(("127.0.0.1", server.port))
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def test_a_session_never_expires_while_its_reply_is_still_being_read():
+    server = Server("tiny:llama", "--session-ttl", "1")
+    try:
+        # About 400 kB of events: more than the buffers on the way hold
+        # (uvicorn keeps 64 kB, the kernel grows its send buffer to 256 kB here).
+        body = _chat_body(max_tokens=1600, min_tokens=1600, stream=True, prompt_cache_key="slow")
+        sock = _slow_reader(server, body)
+        try:
+            first = sock.recv(2048)
+            assert first.startswith(b"HTTP/1.1 200"), first
+            # The turn ends (it is committed: the lease is given back) long
+            # before this reader has read its reply.
+            deadline = time.monotonic() + 120
+            while True:
+                response = server.get("/v1/sessions/slow", key=None)
+                assert response.status_code == 200, "expired while its reply is being sent"
+                if response.json()["requests"] >= 1:
+                    break
+                assert time.monotonic() < deadline, "the turn never ended"
+                time.sleep(0.1)
+            time.sleep(2.5)  # well past the TTL, the reply still unread
+            response = server.get("/v1/sessions/slow", key=None)
+            assert response.status_code == 200, "expired while its reply is being sent"
+            assert len(response.json()["history"]) == 2
+            rest = bytearray(first)
+            while chunk := sock.recv(65536):
+                rest += chunk
+            assert b"data: [DONE]" in rest[-100:], bytes(rest[-200:])  # in its last chunk
+        finally:
+            sock.close()
+        # Read to its end, it is idle from then on, and expires.
+        deadline = time.monotonic() + 30
+        while server.get("/v1/sessions/slow", key=None).status_code == 200:
+            assert time.monotonic() < deadline, "never expired once its reply was read"
+            time.sleep(0.2)
+    finally:
+        server.stop()
+
+
+def test_a_session_id_with_a_slash_is_read_and_deleted_by_its_owner_alone(llama_server):
+    client = _client(llama_server)
+    url = llama_server.url
+
+    def delete(path: str, key: str) -> httpx.Response:
+        return httpx.delete(f"{url}{path}", headers=_auth(key), timeout=60)
+
+    for path in ("/v1/sessions/team/a/b", "/v1/sessions/team%2Fa%2Fb", "/v1/sessions/team/a%2Fb"):
+        _ask(client, [user_message(0)], "team/a/b", stream=False)
+        # Another key never reaches it, by any spelling.
+        assert llama_server.get(path, KEY_B).status_code == 404
+        assert delete(path, KEY_B).status_code == 404
+        listed = [s["id"] for s in llama_server.get("/v1/sessions", KEY_A).json()["data"]]
+        assert "team/a/b" in listed
+        got = llama_server.get(path, KEY_A)
+        assert got.status_code == 200, (path, got.text)
+        assert got.json()["id"] == "team/a/b" and len(got.json()["history"]) == 2
+        deleted = delete(path, KEY_A)
+        assert deleted.status_code == 200, (path, deleted.text)
+        assert deleted.json() == {"id": "team/a/b", "object": "session.deleted", "deleted": True}
+        assert llama_server.get(path, KEY_A).status_code == 404
+    # Other routes are what they were.
+    assert llama_server.get("/v1/sessions/", KEY_A).status_code == 404
+
+
+def test_a_fork_never_takes_over_a_session_its_client_continues_by_header(llama_server):
+    client = _client(llama_server)
+    system = {"role": "system", "content": LONG_SYSTEM["content"] + " (takeover)"}
+    messages = [system, user_message(0)]
+
+    def ask(messages, session=None):
+        headers = {"X-Session-ID": session} if session else None
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny:llama",
+            messages=messages,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            extra_headers=headers,
+        )
+        completion = raw.parse()
+        return raw.headers["x-session-id"], completion.choices[0].message.content, completion.usage
+
+    session, reply, _ = ask(messages)
+    assert session.startswith("auto-")
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    # The client continues its session by the X-Session-ID it was given.
+    same, reply, usage = ask(messages, session)
+    assert same == session
+    messages.append({"role": "assistant", "content": reply})
+    history = llama_server.session(session)["history"]
+    assert history == messages
+    # Another request forks the older conversation: a session of its own.
+    fork = [*messages[:3], {"role": "user", "content": "Something else entirely."}]
+    forked, _, _ = ask(fork)
+    assert forked != session
+    assert llama_server.session(session)["history"] == history
+    # The first client's next turn reuses its whole previous prompt and reply.
+    messages.append(user_message(2))
+    again, _, next_usage = ask(messages, session)
+    assert again == session
+    last = llama_server.session(session)["last_turn"]
+    assert last["reason"] == "extend", last
+    assert next_usage.prompt_tokens_details.cached_tokens > usage.prompt_tokens
+    # A request by messages alone continues it too, from where it now is.
+    messages.append(
+        {"role": "assistant", "content": llama_server.session(session)["history"][-1]["content"]}
+    )
+    messages.append(user_message(3))
+    by_messages, _, _ = ask(messages)
+    assert by_messages == session
+    assert llama_server.session(session)["last_turn"]["reason"] == "extend"
+
+
+def test_a_tiny_temperature_answers_greedily(llama_server, tokenizer):
+    model = _reference("llama")
+    messages = [user_message(4)]
+    want, _, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
+    for temperature in (5e-324, 1e-300, 1e-6):
+        body = {**_chat_body(messages=messages, max_tokens=MAX_NEW), "temperature": temperature}
+        response = llama_server.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == want
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_client_template_is_refused_fast_and_costs_no_memory():
+    server = Server("tiny:llama")
+    try:
+        # 259 bytes that once rendered a 6M-token prompt before any limit was checked.
+        template = "{% for i in range(99999) %}{% for j in range(60) %}x {% endfor %}{% endfor %}"
+        body = {
+            "model": "tiny:llama",
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"chat_template": template},
+        }
+        server.post("/v1/chat/completions", key=None, json=_chat_body())  # warm up
+        sessions = server.get("/v1/sessions", key=None).json()["data"]
+        before = _rss_mb(server.process.pid)
+        started = time.monotonic()
+        response = server.post("/v1/chat/completions", key=None, json=body)
+        elapsed = time.monotonic() - started
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "chat_template_kwargs")
+        assert "chat_template" in error["message"]
+        assert elapsed < 2.0, elapsed
+        assert _rss_mb(server.process.pid) - before < 50
+        assert server.get("/v1/sessions", key=None).json()["data"] == sessions
+    finally:
+        server.stop()
+
+
+def test_the_idle_table_holds_only_sessions_that_exist(tokenizer):
+    from fastapi.testclient import TestClient
+    from kvchat import SessionManager
+    from kvchat.serve import ServeConfig, create_app
+
+    manager = SessionManager(
+        _model("llama"), tokenizer, isolate_namespaces=True, max_context_length=256
+    )
+    app = create_app(manager, ServeConfig(model_name="tiny", session_ttl=3600))
+    client = TestClient(app, raise_server_exceptions=False)
+    body = {"model": "tiny", "messages": [user_message(0)], "max_tokens": 2}
+    for i in range(40):
+        # Refused after the session was named: too long for the context.
+        refused = client.post(
+            "/v1/chat/completions", json={**body, "max_tokens": 10**6, "user": f"r{i}"}
+        )
+        assert refused.status_code == 400, refused.text
+        # Refused by the template.
+        call = _tool_call_message({})
+        refused = client.post(
+            "/v1/chat/completions", json={**body, "messages": [call], "user": f"t{i}"}
+        )
+        assert refused.status_code == 400, refused.text
+        # Made, then deleted.
+        assert (
+            client.post("/v1/chat/completions", json={**body, "user": f"d{i}"}).status_code == 200
+        )
+        assert client.delete(f"/v1/sessions/d{i}").status_code == 200
+        # Made automatically, then deleted.
+        made = client.post("/v1/chat/completions", json={**body, "messages": [user_message(i)]})
+        assert made.status_code == 200
+        assert client.delete(f"/v1/sessions/{made.headers['x-session-id']}").status_code == 200
+    assert client.post("/v1/chat/completions", json={**body, "user": "kept"}).status_code == 200
+    assert manager.sessions() == ["open/kept"]
+    assert app.state.expiry.tracked() <= {"open/kept"}

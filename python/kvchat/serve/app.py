@@ -14,6 +14,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             await asyncio.to_thread(manager.close)
 
     app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.expiry = expiry
     app.add_exception_handler(APIError, api_error_handler)
     stop_ids = _stop_ids(manager)
     pending = threading.BoundedSemaphore(config.max_pending)
@@ -130,10 +132,14 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                     code="request_too_large",
                 )
         try:
-            return json.loads(bytes(body))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return json.loads(bytes(body), parse_constant=_not_json)
+        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
             raise APIError(
                 400, f"the request body is not valid JSON: {error}", code="invalid_json"
+            ) from None
+        except RecursionError:
+            raise APIError(
+                400, "the request body is not valid JSON: nested too deeply", code="invalid_json"
             ) from None
 
     # ------------------------------------------------------------ endpoints
@@ -196,9 +202,17 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             )
         return internal
 
-    @app.get("/v1/sessions/{session_id}")
+    # ``:path``: a session id may hold "/" (prompt_cache_key "team/a"), sent
+    # as it is or percent-encoded; its owner reads and deletes it either way.
+    @app.get("/v1/sessions/{session_id:path}")
     async def get_session(session_id: str, request: Request):
         internal = own_session(caller(request), session_id)
+        # Deleted on another replica (the shared store says so): gone here too.
+        if await run_in_threadpool(manager.drop_if_deleted, internal):
+            router.forget(internal)
+            raise APIError(
+                404, f"no session {session_id!r}", param="session_id", code="session_not_found"
+            )
         try:
             last = manager.last_turn(internal)
             return {
@@ -211,11 +225,14 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 404, f"no session {session_id!r}", param="session_id", code="session_not_found"
             ) from None
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id:path}")
     async def delete_session(session_id: str, request: Request):
-        internal = own_session(caller(request), session_id)
+        # Not own_session: a session only the shared store holds (another
+        # replica's) is deleted too. Removed here and in the store, so on every
+        # replica (a network call: off the event loop).
+        internal = router.internal(caller(request), session_id)
         try:
-            manager.remove(internal)
+            await run_in_threadpool(manager.remove, internal)
         except SessionBusy:
             raise APIError(
                 409,
@@ -228,6 +245,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 404, f"no session {session_id!r}", param="session_id", code="session_not_found"
             ) from None
         router.forget(internal)
+        expiry.forget(internal)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/chat/completions")
@@ -259,21 +277,25 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="rate_limit_exceeded",
             )
         session = router.claim(ns, explicit, chat.messages)
-        expiry.touch(session)
+        expiry.begin(session)  # until finish(): it never expires while in use
         max_tokens = chat.max_tokens or config.default_max_tokens
         try:
+            # Made before the turn runs: a turn is never run for a reply that cannot be sent.
+            headers = {"X-Session-ID": router.external(ns, session) or session}
             stream, first = await start_turn(session, chat, max_tokens)
         except BaseException:
             pending.release()
-            if explicit is None:
-                router.settle(ns, session, None)
+            router.settle(ns, session, None)
+            expiry.end(session)
             raise
         cid = protocol.completion_id()
-        headers = {"X-Session-ID": router.external(ns, session) or session}
         turn = _Turn(stream, first, chat, max_tokens, session, ns, explicit is None)
         if chat.stream:
-            return StreamingResponse(
-                stream_body(turn, cid), media_type="text/event-stream", headers=headers
+            return _TurnStream(
+                stream_body(turn, cid),
+                on_end=lambda: abandon(turn),
+                media_type="text/event-stream",
+                headers=headers,
             )
         try:
             content = await run_in_threadpool(turn.collect)
@@ -307,30 +329,43 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         try:
             return await run_in_threadpool(begin)
         except ValueError as error:
-            code = "context_length_exceeded" if "max_context_length" in str(error) else None
-            raise APIError(400, str(error), param="messages", code=code) from None
+            message = str(error)
+            if "max_context_length" in message:
+                code, param = "context_length_exceeded", "messages"
+            else:
+                code, param = "invalid_value", _argument(message, "messages")
+            raise APIError(400, message, param=param, code=code) from None
         except TypeError as error:
-            raise APIError(400, str(error)) from None
+            message = str(error)
+            raise APIError(400, message, param=_argument(message), code="invalid_value") from None
 
     def finish(turn: _Turn) -> None:
         """Waits for the turn to be committed, then counts it and frees its slot."""
         if not turn._finished.acquire(blocking=False):
             return
-        turn.stream.close()
-        if config.store_wait > 0:  # after the last token: TTFT never pays for it
-            manager.flush(timeout=config.store_wait, session_id=turn.session)
-        pending.release()
-        expiry.touch(turn.session)
-        report = turn.stream.report
-        metrics.requests.labels("200" if report is not None else "500").inc()
-        if report is not None:
-            metrics.observe(report)
-        if turn.auto:
+        report = None
+        try:
+            turn.stream.close()
+            report = turn.stream.report
+            if config.store_wait > 0:  # after the last token: TTFT never pays for it
+                manager.flush(timeout=config.store_wait, session_id=turn.session)
+            metrics.requests.labels("200" if report is not None else "500").inc()
+            if report is not None:
+                metrics.observe(report)
+        finally:  # whatever failed above, the slot, the router and expiry are freed
+            pending.release()
             history = None
             if report is not None:
-                reply = {"role": "assistant", "content": turn.text}
-                history = [*turn.chat.messages, reply]
+                history = [*turn.chat.messages, {"role": "assistant", "content": turn.text}]
             router.settle(turn.ns, turn.session, history)
+            expiry.end(turn.session)
+
+    def abandon(turn: _Turn) -> None:
+        """A streamed response ended: if its turn was not finished (the client
+        left, or the response never started), stop it and finish it on a thread."""
+        if not turn._finished.locked():
+            turn.stream.cancel()
+            threading.Thread(target=finish, args=(turn,), daemon=True).start()
 
     async def stream_body(turn: _Turn, cid: str):
         model = turn.chat.model
@@ -358,6 +393,33 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 threading.Thread(target=finish, args=(turn,), daemon=True).start()
 
     return app
+
+
+class _TurnStream(StreamingResponse):
+    """A streamed turn's response: ``on_end`` runs however the response ends,
+    even when its body never started (the client gone before the headers)."""
+
+    def __init__(self, content, on_end, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
+def _argument(message: str, default: str | None = None) -> str | None:
+    """The request field a library error names first (``tools[0] must be ...``)."""
+    match = re.match(r"(messages|tools|chat_template_kwargs|stop)\b", message)
+    return match.group(1) if match else default
+
+
+def _not_json(constant: str):
+    """NaN and Infinity, which Python's json reads but JSON has not (and which
+    could never be written back in a session's history)."""
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def _sse(body: dict) -> str:

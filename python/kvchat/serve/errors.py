@@ -30,12 +30,18 @@ class APIError(Exception):
     def body(self) -> dict:
         return {
             "error": {
-                "message": self.message,
+                "message": _printable(self.message),
                 "type": _TYPES.get(self.status, "invalid_request_error"),
-                "param": self.param,
+                "param": None if self.param is None else _printable(self.param),
                 "code": self.code,
             }
         }
+
+
+def _printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a client's lone surrogate (in a field
+    name it sent, say) is written as its escape, never a failed response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -4,12 +4,21 @@ name (400), never silently ignored."""
 
 from __future__ import annotations
 
+import re
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..prompting import validate_messages
+from ..prompting import check_json, check_template_kwargs, validate_messages
 from .errors import APIError
+
+# Below this, a temperature is greedy (as vLLM does): dividing logits by it
+# would overflow to inf and sample from NaN.
+GREEDY_TEMPERATURE = 1e-5
+# What a session key may be: it is returned as the X-Session-ID header, so
+# printable ASCII with no space at either end (an HTTP header value).
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 
 # Accepted and ignored: they change nothing kvchat produces for one choice.
 _IGNORED = {
@@ -62,7 +71,7 @@ def _number(body: dict, name: str, low: float, high: float) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise _bad(name, f"{name} must be a number in [{low}, {high}], got {value!r}")
+        raise _bad(name, f"{name} must be a number in [{low}, {high}], got {reprlib.repr(value)}")
     return float(value)
 
 
@@ -71,7 +80,7 @@ def _integer(body: dict, name: str, low: int, high: int = 2**62) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _bad(name, f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        raise _bad(name, f"{name} must be an integer in [{low}, {high}], got {reprlib.repr(value)}")
     return value
 
 
@@ -82,6 +91,24 @@ def _string(body: dict, name: str) -> str | None:
     if not isinstance(value, str) or not value or len(value) > 512:
         raise _bad(name, f"{name} must be a non-empty string of at most 512 characters")
     return value
+
+
+def session_key(body: dict, name: str) -> str | None:
+    """A session key from the body (prompt_cache_key, user): refused before
+    anything runs unless it can come back as the X-Session-ID header."""
+    value = _string(body, name)
+    if value is not None and not header_value(value):
+        raise _bad(
+            name,
+            f"{name} must be printable ASCII with no space at either end (it is returned "
+            f"as the X-Session-ID header), got {reprlib.repr(value)}",
+        )
+    return value
+
+
+def header_value(value: str) -> bool:
+    """Whether ``value`` can be sent as an HTTP header value as it is."""
+    return _HEADER_VALUE.fullmatch(value) is not None
 
 
 @dataclass
@@ -145,17 +172,32 @@ def parse_chat_request(body) -> ChatRequest:
     if tool_choice not in (None, "auto", "none"):
         raise _bad("tool_choice", "tool_choice must be 'auto' or 'none'")
     tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise _bad("tools", "tools must be a list of tool objects")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "tools must be a list of tool objects")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise _bad(
+                    "tools",
+                    f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
+                    f"'description': str, 'parameters': object}}}}, got {reprlib.repr(tool)}",
+                )
+        try:
+            check_json(tools, "tools")
+        except ValueError as error:
+            raise _bad("tools", str(error)) from None
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+    try:
+        check_template_kwargs(template_kwargs)
+    except (TypeError, ValueError) as error:
+        raise _bad("chat_template_kwargs", str(error)) from None
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("stream", f"stream must be a boolean, got {stream!r}")
+        raise _bad("stream", f"stream must be a boolean, got {reprlib.repr(stream)}")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise _bad("stream_options", "stream_options is an object, and only with stream: true")
@@ -175,13 +217,18 @@ def parse_chat_request(body) -> ChatRequest:
         or not all(isinstance(s, str) and s for s in stop)
     ):
         raise _bad("stop", "stop must be a non-empty string or a list of up to 4 of them")
+    try:
+        check_json(stop, "stop")
+    except ValueError as error:
+        raise _bad("stop", str(error)) from None
 
-    # Sampling: greedy when temperature is 0, as OpenAI's API documents.
+    # Sampling: greedy when temperature is 0, as OpenAI's API documents (and
+    # below GREEDY_TEMPERATURE, whose division would overflow).
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     top_k = _integer(body, "top_k", 0)
     penalty = _number(body, "repetition_penalty", 0.01, 10.0)
-    kwargs: dict = {"do_sample": temperature is None or temperature > 0}
+    kwargs: dict = {"do_sample": temperature is None or temperature >= GREEDY_TEMPERATURE}
     if temperature is None:
         temperature = 1.0
     if kwargs["do_sample"]:
@@ -194,7 +241,7 @@ def parse_chat_request(body) -> ChatRequest:
     if min_tokens:
         kwargs["min_new_tokens"] = min_tokens
 
-    session_key = _string(body, "prompt_cache_key") or _string(body, "user")
+    key = session_key(body, "prompt_cache_key") or session_key(body, "user")
     return ChatRequest(
         model=model,
         messages=messages,
@@ -205,7 +252,7 @@ def parse_chat_request(body) -> ChatRequest:
         stop=stop,
         tools=tools,
         template_kwargs=template_kwargs,
-        session_key=session_key,
+        session_key=key,
         seed=_integer(body, "seed", -(2**63), 2**63 - 1),
     )
 

@@ -46,8 +46,25 @@ def namespace(api_key: str | None) -> str:
     return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
+class _Running:
+    """The turns in progress on an automatic session."""
+
+    __slots__ = ("turns", "key", "overlapped")
+
+    def __init__(self, key):
+        self.turns = 1
+        self.key = key  # the conversation it held before (kept if every turn fails)
+        self.overlapped = False  # two turns ran at once: which one it holds is unknown
+
+
 class SessionRouter:
-    """Maps requests to the manager's session ids (``<namespace>/<id>``)."""
+    """Maps requests to the manager's session ids (``<namespace>/<id>``).
+
+    Only an idle automatic session is in the conversation map, under exactly
+    the conversation it holds: a turn on it, by messages or by its id (the
+    ``X-Session-ID`` a client was given), takes it out of the map until that
+    turn ends and maps what it then holds. So a request that forks an older
+    point of its conversation never finds it, and never takes it over."""
 
     def __init__(self, manager):
         self._mgr = manager
@@ -56,7 +73,8 @@ class SessionRouter:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
-        self._claimed: dict[str, tuple[str, str]] = {}  # session -> key, while a turn runs
+        self._auto: set[str] = set()  # sessions made (or found) by automatic routing
+        self._running: dict[str, _Running] = {}  # automatic session -> its turns now
 
     @staticmethod
     def internal(ns: str, session_id: str) -> str:
@@ -67,49 +85,85 @@ class SessionRouter:
         prefix = f"{ns}/"
         return internal_id[len(prefix) :] if internal_id.startswith(prefix) else None
 
+    def _start(self, session: str) -> None:
+        """Under the lock: a turn on the automatic ``session`` begins; it leaves the map."""
+        key = self._key_of.pop(session, None)
+        if key is not None and self._open.get(key) == session:
+            del self._open[key]
+        running = self._running.get(session)
+        if running is None:
+            self._running[session] = _Running(key)
+        else:
+            running.turns += 1
+            running.overlapped = True
+
     def claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
-        """The session (internal id) this request's turn runs on."""
+        """The session (internal id) this request's turn runs on. Every claim
+        is followed by one settle() for it, whatever becomes of the request."""
         if explicit is not None:
-            return self.internal(ns, explicit)
+            session = self.internal(ns, explicit)
+            with self._lock:
+                if session in self._auto:  # an automatic session, continued by its id
+                    self._start(session)
+            return session
         digests = _digests(messages)
         with self._lock:
             # The longest conversation a session holds, short of the last message.
             for k in range(len(messages) - 1, 0, -1):
-                session = self._open.pop((ns, digests[k]), None)
-                if session is not None:
-                    self._claimed[session] = self._key_of.pop(session)
-                    if session in self._mgr.sessions():
-                        return session
+                session = self._open.get((ns, digests[k]))
+                if session is None:
+                    continue
+                if session in self._mgr.sessions():
+                    self._start(session)
+                    return session
+                self._drop(session)  # removed meanwhile: out of the map
         if self._shared is not None:
             # Another replica's, as the store's route map knows it (longest first).
             found = self._shared.recall_route(ns, digests[len(messages) - 1 : 0 : -1])
             if found is not None and found.startswith(f"{ns}/"):
                 with self._lock:
-                    if found not in self._claimed:  # else: a fork of a turn running here
-                        self._claimed[found] = self._key_of.pop(found, None)
+                    if found not in self._running:  # else: a fork of a turn running here
+                        self._auto.add(found)
+                        self._start(found)
                         return found
-        return self.internal(ns, f"auto-{uuid.uuid4().hex[:16]}")
+        session = self.internal(ns, f"auto-{uuid.uuid4().hex[:16]}")
+        with self._lock:
+            self._auto.add(session)
+            self._start(session)
+        return session
 
     def settle(self, ns: str, session: str, conversation: list[dict] | None) -> None:
         """After a turn: ``conversation`` (its messages and the reply) is what the
         session now holds; None when the turn failed, and it holds what it held."""
-        if conversation is not None and self._shared is not None:
-            self._shared.remember_route(ns, _digests(conversation)[-1], session)
         with self._lock:
-            key = self._claimed.pop(session, None)
-            if conversation is not None:
-                key = (ns, _digests(conversation)[-1])
-            if key is None:
+            running = self._running.get(session)
+            if running is None:  # not an automatic session (or forgotten meanwhile)
                 return
-            old = self._key_of.pop(session, None)
-            if old is not None:
-                self._open.pop(old, None)
+            running.turns -= 1
+            if conversation is not None:
+                running.key = (ns, _digests(conversation)[-1])
+            if running.turns > 0:
+                return
+            del self._running[session]
+            key = running.key
+            if key is None or running.overlapped:
+                return  # nothing held yet, or unknown which: out of the map
+            other = self._open.get(key)
+            if other is not None and other != session:
+                self._key_of.pop(other, None)  # one conversation, one session
             self._open[key] = session
             self._key_of[session] = key
+        if conversation is not None and self._shared is not None:
+            self._shared.remember_route(ns, key[1], session)
+
+    def _drop(self, session: str) -> None:
+        self._running.pop(session, None)
+        self._auto.discard(session)
+        key = self._key_of.pop(session, None)
+        if key is not None and self._open.get(key) == session:
+            del self._open[key]
 
     def forget(self, session: str) -> None:
+        """``session`` was removed (deleted, or expired)."""
         with self._lock:
-            self._claimed.pop(session, None)
-            key = self._key_of.pop(session, None)
-            if key is not None:
-                self._open.pop(key, None)
+            self._drop(session)
