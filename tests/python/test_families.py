@@ -396,3 +396,28 @@ def test_a_scan_that_ignores_the_cache_runs_as_plain_generate(model_type, half, 
     manager = SessionManager(model, tokenizer)
     assert "does not continue the cached state" in caplog.text
     assert_plain_turns(manager, model, tokenizer, turns=4, max_new_tokens=8)
+
+
+def test_a_dynamically_quantized_model_runs_as_plain_generate_exactly(tokenizer, caplog):
+    """``torch.ao.quantization.quantize_dynamic`` (int8 weights, the CPU user's
+    way to a faster model) quantizes each forward's activations with a scale
+    taken over all its tokens, so a forward over the new tokens alone is not
+    the forward over the whole prompt. Reusing such a model answered otherwise
+    than plain generate (SmolLM2-135M-Instruct: turns 2 to 5 of 6 differed).
+    The probe finds it, and every turn is plain generate."""
+    from kvchat.tiny import tiny_model
+
+    model = tiny_model("llama", tokenizer=tokenizer)
+    model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    with caplog.at_level("WARNING", logger="kvchat"):
+        manager = SessionManager(model, tokenizer)
+    assert not manager._bridge.supported
+    assert "does not continue the cached state" in caplog.text
+    messages = [LONGER_SYSTEM]
+    for turn in range(4):
+        messages.append(user_message(turn))
+        reply = manager.chat("s", messages, max_new_tokens=8)
+        assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
+        report = manager.last_turn("s")
+        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
+        messages.append({"role": "assistant", "content": reply})
