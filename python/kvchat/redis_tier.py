@@ -3,10 +3,14 @@
 What is stored, per session, is what ``save()`` writes (layers, checkpoints,
 token ids, cached text, messages), as immutable snapshots:
 
-- **Chunks**, keyed by the SHA-256 of their bytes (``<prefix>:chunk:<sha256>``).
-  A 4-D tensor (keys and values: [1, heads, tokens, dim]) is cut along its
-  token axis into blocks of a fixed number of tokens, so the blocks of a prefix
-  are the same bytes turn after turn and across sessions that share it: a turn
+- **Chunks**, keyed by the SHA-256 of their bytes within the session's scope
+  (``<prefix>:<model>:chunk:<scope>:<sha256>``): with ``isolate_namespaces``
+  (which ``kvchat serve`` sets) a scope is a namespace (an API key), else one
+  scope holds every session, so no upload ever finds another namespace's chunk
+  (and its time says nothing of what another tenant stored). A 4-D tensor
+  (keys and values: [1, heads, tokens, dim]) is cut along its token axis into
+  blocks of a fixed number of tokens, so the blocks of a prefix are the same
+  bytes turn after turn and across sessions of a scope that share it: a turn
   uploads only the blocks that are new. Other tensors are cut by bytes. No
   chunk is over ``chunk_bytes`` (default 4 MiB, far under Redis's 512 MB).
 - **A manifest** per model and session (``<prefix>:<model>:session:<id>``):
@@ -15,7 +19,16 @@ token ids, cached text, messages), as immutable snapshots:
   Lua script that first refreshes every chunk's TTL and publishes nothing if a
   chunk is gone, so a reader never sees a manifest whose chunks were not all
   there when it was written. Two writers of one session each publish a whole
-  snapshot; the last one published wins.
+  snapshot; the last one published wins. An index per scope lists its
+  manifests (``<prefix>:<model>:index:<scope>``).
+- **A tombstone** per deleted session (``<prefix>:<model>:deleted:<id>``, a
+  random token, for ``ttl`` seconds): ``forget`` (``SessionManager.remove``)
+  sets it, removes the manifest, the session's routes and every chunk of it no
+  live manifest of the scope lists. Each process remembers the tombstone it
+  saw when a session's copy here began; a turn (or ``kvchat serve``'s GET) that
+  finds another one drops the copy here first, and a snapshot written for an
+  older copy is never published (the Lua script checks), so a write queued
+  before the delete cannot bring the session back.
 
 Reading checks everything and treats any problem as a miss (logged, counted,
 the turn prefills instead): no manifest (never written, or expired), another
@@ -38,6 +51,7 @@ import base64
 import hashlib
 import json
 import logging
+import secrets
 import threading
 import time
 import warnings
@@ -53,7 +67,7 @@ from .tier import Tier
 
 logger = logging.getLogger("kvchat")
 
-FORMAT = "kvchat-store-1"
+FORMAT = "kvchat-store-2"
 WRITE_POLICIES = ("turn", "evict")
 _FETCH_BATCH = 64  # chunks per MGET: at most 256 MiB, usually a few MiB
 
@@ -61,15 +75,59 @@ _FETCH_BATCH = 64  # chunks per MGET: at most 256 MiB, usually a few MiB
 _DEFAULT_MS_PER_BYTE = 5e-6
 _SMOOTHING = 0.3
 
-# Refreshes every chunk's TTL; publishes the manifest only if all are there.
-# Returns the (1-based) positions of missing chunks, empty when published.
+_MAX_EPOCHS = 1 << 16  # sessions whose tombstone this process remembers
+
+# KEYS: manifest, tombstone, index, the session's chunk set, chunks...; ARGV:
+# manifest, ttl, the tombstone the snapshot's copy began under ('' for none),
+# written_at. Publishes nothing (returns -1) if the session was deleted since;
+# else refreshes every chunk's TTL and publishes only if all are there, adding
+# them to the set of every chunk the session's snapshots listed (what deleting
+# it deletes). Returns the (1-based) positions of missing chunks, empty when
+# published.
 _PUBLISH = """
+local deleted = redis.call('GET', KEYS[2])
+if deleted and deleted ~= ARGV[3] then return -1 end
 local missing = {}
-for i = 2, #KEYS do
-  if redis.call('EXPIRE', KEYS[i], ARGV[2]) == 0 then missing[#missing + 1] = i - 1 end
+for i = 5, #KEYS do
+  if redis.call('EXPIRE', KEYS[i], ARGV[2]) == 0 then missing[#missing + 1] = i - 4 end
 end
-if #missing == 0 then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end
+if #missing == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  redis.call('HSET', KEYS[3], KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  for i = 5, #KEYS, 1000 do
+    redis.call('SADD', KEYS[4], unpack(KEYS, i, math.min(i + 999, #KEYS)))
+  end
+  redis.call('EXPIRE', KEYS[4], ARGV[2])
+end
 return missing
+"""
+
+# KEYS: manifest, tombstone, index, the session's route set, its chunk set;
+# ARGV: tombstone, ttl, session id. Returns whether a manifest was there, and
+# the chunk keys the session's snapshots listed (to delete those unused).
+_DELETE = """
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+local existed = redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[3], KEYS[1])
+for _, route in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  if redis.call('GET', route) == ARGV[3] then redis.call('DEL', route) end
+end
+redis.call('DEL', KEYS[4])
+local chunks = redis.call('SMEMBERS', KEYS[5])
+redis.call('DEL', KEYS[5])
+return {existed, chunks}
+"""
+
+# KEYS: route, the session's route set, tombstone; ARGV: session id, ttl, the
+# tombstone the session's copy here began under ('' for none).
+_ROUTE = """
+local deleted = redis.call('GET', KEYS[3])
+if deleted and deleted ~= ARGV[3] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SADD', KEYS[2], KEYS[1])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
 """
 
 
@@ -87,6 +145,52 @@ class _Unpublished(Exception):
 
 def _digest(data) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def redact_url(url) -> str:
+    """The URL as a message may show it: user name and password (before the
+    host's ``@``, or in the query) replaced by ``***``."""
+    if not isinstance(url, str):
+        return repr(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:  # anything before the last '@' may be credentials
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    path, mark, query = rest.partition("?")
+    if mark:
+        fields = []
+        for field in query.split("&"):
+            name, eq, _ = field.partition("=")
+            secret = name.lower() in ("password", "username", "user", "pass")
+            fields.append(f"{name}{eq}***" if eq and secret else field)
+        rest = f"{path}?{'&'.join(fields)}"
+    return f"{scheme}{sep}{rest}"
+
+
+def _secrets(url: str) -> list[str]:
+    """What of ``url`` no message may show (the credentials, as written and decoded)."""
+    from urllib.parse import parse_qsl, unquote
+
+    found = []
+    rest = url.partition("://")[2] or url
+    if "@" in rest:
+        userinfo = rest.rsplit("@", 1)[0]
+        found += [userinfo, *userinfo.split(":")]
+    for name, value in parse_qsl(rest.partition("?")[2], keep_blank_values=True):
+        if name.lower() in ("password", "username", "user", "pass"):
+            found.append(value)
+    found += [unquote(f) for f in found]
+    # Shorter ones would garble the message (and are no secret).
+    return sorted({f for f in found if len(f) >= 3}, key=len, reverse=True)
+
+
+def _scrub(text: str, url) -> str:
+    """``text`` with every credential of ``url`` replaced by ``***``."""
+    if isinstance(url, str):
+        for secret in _secrets(url):
+            text = text.replace(secret, "***")
+    return text
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -139,7 +243,7 @@ class RedisTier(Tier):
             ) from None
 
         if not isinstance(url, str) or "://" not in url:
-            raise ValueError(f"store must be a redis:// URL, got {url!r}")
+            raise ValueError(f"store must be a redis:// URL, got {redact_url(url)!r}")
         if write not in WRITE_POLICIES:
             raise ValueError(f"write must be one of {WRITE_POLICIES}, got {write!r}")
         for name, value in (("ttl", ttl), ("timeout", timeout), ("retry_after", retry_after)):
@@ -152,11 +256,17 @@ class RedisTier(Tier):
             self._redis = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout
             )
-        except ValueError as error:
-            raise ValueError(f"store URL {url!r} is not a Redis URL: {error}") from None
+        except ValueError as error:  # its text may quote the URL's parts: scrubbed
+            raise ValueError(
+                f"store URL {redact_url(url)!r} is not a Redis URL: {_scrub(str(error), url)}"
+            ) from None
         self._errors = (redis.RedisError, OSError)
+        self._watch_error = redis.WatchError
         self._publish = self._redis.register_script(_PUBLISH)
-        self.url, self.ttl, self.write_policy = url, int(max(1, round(ttl))), write
+        self._delete = self._redis.register_script(_DELETE)
+        self._route = self._redis.register_script(_ROUTE)
+        # Never the password: the URL as messages may show it.
+        self.url, self.ttl, self.write_policy = redact_url(url), int(max(1, round(ttl))), write
         self.keeps_evicted = write == "evict"
         self.writes_turns = write == "turn"
         self._retry_after, self._prefix = retry_after, prefix
@@ -171,6 +281,9 @@ class RedisTier(Tier):
         # The background writer: per session, the newest snapshot not yet written.
         self._pending: OrderedDict[str, tuple] = OrderedDict()
         self._writing: str | None = None  # the session being written now
+        # Per session: the tombstone its copy here began under (None: none).
+        self._epochs: OrderedDict[str, bytes | None] = OrderedDict()
+        self._turn_epoch = threading.local()  # what this thread's turn saw
         self._closed = False
         self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
@@ -183,12 +296,37 @@ class RedisTier(Tier):
         super().bind(fingerprint, bridge, device)
         self._model_key = _digest(json.dumps(fingerprint, sort_keys=True).encode())[:24]
 
-    def manifest_key(self, session_id: str) -> str:
-        sid = _digest(session_id.encode())[:32]
-        return f"{self._prefix}:{self._model_key}:session:{sid}"
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self._prefix}:{self._model_key}:{kind}:{_digest(name.encode())[:32]}"
 
-    def chunk_key(self, digest: str) -> str:
-        return f"{self._prefix}:chunk:{digest}"
+    def manifest_key(self, session_id: str) -> str:
+        return self._key("session", session_id)
+
+    def tombstone_key(self, session_id: str) -> str:
+        return self._key("deleted", session_id)
+
+    def _routes_key(self, session_id: str) -> str:
+        return self._key("routes", session_id)
+
+    def _chunks_key(self, session_id: str) -> str:
+        """The set of every chunk key the session's snapshots listed."""
+        return self._key("chunks", session_id)
+
+    def _scope(self, session_id: str) -> str:
+        """Where the session's chunks are shared: its namespace (as the core
+        isolates them) with ``isolate_namespaces``, else everywhere."""
+        if not self.isolate_namespaces:
+            return ""
+        name, slash, _ = session_id.partition("/")
+        return f"{name}/" if slash else f"{session_id}/"
+
+    def index_key(self, session_id: str) -> str:
+        """The hash listing the manifests of the session's scope."""
+        return self._key("index", self._scope(session_id))
+
+    def chunk_key(self, digest: str, session_id: str) -> str:
+        """A chunk of ``session_id``'s scope (chunks are never shared across scopes)."""
+        return f"{self._key('chunk', self._scope(session_id))}:{digest}"
 
     # ------------------------------------------------------------ routes
     # kvchat serve's map from a conversation (a digest of its messages) to the
@@ -200,8 +338,15 @@ class RedisTier(Tier):
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
         if not self._available():
             return
-        try:
-            self._redis.set(self.route_key(namespace, conversation), session_id, ex=self.ttl)
+        with self._cond:
+            epoch = self._epochs.get(session_id)
+        keys = [
+            self.route_key(namespace, conversation),
+            self._routes_key(session_id),  # so that deleting the session deletes its routes
+            self.tombstone_key(session_id),
+        ]
+        try:  # never for a session deleted since its copy here began
+            self._route(keys=keys, args=[session_id, self.ttl, epoch or b""])
         except self._errors as error:
             self._failed("route write", error)
 
@@ -247,14 +392,125 @@ class RedisTier(Tier):
     # second team's idle workers slow every op of the turns (60% per token).
     def put(self, session_id: str, state: _C.CachedState) -> None:
         """Eviction dropped this session (``write="evict"``): store what it held."""
-        self._enqueue(session_id, ("write", *encode_state(state, self.bridge.slots), []))
+        with self._cond:
+            epoch = self._epochs.get(session_id)
+        self._enqueue(session_id, (*encode_state(state, self.bridge.slots), [], epoch))
 
     def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
         """A turn finished (``write="turn"``): store the session as it now is."""
-        self._enqueue(session_id, ("write", *encode_state(state, self.bridge.slots), messages))
+        # The tombstone this turn's copy began under (seen on this thread, under
+        # the session's lease): a delete since then refuses the snapshot.
+        seen = getattr(self._turn_epoch, "seen", None)
+        if seen is not None and seen[0] == session_id:
+            epoch = seen[1]
+        else:
+            with self._cond:
+                epoch = self._epochs.get(session_id)
+        self._enqueue(session_id, (*encode_state(state, self.bridge.slots), messages, epoch))
 
-    def forget(self, session_id: str) -> None:
-        self._enqueue(session_id, ("delete", None, None, None))
+    # ------------------------------------------------------------ deleting
+    def deleted_since(self, session_id: str, update: bool = True) -> bool:
+        """Whether the session was deleted (on any replica) since its copy here
+        began: the store holds a tombstone other than the one this process saw
+        then. ``update``: the copy here is dropped (or begins) now; remember
+        the tombstone. False when Redis cannot say; never raises."""
+        if not self._available():
+            return False
+        try:
+            found = self._redis.get(self.tombstone_key(session_id))
+        except self._errors as error:
+            self._failed(f"tombstone read of session {session_id!r}", error)
+            return False
+        except Exception:  # never into a turn
+            logger.exception("kvchat: tombstone read of session %r failed", session_id)
+            return False
+        with self._cond:
+            deleted = (
+                found is not None
+                and session_id in self._epochs
+                and self._epochs[session_id] != found
+            )
+            if update:
+                self._epochs.pop(session_id, None)
+                self._epochs[session_id] = found
+                while len(self._epochs) > _MAX_EPOCHS:
+                    self._epochs.popitem(last=False)
+        if update:
+            self._turn_epoch.seen = (session_id, found)
+        return deleted
+
+    def forget(self, session_id: str) -> bool:
+        """Deletes the session from the store, now: its manifest, its routes and
+        each of its chunks no other live manifest lists, and leaves a tombstone,
+        so every replica drops its copy before its next turn, and no snapshot
+        of an older copy (a write queued before) is ever published. Returns
+        whether a snapshot was there. Never raises (a failure is logged)."""
+        token = secrets.token_hex(16).encode()
+        with self._cond:
+            self._pending.pop(session_id, None)  # never written now
+            self._epochs.pop(session_id, None)
+            self._epochs[session_id] = token  # what this process starts again under
+            self._cond.notify_all()
+        keys = [
+            self.manifest_key(session_id),
+            self.tombstone_key(session_id),
+            self.index_key(session_id),
+            self._routes_key(session_id),
+            self._chunks_key(session_id),
+        ]
+        try:
+            existed, chunks = self._delete(keys=keys, args=[token, self.ttl, session_id])
+        except self._errors as error:
+            self.write_errors += 1
+            self._failed(f"delete of session {session_id!r}", error)
+            return False
+        digests = {key.rsplit(b":", 1)[-1].decode() for key in chunks}
+        if digests:
+            self._collect(session_id, digests)
+        return bool(existed)
+
+    def _collect(self, session_id: str, digests) -> None:
+        """Deletes those of ``digests`` (chunks of the session's scope) that no
+        live manifest of the scope lists. Atomic against publishes (WATCH on the
+        scope's index, which every publish writes): a snapshot published in
+        between is seen, or the deletion is tried again."""
+        index = self.index_key(session_id)
+        for _attempt in range(3):
+            try:
+                with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.watch(index)
+                    names = pipe.hkeys(index)
+                    used, stale = set(), []
+                    for i in range(0, len(names), _FETCH_BATCH):
+                        batch = names[i : i + _FETCH_BATCH]
+                        for name, raw in zip(batch, pipe.mget(batch), strict=True):
+                            if raw is None:
+                                stale.append(name)  # expired or evicted
+                                continue
+                            entries = json.loads(raw)["tensors"].values()
+                            used.update(d for e in entries for d in e["chunks"])
+                    doomed = [self.chunk_key(d, session_id) for d in digests if d not in used]
+                    pipe.multi()
+                    for i in range(0, len(doomed), 1024):
+                        pipe.delete(*doomed[i : i + 1024])
+                    if stale:
+                        pipe.hdel(index, *stale)
+                    pipe.execute()
+                    return
+            except self._watch_error:
+                continue
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
+                logger.warning(
+                    "kvchat: chunks of session %r left to expire: a manifest of its scope "
+                    "is unreadable (%s)",
+                    session_id,
+                    error,
+                )
+                return
+            except self._errors as error:
+                self._failed(f"chunk deletion of session {session_id!r}", error)
+                return
+        logger.info("kvchat: chunks of session %r left to expire (busy scope)", session_id)
 
     def _enqueue(self, session_id: str, job: tuple) -> None:
         with self._cond:
@@ -291,15 +547,13 @@ class RedisTier(Tier):
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if self._closed and not self._pending:
                     return
-                session_id, (kind, layout, tensors, messages) = self._pending.popitem(last=False)
+                session_id, (layout, tensors, messages, epoch) = self._pending.popitem(last=False)
                 self._writing = session_id
             try:
                 if not self._available():
                     self.write_errors += 1  # Redis is resting: this snapshot is lost
-                elif kind == "delete":
-                    self._redis.delete(self.manifest_key(session_id))
                 elif layout is not None:
-                    self._write(session_id, layout, tensors, messages)
+                    self._write(session_id, layout, tensors, messages, epoch)
             except self._errors as error:
                 self.write_errors += 1
                 self._failed(f"write of session {session_id!r}", error)
@@ -330,7 +584,9 @@ class RedisTier(Tier):
         step = self._chunk_bytes
         return "bytes", [raw[a : a + step] for a in range(0, len(raw), step)] or [b""]
 
-    def _write(self, session_id: str, layout: dict, tensors: dict, messages: list) -> None:
+    def _write(
+        self, session_id: str, layout: dict, tensors: dict, messages: list, epoch: bytes | None
+    ) -> None:
         chunks: dict[str, bytes] = {}
         entries = {}
         attention = _attention_tensors(layout)
@@ -361,7 +617,7 @@ class RedisTier(Tier):
             "tensors": entries,
             "written_at": time.time(),
         }
-        keys = [self.chunk_key(d) for d in chunks]
+        keys = [self.chunk_key(d, session_id) for d in chunks]
         # Upload only the chunks Redis lacks (a prefix's blocks are there already).
         with self._redis.pipeline(transaction=False) as pipe:
             for key in keys:
@@ -371,14 +627,24 @@ class RedisTier(Tier):
         for _attempt in range(2):
             with self._redis.pipeline(transaction=False) as pipe:
                 for digest in missing:
-                    pipe.set(self.chunk_key(digest), chunks[digest], ex=self.ttl)
+                    pipe.set(self.chunk_key(digest, session_id), chunks[digest], ex=self.ttl)
                 pipe.execute()
             self.chunks_written += len(missing)
             self.bytes_written += sum(len(chunks[d]) for d in missing)
+            head = [
+                self.manifest_key(session_id),
+                self.tombstone_key(session_id),
+                self.index_key(session_id),
+                self._chunks_key(session_id),
+            ]
             gone = self._publish(
-                keys=[self.manifest_key(session_id), *keys],
-                args=[json.dumps(manifest), self.ttl],
+                keys=[*head, *keys],
+                args=[json.dumps(manifest), self.ttl, epoch or b"", manifest["written_at"]],
             )
+            if gone == -1:  # deleted since this copy began: never brought back
+                logger.info("kvchat: session %r was deleted; its snapshot is dropped", session_id)
+                self._collect(session_id, chunks)
+                return
             if not gone:
                 self.writes += 1
                 return
@@ -418,6 +684,7 @@ class RedisTier(Tier):
 
     def _find(self, session_id, prompt, have, local):
         raw = self._redis.get(self.manifest_key(session_id))
+        scope = self.chunk_key("", session_id)
         if raw is None:
             raise StoreMiss("absent", "no snapshot (never written, expired or evicted)")
         try:
@@ -457,7 +724,7 @@ class RedisTier(Tier):
         ):
             return None  # prefilling the difference is cheaper
         started = time.perf_counter()
-        tensors = self._fetch(manifest["tensors"], held)
+        tensors = self._fetch(manifest["tensors"], held, scope)
         try:
             state = decode_state(layout, tensors, self.bridge, self.device)
         except (KeyError, TypeError, ValueError) as error:
@@ -469,9 +736,10 @@ class RedisTier(Tier):
         self.loads += 1
         return state
 
-    def _fetch(self, entries: dict, held: dict) -> dict[str, torch.Tensor]:
+    def _fetch(self, entries: dict, held: dict, scope: str) -> dict[str, torch.Tensor]:
         """Every tensor a manifest lists, each chunk fetched checked against its
-        name; ``held[name] = (blocks, tensor)``: its first blocks are here."""
+        name; ``held[name] = (blocks, tensor)``: its first blocks are here;
+        ``scope``: the session's chunk keys' prefix."""
         try:
             order = [
                 (name, d)
@@ -483,7 +751,7 @@ class RedisTier(Tier):
         # Fetched in batches on the fetcher thread while this one checks the
         # last batch: receiving and hashing both run outside the GIL.
         batches = [order[i : i + _FETCH_BATCH] for i in range(0, len(order), _FETCH_BATCH)]
-        keys = [[self.chunk_key(d) for _, d in batch] for batch in batches]
+        keys = [[scope + d for _, d in batch] for batch in batches]
         pending = [self._fetcher.submit(self._redis.mget, k) for k in keys]
         data: dict[str, bytes] = {}
         try:

@@ -65,9 +65,12 @@ class Spill(Tier):
         except OSError as error:  # a full disk costs a prefill later, not correctness
             logger.warning("kvchat: could not spill session %r: %s", session_id, error)
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, session_id: str) -> bool:
         with self._lock:
-            self.path_for(session_id).unlink(missing_ok=True)
+            path = self.path_for(session_id)
+            held = path.exists()
+            path.unlink(missing_ok=True)
+            return held
 
     def find_if_cheaper(
         self, session_id: str, prompt: torch.Tensor, have: int = 0

@@ -8,11 +8,17 @@ in without touching the turn code:
 - ``find_if_cheaper(session_id, prompt)``: the session holds nothing in memory
   and starts a turn on ``prompt``; return a cache (a ``CachedState``) when
   loading it beats prefilling what it shares with the prompt, else None;
-- ``forget(session_id)``: the session was cleared or removed.
+- ``forget(session_id)``: the session was cleared or removed (True if the
+  tier held it).
 
 A tier that other processes share (``shared``, the Redis one) is also asked
 when the session is resident here, with ``have`` the tokens held here, and may
-take every turn's result (``writes_turns``, ``turn_finished``).
+take every turn's result (``writes_turns``, ``turn_finished``). It is asked at
+each turn's start, under the session's lease, whether the session was deleted
+on another process since its copy here began (``deleted_since``): the manager
+then drops the copy here. ``isolate_namespaces`` (set by the manager) says
+whether sessions ``"namespace/name"`` may share stored data only within their
+namespace.
 
 The manager restores what ``find_if_cheaper`` returns through the core, which
 checks it whole, and the turn then reuses only what is a true token prefix of
@@ -39,6 +45,8 @@ class Tier:
     shared = False
     # The turn reason (TurnReport.reason) when a turn starts from this tier's cache.
     reload_reason = "spill_reload"
+    # Set by the manager: sessions share stored data only within their namespace.
+    isolate_namespaces = False
 
     def __init__(self):
         self.writes = 0  # caches put
@@ -60,8 +68,15 @@ class Tier:
         """``have``: prompt tokens the session already holds here (0 unless ``shared``)."""
         return None
 
-    def forget(self, session_id: str) -> None:
-        pass
+    def forget(self, session_id: str) -> bool:
+        """The session was cleared or removed: drop what is stored of it.
+        Returns whether the tier held anything of it."""
+        return False
+
+    def deleted_since(self, session_id: str, update: bool = True) -> bool:
+        """A shared tier: whether another process deleted the session since its
+        copy here began (``update``: remember that the copy here begins now)."""
+        return False
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""

@@ -159,7 +159,7 @@ def test_a_flipped_byte_in_a_chunk_is_a_miss(llama, tokenizer, server, caplog):
     def flip():
         client, _, manifest = _manifest(server, a, "s")
         digest = next(iter(manifest["tensors"].values()))["chunks"][0]
-        key = a._tier.chunk_key(digest)
+        key = a._tier.chunk_key(digest, "s")
         byte = client.getrange(key, 100, 100)
         client.setrange(key, 100, bytes([byte[0] ^ 0x01]))
 
@@ -172,7 +172,7 @@ def test_a_deleted_chunk_is_a_miss(llama, tokenizer, server, caplog):
     def delete():
         client, _, manifest = _manifest(server, a, "s")
         entries = list(manifest["tensors"].values())
-        assert client.delete(a._tier.chunk_key(entries[-1]["chunks"][-1])) == 1
+        assert client.delete(a._tier.chunk_key(entries[-1]["chunks"][-1], "s")) == 1
 
     _miss_on_b(a, b, llama, tokenizer, caplog, "chunk_missing", delete)
 
@@ -513,3 +513,200 @@ def test_a_closed_store_is_not_used(llama, tokenizer, server):
     _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
     assert reports[0].reason == "no_cache"
     assert b.stats().store_miss_reasons == {"unavailable": 1}
+
+
+# ------------------------------------------------- tenants, deletion, secrets
+def _upload(manager, session, system, model, tokenizer):
+    """(chunks, bytes) the tier uploads for one turn of ``session``."""
+    tier = manager.tier
+    chunks, nbytes = tier.chunks_written, tier.bytes_written
+    _turns(manager, session, [system], model, tokenizer, 1)
+    return tier.chunks_written - chunks, tier.bytes_written - nbytes
+
+
+def test_chunks_are_not_shared_across_namespaces(llama, tokenizer, server):
+    """Content addressing stops at a namespace (an API key in kvchat serve):
+    what tenant B's turn uploads is the same whether or not tenant A stored
+    the same document first, so B cannot tell (by the upload's time) what A
+    sent. Within one namespace the chunks are still shared."""
+    client = redis.Redis.from_url(server.redis_url)
+
+    def manager():
+        return SessionManager(llama, tokenizer, store=server.redis_url, isolate_namespaces=True)
+
+    alone = _upload(manager(), "tenant-b/doc", LONG_SYSTEM, llama, tokenizer)
+    assert alone[0] > 0
+    client.flushdb()
+    _upload(manager(), "tenant-a/doc", LONG_SYSTEM, llama, tokenizer)
+    after_a = _upload(manager(), "tenant-b/doc", LONG_SYSTEM, llama, tokenizer)
+    assert after_a == alone, "tenant B's upload depends on what tenant A stored"
+    # The same document in tenant A's namespace again: only the new blocks go up.
+    again = _upload(manager(), "tenant-a/other", LONG_SYSTEM, llama, tokenizer)
+    assert again[0] < alone[0] / 2, (again, alone)
+
+
+def _keyspace(client) -> tuple[dict, set, list]:
+    """(session id -> manifest, chunk digests, every other key) in Redis."""
+    manifests, chunks, others = {}, set(), []
+    for key in client.scan_iter(count=1000):
+        name = key.decode()
+        if ":session:" in name:
+            manifest = json.loads(client.get(key))
+            manifests[manifest["session_id"]] = manifest
+        elif ":chunk:" in name:
+            chunks.add(name.rsplit(":", 1)[1])
+        else:
+            others.append(name)
+    return manifests, chunks, others
+
+
+def _referenced(manifests: dict) -> set:
+    return {d for m in manifests.values() for e in m["tensors"].values() for d in e["chunks"]}
+
+
+def test_a_delete_on_either_replica_deletes_everywhere(tokenizer, server):
+    """Two `kvchat serve` replicas on one Redis. DELETE on one replica removes
+    the session there, on the other replica (which held it too, or alone) and
+    in Redis (manifest, and every chunk no live session uses): GET says 404 on
+    both, the next turn on either reuses nothing, and nothing of it is left in
+    the keyspace but its tombstone. A conversation started again under the id
+    then works as any other, reuse across replicas included."""
+    import httpx
+    from test_serve import Server, _ask, _client
+
+    flags = ("--store", server.redis_url, "--api-key", "k")
+    replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
+    client = redis.Redis.from_url(server.redis_url)
+    auth = {"Authorization": "Bearer k"}
+
+    def system(name):  # its own system prompt: nothing shared with another session
+        return dict(LONG_SYSTEM, content=f"Session {name}. {LONG_SYSTEM['content']}")
+
+    def turn(replica, name, messages, t):
+        messages = [*messages, user_message(t)]
+        reply, usage = _ask(_client(replicas[replica], "k"), messages, name, stream=t % 2 == 0)
+        return [*messages, {"role": "assistant", "content": reply}], usage
+
+    try:
+        conversations = {}
+        for deleter in (0, 1):
+            other = 1 - deleter
+            # "both-": held by both replicas; "remote-": only by the other one.
+            both, _ = turn(deleter, f"both-{deleter}", [system(f"both-{deleter}")], 0)
+            conversations[f"both-{deleter}"], _ = turn(other, f"both-{deleter}", both, 1)
+            conversations[f"remote-{deleter}"], _ = turn(
+                other, f"remote-{deleter}", [system(f"remote-{deleter}")], 0
+            )
+        for deleter in (0, 1):
+            names = (f"both-{deleter}", f"remote-{deleter}")
+            manifests, _, _ = _keyspace(client)
+            theirs = _referenced({s: m for s, m in manifests.items() if s.endswith(names)})
+            for name in names:
+                url = f"{replicas[deleter].url}/v1/sessions/{name}"
+                response = httpx.delete(url, headers=auth, timeout=60)
+                assert response.status_code == 200, (name, response.text)
+                for replica in replicas:
+                    got = replica.get(f"/v1/sessions/{name}", "k")
+                    assert got.status_code == 404, (name, replica.url, got.text)
+            manifests, chunks, others = _keyspace(client)
+            assert not [s for s in manifests if s.rsplit("/", 1)[1] in names], manifests.keys()
+            assert not (theirs - _referenced(manifests)) & chunks, "their chunks are left"
+        manifests, chunks, others = _keyspace(client)
+        assert not manifests and not chunks, (manifests.keys(), len(chunks))
+        assert all(":deleted:" in key for key in others), others
+        for key in others:  # a tombstone holds a random token, nothing of the session
+            assert len(client.get(key)) <= 64
+
+        for deleter in (0, 1):
+            for name, replica in ((f"both-{deleter}", 1 - deleter), (f"remote-{deleter}", deleter)):
+                messages, usage = turn(replica, name, conversations[name], 2)
+                assert usage.prompt_tokens_details.cached_tokens == 0, (name, usage)
+                history = replicas[replica].session(name, "k")["history"]
+                assert history == messages, name
+                # Started again: the old tombstone deletes nothing, the other replica reloads.
+                _, usage = turn(1 - replica, name, messages, 3)
+                last = replicas[1 - replica].session(name, "k")["last_turn"]
+                assert last["reason"] == "store_reload", (name, last)
+                assert usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def test_a_write_queued_before_a_delete_does_not_bring_it_back(llama, tokenizer, server):
+    """B's snapshot of a turn is still being written when A deletes the
+    session: it is not published (nor are its chunks left), and B's next turn
+    starts from nothing, as does any other manager's."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    client = redis.Redis.from_url(server.redis_url)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    go, writing = threading.Event(), threading.Event()
+    original = b.tier._write
+
+    def held_write(*args):
+        writing.set()
+        assert go.wait(60)
+        return original(*args)
+
+    b.tier._write = held_write
+    messages.append(user_message(1))
+    messages.append({"role": "assistant", "content": b.chat("s", messages, max_new_tokens=MAX_NEW)})
+    assert b.last_turn("s").reason == "store_reload"
+    assert writing.wait(60)
+    a.remove("s")
+    go.set()
+    assert b.flush(timeout=60)
+    manifests, chunks, others = _keyspace(client)
+    assert not manifests and not chunks, (manifests.keys(), len(chunks))
+    assert all(":deleted:" in key for key in others), others
+    # A manager that does not write its turns (so B then finds nothing either), then B.
+    reader = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, write="evict"))
+    for manager in (reader, b):
+        _, reports = _turns(manager, "s", messages, llama, tokenizer, 1, start=2)
+        assert reports[0].reused_tokens == 0 and reports[0].reason != "store_reload", reports
+
+
+def test_a_delete_keeps_the_chunks_another_session_uses(llama, tokenizer, server):
+    """Two sessions of one conversation share their chunks; deleting one
+    leaves the other whole in the store."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    messages, _ = _turns(a, "one", [LONG_SYSTEM], llama, tokenizer, 1)
+    _turns(a, "two", [LONG_SYSTEM], llama, tokenizer, 1)
+    a.remove("one")
+    _, reports = _turns(b, "two", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reason == "store_reload" and b.stats().store_misses == 0
+
+
+SECRET = "s3cr3t-Pa55"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://:{SECRET}@127.0.0.1:notaport/0",
+        f"redis://admin{SECRET}:{SECRET}@127.0.0.1:notaport/0",
+        f"rediss://u:{SECRET}@[::1:notaport/0",
+        f"redis://127.0.0.1:notaport/0?password={SECRET}",
+        f"admin:{SECRET}@127.0.0.1:6379",
+    ],
+)
+def test_a_malformed_store_url_never_shows_its_credentials(url, caplog):
+    with caplog.at_level(logging.DEBUG), pytest.raises(ValueError) as raised:
+        RedisTier(url)
+    message = str(raised.value)
+    assert SECRET not in message and SECRET not in caplog.text, message
+    assert "notaport" in message or "[::1" in message or "got '***@127.0.0.1:6379'" in message
+
+
+def test_kvchat_serve_does_not_print_the_store_password(tmp_path):
+    from kvchat.serve.process import free_port
+
+    url = f"redis://admin:{SECRET}@127.0.0.1:notaport/0"
+    argv = [sys.executable, "-m", "kvchat.serve", "tiny", "--port", str(free_port())]
+    done = subprocess.run(
+        [*argv, "--store", url], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-2000:]
+    assert SECRET not in output and "admin" not in output, output[-2000:]
+    assert "is not a Redis URL" in output and "notaport" in output, output[-2000:]
