@@ -14,15 +14,16 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 from kvchat import SessionManager
+from kvchat.cache_bridge import ForwardArguments
 from kvchat.timing import FirstTokenTimer
 from memory import PeakMemory, tensor_bytes
 from transformers import DynamicCache, NoRepeatNGramLogitsProcessor
+from transformers.cache_utils import LinearAttentionLayer
 
 
 @dataclass
@@ -94,6 +95,7 @@ class HfReuse(Mode):
         self.system_ids = system_ids
         self.prompt_cache: DynamicCache | None = None
         self.caches: dict[str, DynamicCache] = {}
+        self.cache_argument = ForwardArguments(model).cache_name
 
     def held_bytes(self):
         caches = [*self.caches.values(), *([self.prompt_cache] if self.prompt_cache else [])]
@@ -110,12 +112,13 @@ class HfReuse(Mode):
                 with torch.no_grad():
                     self.model(
                         self.system_ids.unsqueeze(0).to(self.model.device),
-                        past_key_values=self.prompt_cache,
+                        **{self.cache_argument: self.prompt_cache},
                     )
             cache = copy.deepcopy(self.prompt_cache)
         setup_ms = (time.perf_counter() - started) * 1e3
         reused = cache.get_seq_length()
-        new, ttft, total, peak = self._generate(prompt, generate_kwargs, past_key_values=cache)
+        cache_kwargs = {self.cache_argument: cache}
+        new, ttft, total, peak = self._generate(prompt, generate_kwargs, **cache_kwargs)
         self.caches[session] = cache
         ttft, total = ttft + setup_ms, total + setup_ms
         return Measured(
@@ -162,11 +165,11 @@ class Limit(Mode):
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
         self.caches: dict[str, tuple[DynamicCache, torch.Tensor]] = {}
-        # Mamba-family models take the cache as cache_params, and theirs (recurrent
-        # layers alone) cannot crop: the state at the common prefix is rebuilt.
-        parameters = inspect.signature(model.forward).parameters
-        self.recurrent_only = "past_key_values" not in parameters
-        self.cache_argument = "cache_params" if self.recurrent_only else "past_key_values"
+        # A cache of recurrent layers alone (Mamba) cannot crop: the state at
+        # the common prefix is rebuilt. The cache goes by the name the forward
+        # declares (``cache`` from transformers 5.24).
+        self.recurrent_only = recurrent_only(model)
+        self.cache_argument = ForwardArguments(model).cache_name
 
     def held_bytes(self):
         return tensor_bytes(t for c, _ in self.caches.values() for t in _cache_tensors(c))
@@ -215,3 +218,10 @@ class Limit(Mode):
             ttft, None, prompt.numel() - common, common, (first,), self.held_bytes(),
             held + peak.extra_bytes,
         )  # fmt: skip
+
+
+def recurrent_only(model) -> bool:
+    """Whether the model's cache holds recurrent layers alone (Mamba): it can
+    neither count nor crop its tokens, so transformers' reuse recipe fails."""
+    layers = DynamicCache(config=model.config).layers
+    return all(isinstance(layer, LinearAttentionLayer) for layer in layers)

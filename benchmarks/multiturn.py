@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
 import platform
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 from kvchat.prompting import render_prompt
 from kvchat.tiny import words_only
-from modes import Baseline, HfReuse, Kvchat, Limit
+from modes import Baseline, HfReuse, Kvchat, Limit, recurrent_only
 from tqdm import tqdm
 from workload import PRESETS, TINY, load_model, make_conversation
 
@@ -69,15 +68,12 @@ def parse_args(argv=None):
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype, args.device, args.seed)
-    if (
-        "hf-reuse" in args.modes
-        and "past_key_values" not in inspect.signature(model.forward).parameters
-    ):
-        # Mamba-family models take cache_params, and transformers' recipe passes
-        # past_key_values back to generate.
+    if "hf-reuse" in args.modes and recurrent_only(model):
+        # transformers' recipe hands a cache back to generate, which cannot
+        # count or crop a cache of recurrent layers alone.
         raise SystemExit(
-            f"--modes hf-reuse passes past_key_values, which {args.model}'s forward does "
-            "not take; leave it out (--modes baseline kvchat limit)"
+            f"--modes hf-reuse needs a cache that can be cropped, and {args.model}'s holds "
+            "recurrent layers alone; leave it out (--modes baseline kvchat limit)"
         )
     system_range, user_range, reply_range = SHAPES[args.shape]
     conversations = [

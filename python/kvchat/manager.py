@@ -318,7 +318,7 @@ class SessionManager:
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
         _check_session_id(session_id)
-        for name in ("past_key_values", "cache_params"):
+        for name in ("past_key_values", "cache_params", "cache"):
             if name in generate_kwargs:
                 raise ValueError(
                     f"{name} is managed by kvchat; do not pass it to SessionManager.generate"

@@ -83,9 +83,10 @@ def test_bad_input_ids(mgr, ids, match):
         mgr.generate(ids, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("name", ["past_key_values", "cache_params"])
+@pytest.mark.parametrize("name", ["past_key_values", "cache_params", "cache"])
 def test_past_key_values_is_refused(mgr, name):
-    """A cache of the caller's, by either name (Mamba's is cache_params)."""
+    """A cache of the caller's, by any name (Mamba's was cache_params; from
+    transformers 5.24 every model's is cache)."""
     with pytest.raises(ValueError, match=f"{name} is managed by kvchat"):
         mgr.generate(torch.ones(1, 3, dtype=torch.long), **{name: object()})
 

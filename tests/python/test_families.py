@@ -9,6 +9,8 @@ run in float32, where these seeds leave no near-tie. Zamba2 runs in float64."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import DEVICE, _model
@@ -271,7 +273,7 @@ def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog, 
     model = _dsa("dense-float64", tokenizer)
 
     def keep_positions(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # 5.24 renamed it
         if cache is not None:
             seen = cache.get_seq_length()
             positions = torch.arange(seen, seen + kwargs["input_ids"].shape[1])
@@ -302,15 +304,17 @@ RECURRENT_ONLY = dict(
 
 
 def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer, tmp_path):
-    """Mamba2 takes its cache as cache_params, and its chunked scan starts
-    from the cached state: from turn 2 on every turn reuses at least 90% of a
-    normal conversation's prompt and is exact, a regenerate restores a
+    """Mamba2 takes its cache as cache_params (cache from transformers 5.24),
+    and its chunked scan starts from the cached state: from turn 2 on every
+    turn reuses at least 90% of a normal conversation's prompt and is exact, a regenerate restores a
     checkpoint, and a saved session continues exactly (float64)."""
     fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
     model = _tiny("mamba2", torch.float64, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert manager._bridge.layer_classes == ["LinearAttentionLayer"] * 2
-    assert manager._bridge.cache_argument == "cache_params"
+    # The name its forward declares: cache_params, or cache from transformers 5.24.
+    declared = inspect.signature(model.forward).parameters
+    assert manager._bridge.cache_argument == ("cache" if "cache" in declared else "cache_params")
     _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=8, min_reuse=0.9)
     replies = [m["content"] for m in manager.messages("s") if m["role"] == "assistant"]
     assert len(set(replies)) == len(replies), "the replies must depend on the context"

@@ -319,7 +319,7 @@ def test_unknown_layer_class_falls_back_to_no_reuse(monkeypatch, caplog, tokeniz
 def _forget_state_on_long_forwards(module, args, kwargs):
     """Zeroes a cache's recurrent tensors before a forward over several tokens:
     a model whose scan over a chunk starts from zeros, as Mamba's does."""
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # 5.24 renamed it
     if cache is None or kwargs["input_ids"].shape[-1] == 1:
         return
     for layer in cache.layers:
