@@ -51,11 +51,21 @@ def _template_arguments() -> frozenset[str]:
                     names.add(name)
     except (ImportError, AttributeError, TypeError, ValueError) as error:  # another version
         logger.debug("kvchat: apply_chat_template's signature unread: %s", error)
-    names.discard("self")
-    return frozenset(names)
+    return frozenset(names)  # "self" included: never a template variable
 
 
 TEMPLATE_ARGUMENTS = _template_arguments()
+
+# apply_chat_template hands the template every special token (eos_token, ...)
+# as a variable, and chat_template_kwargs would replace them: a template that
+# writes eos_token after every message would then repeat whatever a client
+# sent once per message (a request of a few KB rendering a GB).
+SPECIAL_TOKEN_NAMES = frozenset(
+    {
+        "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+        "mask_token", "additional_special_tokens", "extra_special_tokens",
+    }
+)  # fmt: skip
 
 
 def check_json(value, where: str, strict: bool = True, _depth: int = 0, _root=None) -> None:
@@ -101,9 +111,10 @@ def check_tools(tools) -> None:
         check_json(tool, f"tools[{i}]")
 
 
-def check_template_kwargs(template_kwargs) -> None:
+def check_template_kwargs(template_kwargs, tokenizer=None) -> None:
     """``chat_template_kwargs``: None, or a dict of template variables (such as
-    ``enable_thinking``), none of them an argument of apply_chat_template."""
+    ``enable_thinking``), none of them an argument of apply_chat_template nor
+    a special token's name (those of ``tokenizer`` too, where given)."""
     if template_kwargs is None:
         return
     if not isinstance(template_kwargs, dict):
@@ -118,7 +129,20 @@ def check_template_kwargs(template_kwargs) -> None:
                 f"chat_template_kwargs[{name!r}] is an argument of apply_chat_template, not a "
                 f"template variable; kvchat renders with the tokenizer's own chat_template"
             )
+        if name in SPECIAL_TOKEN_NAMES or name in _special_token_names(tokenizer):
+            raise ValueError(
+                f"chat_template_kwargs[{name!r}] names a special token, which the template "
+                f"takes from the tokenizer; it cannot be replaced"
+            )
         check_json(value, f"chat_template_kwargs[{name!r}]", strict=False)
+
+
+def _special_token_names(tokenizer) -> frozenset[str]:
+    try:
+        return frozenset(getattr(tokenizer, "special_tokens_map", None) or ())
+    except Exception as error:  # a tokenizer that cannot list them
+        logger.debug("kvchat: the tokenizer's special tokens are unread: %s", error)
+        return frozenset()
 
 
 def _text(value, where: str) -> str:

@@ -128,6 +128,10 @@ for _ in range(70):
         ({"chat_template_kwargs": {"tokenize": True}}, ValueError, "'tokenize'"),
         ({"chat_template_kwargs": {"return_dict": True}}, ValueError, "'return_dict'"),
         ({"chat_template_kwargs": {"deep": NESTED}}, ValueError, "nested more than 64"),
+        # A special token the template writes after every message: once per message.
+        ({"chat_template_kwargs": {"eos_token": "x" * 10**6}}, ValueError, "special token"),
+        ({"chat_template_kwargs": {"bos_token": "x"}}, ValueError, "'bos_token'.*special"),
+        ({"chat_template_kwargs": {"self": 1}}, ValueError, "'self'"),
         ({"tools": [{"type": "function", "function": {"name": "\ud800"}}]}, ValueError, "tools"),
         ({"tools": [1]}, TypeError, r"tools\[0\] must be a dict"),
         (
