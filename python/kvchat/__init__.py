@@ -34,7 +34,7 @@ from .manager import SessionManager  # noqa: E402
 from .persist import SessionFileError  # noqa: E402
 from .redis_tier import RedisTier  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
-from .tier import Tier  # noqa: E402
+from .tier import StoreUnavailable, Tier  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
 SessionBusy = _C.SessionBusy
@@ -49,6 +49,7 @@ __all__ = [
     "SessionInfo",
     "RedisTier",
     "SessionManager",
+    "StoreUnavailable",
     "Tier",
     "TurnReport",
     "UnknownSessionError",

@@ -32,7 +32,7 @@ from .prompting import (
 from .report import ManagerStats, SessionInfo, TurnReport
 from .spill import Spill
 from .streaming import ReplyStream
-from .tier import Tier
+from .tier import StoreUnavailable, Tier
 from .timing import FirstTokenTimer
 from .units import parse_bytes
 
@@ -368,9 +368,16 @@ class SessionManager:
         return list(self._core.session_ids())
 
     def clear(self, session_id: str) -> None:
-        """Drops the session's cache and history; keeps its system prompt."""
+        """Drops the session's cache and history; keeps its system prompt. With
+        a shared store, its snapshot there too (``StoreUnavailable`` if the
+        store cannot be reached: cleared here only; call again)."""
+        if self._tier.shared and not self._tier.available():
+            raise StoreUnavailable(
+                f"session {session_id!r} was not cleared: the shared store is unreachable "
+                f"(its snapshot there would outlive the clear); try again"
+            )
         self._core.clear(_check_session_id(session_id))
-        self._tier.forget(session_id)
+        self._forget_stored(session_id, "cleared")
 
     def remove(self, session_id: str, local_only: bool = False) -> None:
         """Forgets the session entirely: here and, with a shared store, in the
@@ -378,28 +385,67 @@ class SessionManager:
         its next turn). A session only the shared store holds is removed there
         (``KeyError`` if neither holds it). ``local_only``: only in this
         process; a shared store keeps its snapshot for other processes (an idle
-        timeout on one server replica wants this)."""
+        timeout on one server replica wants this).
+
+        With a shared store that cannot be reached, raises ``StoreUnavailable``
+        rather than report a delete that other processes would not see: before
+        removing anything when the store is known to be down, else after
+        removing the copy here (calling again then deletes it there)."""
+        _check_session_id(session_id)
+        everywhere = self._tier.shared and not local_only
+        if everywhere and not self._tier.available():
+            raise StoreUnavailable(
+                f"session {session_id!r} was not removed: the shared store is unreachable "
+                f"(other processes would keep serving it); try again"
+            )
         try:
-            self._core.remove(_check_session_id(session_id))
+            self._core.remove(session_id)
         except KeyError:
-            if local_only or not self._tier.shared or not self._tier.forget(session_id):
+            if not everywhere:
+                raise
+            try:
+                held = self._tier.forget(session_id, held_here=False)
+            except StoreUnavailable as error:
+                raise StoreUnavailable(
+                    f"session {session_id!r} is not held here, and the shared store "
+                    f"could not be asked to delete it ({error}); try again"
+                ) from None
+            if not held:
                 raise
             return
-        if not (local_only and self._tier.shared):
+        if everywhere or not self._tier.shared:
+            self._forget_stored(session_id, "removed")
+        else:
+            self._tier.released(session_id)
+
+    def _forget_stored(self, session_id: str, done: str) -> None:
+        try:
             self._tier.forget(session_id)
+        except StoreUnavailable as error:
+            raise StoreUnavailable(
+                f"session {session_id!r} was {done} here, but not in the shared store "
+                f"({error}); other processes may still serve it: call again"
+            ) from None
 
     def drop_if_deleted(self, session_id: str) -> bool:
         """With a shared store: whether the session was deleted (on any process)
         since its copy here began; if so, removes that copy here (unless a turn
         is running on it, which drops it itself first)."""
-        if not self._tier.shared or not self._tier.deleted_since(session_id, update=False):
-            return False
-        try:
-            self._core.remove(_check_session_id(session_id))
-        except (KeyError, _C.SessionBusy):
-            return True
-        self._tier.deleted_since(session_id)  # a copy here begins anew
-        return True
+        return session_id in self.drop_deleted([_check_session_id(session_id)])
+
+    def drop_deleted(self, session_ids: list[str]) -> set[str]:
+        """``drop_if_deleted`` for many sessions at once (one store round trip):
+        the ids deleted elsewhere, whose copies here are dropped."""
+        if not self._tier.shared or not session_ids:
+            return set()
+        deleted = self._tier.deleted_among(list(session_ids))
+        for session_id in deleted:
+            try:
+                self._core.remove(session_id)
+            except (KeyError, _C.SessionBusy):
+                continue
+            self._tier.released(session_id)
+        return deleted
 
     def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
         """Waits until the tier has written every snapshot queued so far (the
@@ -485,7 +531,7 @@ class SessionManager:
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
         check_tools(tools)
-        check_template_kwargs(template_kwargs)
+        check_template_kwargs(template_kwargs, self._tokenizer)
         # A text longer than this is over the context whatever its tokens:
         # refused before tokenizing, which would cost time and memory for nothing.
         limit = None

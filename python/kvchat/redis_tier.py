@@ -21,14 +21,22 @@ token ids, cached text, messages), as immutable snapshots:
   there when it was written. Two writers of one session each publish a whole
   snapshot; the last one published wins. An index per scope lists its
   manifests (``<prefix>:<model>:index:<scope>``).
+- **Routes** (``<prefix>:<model>:route:<namespace, conversation>``):
+  ``kvchat serve``'s map from a conversation to the session holding it. A
+  session has one route, its latest conversation, and a replica that
+  continues it takes the route out of the map for the turn, so no other
+  replica (nor a fork of an older point) continues the same session at once.
 - **A tombstone** per deleted session (``<prefix>:<model>:deleted:<id>``, a
   random token, for ``ttl`` seconds): ``forget`` (``SessionManager.remove``)
   sets it, removes the manifest, the session's routes and every chunk of it no
-  live manifest of the scope lists. Each process remembers the tombstone it
-  saw when a session's copy here began; a turn (or ``kvchat serve``'s GET) that
-  finds another one drops the copy here first, and a snapshot written for an
-  older copy is never published (the Lua script checks), so a write queued
-  before the delete cannot bring the session back.
+  live manifest of the scope lists. A delete of what exists nowhere (neither
+  in the store nor in the deleting process) leaves no tombstone. Each process
+  remembers the tombstone it saw when a session's copy here began; a turn (or
+  ``kvchat serve``'s GET or listing) that finds another one drops the copy
+  here first, and a snapshot written for an older copy is never published
+  (the Lua script checks), so a write queued before the delete cannot bring
+  the session back. A delete that cannot reach Redis raises
+  ``StoreUnavailable``: it is never reported done when it was not.
 
 Reading checks everything and treats any problem as a miss (logged, counted,
 the turn prefills instead): no manifest (never written, or expired), another
@@ -51,6 +59,7 @@ import base64
 import hashlib
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -63,7 +72,7 @@ import torch
 
 from . import _C
 from .persist import decode_state, encode_state
-from .tier import Tier
+from .tier import StoreUnavailable, Tier
 
 logger = logging.getLogger("kvchat")
 
@@ -75,7 +84,7 @@ _FETCH_BATCH = 64  # chunks per MGET: at most 256 MiB, usually a few MiB
 _DEFAULT_MS_PER_BYTE = 5e-6
 _SMOOTHING = 0.3
 
-_MAX_EPOCHS = 1 << 16  # sessions whose tombstone this process remembers
+_TOMBSTONE_BATCH = 512  # tombstones per MGET when a listing asks after many sessions
 
 # KEYS: manifest, tombstone, index, the session's chunk set, chunks...; ARGV:
 # manifest, ttl, the tombstone the snapshot's copy began under ('' for none),
@@ -104,9 +113,14 @@ return missing
 """
 
 # KEYS: manifest, tombstone, index, the session's route set, its chunk set;
-# ARGV: tombstone, ttl, session id. Returns whether a manifest was there, and
-# the chunk keys the session's snapshots listed (to delete those unused).
+# ARGV: tombstone, ttl, session id, '1' if the deleting process holds it.
+# Returns whether a manifest was there, and the chunk keys the session's
+# snapshots listed (to delete those unused). Of a session that exists nowhere
+# it leaves no tombstone: deletes of junk ids cost the store nothing.
 _DELETE = """
+if ARGV[4] ~= '1' and redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5]) == 0 then
+  return {0, {}}
+end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 local existed = redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[3], KEYS[1])
@@ -120,14 +134,34 @@ return {existed, chunks}
 """
 
 # KEYS: route, the session's route set, tombstone; ARGV: session id, ttl, the
-# tombstone the session's copy here began under ('' for none).
+# tombstone the session's copy here began under ('' for none). The session's
+# older routes go: it holds only its latest conversation, and a fork of an
+# older one must start a session of its own, never take this one over.
 _ROUTE = """
 local deleted = redis.call('GET', KEYS[3])
 if deleted and deleted ~= ARGV[3] then return 0 end
+for _, route in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if route ~= KEYS[1] and redis.call('GET', route) == ARGV[1] then redis.call('DEL', route) end
+end
+redis.call('DEL', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('SADD', KEYS[2], KEYS[1])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 1
+"""
+
+# KEYS: routes, longest conversation first; ARGV: the namespace's session
+# prefix. Takes the first route of the namespace out of the map and returns
+# {its position (1-based), its session}, or {} if there is none.
+_TAKE = """
+for i = 1, #KEYS do
+  local session = redis.call('GET', KEYS[i])
+  if session and string.sub(session, 1, #ARGV[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    return {i, session}
+  end
+end
+return {}
 """
 
 
@@ -147,29 +181,50 @@ def _digest(data) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_EXPECTED = "redis://[[user]:password@]host[:port][/db] (or rediss://, unix://)"
+
+
+def _location(url: str) -> str | None:
+    """What of ``url`` (after its scheme) a message may show, credentials as
+    ``***``; None where it does not parse cleanly, since then any piece of it
+    may be part of a password (one holding '#', '/' or '?' not percent-encoded,
+    a ':' typed for '@')."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if "#" in url or "@" in parts.path or "@" in parts.query:
+        return None
+    if parts.scheme == "unix":
+        return parts.path or None
+    host = parts.hostname
+    if not host or not re.fullmatch(r"(/\d*)?", parts.path):
+        return None
+    location = f"[{host}]" if ":" in host else host
+    if port is not None:
+        location += f":{port}"
+    credentials = "***@" if "@" in parts.netloc else ""
+    return f"{credentials}{location}{parts.path}{'?***' if parts.query else ''}"
+
+
 def redact_url(url) -> str:
-    """The URL as a message may show it: user name and password (before the
-    host's ``@``, or in the query) replaced by ``***``."""
+    """The URL as a message may show it: scheme, host, port and database,
+    never a credential; its scheme alone where it does not parse cleanly."""
     if not isinstance(url, str):
-        return repr(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    if "@" in rest:  # anything before the last '@' may be credentials
-        rest = "***@" + rest.rsplit("@", 1)[1]
-    path, mark, query = rest.partition("?")
-    if mark:
-        fields = []
-        for field in query.split("&"):
-            name, eq, _ = field.partition("=")
-            secret = name.lower() in ("password", "username", "user", "pass")
-            fields.append(f"{name}{eq}***" if eq and secret else field)
-        rest = f"{path}?{'&'.join(fields)}"
-    return f"{scheme}{sep}{rest}"
+        return f"<{type(url).__name__}>"
+    scheme, sep, _ = url.partition("://")
+    if not sep:  # a host name alone may show; "user:password@host" may not
+        return url if re.fullmatch(r"[A-Za-z0-9.-]*", url) else "***"
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        return "***"
+    return f"{scheme}://{_location(url) or '***'}"
 
 
 def _secrets(url: str) -> list[str]:
-    """What of ``url`` no message may show (the credentials, as written and decoded)."""
+    """What of ``url`` no message may show (its credentials, as written and decoded)."""
     from urllib.parse import parse_qsl, unquote
 
     found = []
@@ -185,11 +240,10 @@ def _secrets(url: str) -> list[str]:
     return sorted({f for f in found if len(f) >= 3}, key=len, reverse=True)
 
 
-def _scrub(text: str, url) -> str:
-    """``text`` with every credential of ``url`` replaced by ``***``."""
-    if isinstance(url, str):
-        for secret in _secrets(url):
-            text = text.replace(secret, "***")
+def _scrub(text: str, secrets_: list[str]) -> str:
+    """``text`` with every one of ``secrets_`` replaced by ``***``."""
+    for secret in secrets_:
+        text = text.replace(secret, "***")
     return text
 
 
@@ -243,7 +297,14 @@ class RedisTier(Tier):
             ) from None
 
         if not isinstance(url, str) or "://" not in url:
-            raise ValueError(f"store must be a redis:// URL, got {redact_url(url)!r}")
+            raise ValueError(
+                f"store must be a redis:// URL, as {_EXPECTED}, got {redact_url(url)!r}"
+            )
+        if _location(url) is None:  # never the client's own message: it may quote a password
+            raise ValueError(
+                f"store URL {redact_url(url)!r} is not a Redis URL: expected {_EXPECTED}, "
+                "with any '@', ':', '/', '?' or '#' in a user name or password percent-encoded"
+            )
         if write not in WRITE_POLICIES:
             raise ValueError(f"write must be one of {WRITE_POLICIES}, got {write!r}")
         for name, value in (("ttl", ttl), ("timeout", timeout), ("retry_after", retry_after)):
@@ -256,17 +317,20 @@ class RedisTier(Tier):
             self._redis = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout
             )
-        except ValueError as error:  # its text may quote the URL's parts: scrubbed
+        except ValueError as error:  # its text may quote the URL's parts: never shown
             raise ValueError(
-                f"store URL {redact_url(url)!r} is not a Redis URL: {_scrub(str(error), url)}"
+                f"store URL {redact_url(url)!r} is not a Redis URL the client takes "
+                f"({type(error).__name__}): expected {_EXPECTED}"
             ) from None
         self._errors = (redis.RedisError, OSError)
         self._watch_error = redis.WatchError
         self._publish = self._redis.register_script(_PUBLISH)
         self._delete = self._redis.register_script(_DELETE)
         self._route = self._redis.register_script(_ROUTE)
+        self._take = self._redis.register_script(_TAKE)
         # Never the password: the URL as messages may show it.
         self.url, self.ttl, self.write_policy = redact_url(url), int(max(1, round(ttl))), write
+        self._secrets = _secrets(url)  # scrubbed from the client's error texts
         self.keeps_evicted = write == "evict"
         self.writes_turns = write == "turn"
         self._retry_after, self._prefix = retry_after, prefix
@@ -281,8 +345,10 @@ class RedisTier(Tier):
         # The background writer: per session, the newest snapshot not yet written.
         self._pending: OrderedDict[str, tuple] = OrderedDict()
         self._writing: str | None = None  # the session being written now
-        # Per session: the tombstone its copy here began under (None: none).
-        self._epochs: OrderedDict[str, bytes | None] = OrderedDict()
+        # Per session held here: the tombstone its copy here began under (None:
+        # none). Entries go when the copy here ends (forget, released), so it
+        # holds no more than this process's sessions, whatever is deleted.
+        self._epochs: dict[str, bytes | None] = {}
         self._turn_epoch = threading.local()  # what this thread's turn saw
         self._closed = False
         self._cond = threading.Condition()
@@ -350,23 +416,28 @@ class RedisTier(Tier):
         except self._errors as error:
             self._failed("route write", error)
 
-    def recall_route(self, namespace: str, conversations: list[str]) -> str | None:
-        """The session of the first of ``conversations`` the map knows, or None."""
-        if not conversations or not self._available():
+    def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
+        if not conversations:
             return None
+        if not self._available():
+            raise StoreUnavailable("the Redis store is resting after a failure")
+        keys = [self.route_key(namespace, c) for c in conversations]
         try:
-            found = self._redis.mget([self.route_key(namespace, c) for c in conversations])
+            found = self._take(keys=keys, args=[f"{namespace}/"])
         except self._errors as error:
             self._failed("route lookup", error)
+            raise StoreUnavailable(f"route lookup failed: {type(error).__name__}") from None
+        if not found:
             return None
-        for value in found:
-            if value is not None:
-                return value.decode("utf-8", errors="replace")
-        return None
+        position, session = found
+        return session.decode("utf-8", errors="replace"), conversations[int(position) - 1]
 
     # ------------------------------------------------------------ health
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
+
+    def available(self) -> bool:
+        return self._available()
 
     def _failed(self, what: str, error: Exception) -> None:
         self._down_until = time.monotonic() + self._retry_after
@@ -374,7 +445,7 @@ class RedisTier(Tier):
             "kvchat: Redis store %s failed (%s: %s); going on without it for %g s",
             what,
             type(error).__name__,
-            error,
+            _scrub(str(error), self._secrets),
             self._retry_after,
         )
 
@@ -414,42 +485,64 @@ class RedisTier(Tier):
         began: the store holds a tombstone other than the one this process saw
         then. ``update``: the copy here is dropped (or begins) now; remember
         the tombstone. False when Redis cannot say; never raises."""
-        if not self._available():
+        found = self._tombstones([session_id])
+        if found is None:
             return False
-        try:
-            found = self._redis.get(self.tombstone_key(session_id))
-        except self._errors as error:
-            self._failed(f"tombstone read of session {session_id!r}", error)
-            return False
-        except Exception:  # never into a turn
-            logger.exception("kvchat: tombstone read of session %r failed", session_id)
-            return False
+        (found,) = found
         with self._cond:
-            deleted = (
-                found is not None
-                and session_id in self._epochs
-                and self._epochs[session_id] != found
-            )
+            deleted = self._deleted(session_id, found)
             if update:
-                self._epochs.pop(session_id, None)
                 self._epochs[session_id] = found
-                while len(self._epochs) > _MAX_EPOCHS:
-                    self._epochs.popitem(last=False)
         if update:
             self._turn_epoch.seen = (session_id, found)
         return deleted
 
-    def forget(self, session_id: str) -> bool:
+    def deleted_among(self, session_ids: list[str]) -> set[str]:
+        found = self._tombstones(session_ids)
+        if found is None:
+            return set()
+        with self._cond:
+            return {s for s, f in zip(session_ids, found, strict=True) if self._deleted(s, f)}
+
+    def _deleted(self, session_id: str, found: bytes | None) -> bool:
+        """Under the lock: whether tombstone ``found`` is newer than the copy here."""
+        return (
+            found is not None and session_id in self._epochs and self._epochs[session_id] != found
+        )
+
+    def _tombstones(self, session_ids: list[str]) -> list[bytes | None] | None:
+        """The sessions' tombstones (None: none), or None when Redis cannot say."""
+        if not self._available():
+            return None
+        found = []
+        try:
+            for start in range(0, len(session_ids), _TOMBSTONE_BATCH):
+                batch = session_ids[start : start + _TOMBSTONE_BATCH]
+                found += self._redis.mget([self.tombstone_key(s) for s in batch])
+        except self._errors as error:
+            self._failed("tombstone read", error)
+            return None
+        except Exception:  # never into a turn
+            logger.exception("kvchat: tombstone read failed")
+            return None
+        return found
+
+    def released(self, session_id: str) -> None:
+        with self._cond:
+            self._epochs.pop(session_id, None)
+
+    def forget(self, session_id: str, held_here: bool = True) -> bool:
         """Deletes the session from the store, now: its manifest, its routes and
         each of its chunks no other live manifest lists, and leaves a tombstone,
         so every replica drops its copy before its next turn, and no snapshot
         of an older copy (a write queued before) is ever published. Returns
-        whether a snapshot was there. Never raises (a failure is logged)."""
+        whether a snapshot was there. ``held_here``: the session existed in
+        this process (else a session found nowhere leaves no tombstone).
+        Raises ``StoreUnavailable`` if Redis cannot be reached."""
         token = secrets.token_hex(16).encode()
         with self._cond:
             self._pending.pop(session_id, None)  # never written now
-            self._epochs.pop(session_id, None)
-            self._epochs[session_id] = token  # what this process starts again under
+            self._epochs.pop(session_id, None)  # a copy here begins anew, if ever
             self._cond.notify_all()
         keys = [
             self.manifest_key(session_id),
@@ -458,12 +551,13 @@ class RedisTier(Tier):
             self._routes_key(session_id),
             self._chunks_key(session_id),
         ]
+        args = [token, self.ttl, session_id, "1" if held_here else "0"]
         try:
-            existed, chunks = self._delete(keys=keys, args=[token, self.ttl, session_id])
+            existed, chunks = self._delete(keys=keys, args=args)
         except self._errors as error:
             self.write_errors += 1
             self._failed(f"delete of session {session_id!r}", error)
-            return False
+            raise StoreUnavailable(f"Redis failed: {type(error).__name__}") from None
         digests = {key.rsplit(b":", 1)[-1].decode() for key in chunks}
         if digests:
             self._collect(session_id, digests)

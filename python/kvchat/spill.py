@@ -65,7 +65,7 @@ class Spill(Tier):
         except OSError as error:  # a full disk costs a prefill later, not correctness
             logger.warning("kvchat: could not spill session %r: %s", session_id, error)
 
-    def forget(self, session_id: str) -> bool:
+    def forget(self, session_id: str, held_here: bool = True) -> bool:
         with self._lock:
             path = self.path_for(session_id)
             held = path.exists()

@@ -9,7 +9,8 @@ in without touching the turn code:
   and starts a turn on ``prompt``; return a cache (a ``CachedState``) when
   loading it beats prefilling what it shares with the prompt, else None;
 - ``forget(session_id)``: the session was cleared or removed (True if the
-  tier held it).
+  tier held it); a shared tier that cannot reach its store raises
+  ``StoreUnavailable``, so a delete is never reported done when it was not.
 
 A tier that other processes share (``shared``, the Redis one) is also asked
 when the session is resident here, with ``have`` the tokens held here, and may
@@ -32,6 +33,11 @@ from __future__ import annotations
 import torch
 
 from . import _C
+
+
+class StoreUnavailable(RuntimeError):
+    """A shared store could not be reached to carry out a delete: the message
+    says what was done (here) and what was not (there); calling again is safe."""
 
 
 class Tier:
@@ -68,10 +74,24 @@ class Tier:
         """``have``: prompt tokens the session already holds here (0 unless ``shared``)."""
         return None
 
-    def forget(self, session_id: str) -> bool:
-        """The session was cleared or removed: drop what is stored of it.
-        Returns whether the tier held anything of it."""
+    def forget(self, session_id: str, held_here: bool = True) -> bool:
+        """The session was cleared or removed (``held_here``: it existed in this
+        process): drop what is stored of it. Returns whether the tier held
+        anything of it; raises ``StoreUnavailable`` if a shared store cannot
+        be reached."""
         return False
+
+    def available(self) -> bool:
+        """Whether the tier's store is believed reachable now."""
+        return True
+
+    def released(self, session_id: str) -> None:
+        """The copy here ended without a delete (removed here only)."""
+
+    def deleted_among(self, session_ids: list[str]) -> set[str]:
+        """Of ``session_ids`` (held here), those another process deleted since
+        their copy here began."""
+        return set()
 
     def deleted_since(self, session_id: str, update: bool = True) -> bool:
         """A shared tier: whether another process deleted the session since its
@@ -85,8 +105,11 @@ class Tier:
         """A shared tier may keep ``kvchat serve``'s map from a conversation (a
         digest of its messages) to its session, for the other replicas."""
 
-    def recall_route(self, namespace: str, conversations: list[str]) -> str | None:
-        """The session of the first of ``conversations`` the map knows, or None."""
+    def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
+        """Takes the first of ``conversations`` the map knows out of the map (so
+        no other replica continues that session while this one does) and
+        returns (its session, that conversation); None if the map knows none.
+        Raises ``StoreUnavailable`` if the map cannot be read."""
         return None
 
     def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:

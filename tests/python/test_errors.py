@@ -222,6 +222,9 @@ README_ROWS = {
     "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
     "`match`, `busy`, `overflow` or `checkpoints`": ["test_bad_constructor_arguments"],
     "a call on a session in use": ["test_busy_session"],
+    "`remove`/`clear` with a shared store": [
+        "test_redis_tier.py::test_a_delete_that_cannot_reach_redis_says_so_and_a_retry_deletes"
+    ],
     "`save`/`load` `path`": ["test_persistence.py::test_save_and_load_argument_errors"],
     "`load` of a truncated": [
         "test_persistence.py::test_truncated_file_is_rejected",

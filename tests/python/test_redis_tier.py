@@ -26,7 +26,7 @@ import redis
 import torch
 from conftest import _model
 from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, reference_turn, user_message
-from kvchat import _C, RedisTier, SessionManager
+from kvchat import _C, RedisTier, SessionManager, StoreUnavailable
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
 
@@ -356,7 +356,7 @@ def test_remove_deletes_the_snapshot_and_local_only_keeps_it(llama, tokenizer, s
 def test_store_argument_errors(llama, tokenizer, tmp_path):
     with pytest.raises(TypeError, match="store must be a redis:// URL"):
         SessionManager(llama, tokenizer, store=123)
-    with pytest.raises(ValueError, match="store must be a redis:// URL, got 'localhost'"):
+    with pytest.raises(ValueError, match="store must be a redis:// URL, as .*, got 'localhost'"):
         SessionManager(llama, tokenizer, store="localhost")
     with pytest.raises(ValueError, match="one of store, spill_dir or tier"):
         SessionManager(llama, tokenizer, store="redis://127.0.0.1:1/0", spill_dir=tmp_path)
@@ -605,6 +605,9 @@ def test_a_delete_on_either_replica_deletes_everywhere(tokenizer, server):
                 url = f"{replicas[deleter].url}/v1/sessions/{name}"
                 response = httpx.delete(url, headers=auth, timeout=60)
                 assert response.status_code == 200, (name, response.text)
+                for replica in replicas:  # not listed, even where a copy was held
+                    listed = [s["id"] for s in replica.get("/v1/sessions", "k").json()["data"]]
+                    assert name not in listed, (name, replica.url, listed)
                 for replica in replicas:
                     got = replica.get(f"/v1/sessions/{name}", "k")
                     assert got.status_code == 404, (name, replica.url, got.text)
@@ -677,36 +680,199 @@ def test_a_delete_keeps_the_chunks_another_session_uses(llama, tokenizer, server
     assert reports[0].reason == "store_reload" and b.stats().store_misses == 0
 
 
-SECRET = "s3cr3t-Pa55"
+SECRET, SECOND = "s3cr3t", "Pa55w0rd"  # a password's two halves: neither may show
 
 
 @pytest.mark.parametrize(
     "url",
     [
-        f"redis://:{SECRET}@127.0.0.1:notaport/0",
-        f"redis://admin{SECRET}:{SECRET}@127.0.0.1:notaport/0",
-        f"rediss://u:{SECRET}@[::1:notaport/0",
-        f"redis://127.0.0.1:notaport/0?password={SECRET}",
-        f"admin:{SECRET}@127.0.0.1:6379",
+        f"redis://:{SECRET}-{SECOND}@127.0.0.1:notaport/0",
+        f"redis://admin{SECRET}:{SECRET}-{SECOND}@127.0.0.1:notaport/0",
+        f"rediss://u:{SECRET}-{SECOND}@[::1:notaport/0",
+        f"redis://127.0.0.1:notaport/0?password={SECRET}-{SECOND}",
+        f"admin:{SECRET}-{SECOND}@127.0.0.1:6379",
+        # A password with a character that ends the host part, not percent-encoded:
+        f"redis://:{SECRET}/{SECOND}@127.0.0.1:6379/0",
+        f"redis://:{SECRET}#{SECOND}@127.0.0.1:6379/0",
+        f"redis://:{SECRET}?{SECOND}@127.0.0.1:6379/0",
+        f"redis://u:{SECRET}/{SECOND}@127.0.0.1/0",
+        f"redis://u:123/{SECRET}{SECOND}@127.0.0.1/0",
+        # A ':' typed for the '@'.
+        f"redis://user:{SECRET}{SECOND}:127.0.0.1:6379/0",
+        f"redis://:{SECRET}{SECOND}:127.0.0.1/0",
     ],
 )
 def test_a_malformed_store_url_never_shows_its_credentials(url, caplog):
+    from kvchat.redis_tier import redact_url
+
     with caplog.at_level(logging.DEBUG), pytest.raises(ValueError) as raised:
         RedisTier(url)
     message = str(raised.value)
-    assert SECRET not in message and SECRET not in caplog.text, message
-    assert "notaport" in message or "[::1" in message or "got '***@127.0.0.1:6379'" in message
+    for shown in (message, caplog.text, redact_url(url)):
+        assert SECRET not in shown and SECOND not in shown, shown
+    assert "redis://[[user]:password@]host[:port][/db]" in message, message
+
+
+def test_a_good_store_url_is_shown_without_its_password():
+    from kvchat.redis_tier import redact_url
+
+    assert redact_url(f"redis://u:{SECRET}@cache.local:6380/2") == "redis://***@cache.local:6380/2"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_url(f"redis://h/0?password={SECRET}") == "redis://h/0?***"
+    assert redact_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
 
 
 def test_kvchat_serve_does_not_print_the_store_password(tmp_path):
     from kvchat.serve.process import free_port
 
-    url = f"redis://admin:{SECRET}@127.0.0.1:notaport/0"
+    url = f"redis://admin:{SECRET}/{SECOND}@127.0.0.1:6379/0"
     argv = [sys.executable, "-m", "kvchat.serve", "tiny", "--port", str(free_port())]
     done = subprocess.run(
         [*argv, "--store", url], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-2000:]
-    assert SECRET not in output and "admin" not in output, output[-2000:]
-    assert "is not a Redis URL" in output and "notaport" in output, output[-2000:]
+    for secret in (SECRET, SECOND, "admin"):
+        assert secret not in output, output[-2000:]
+    assert "is not a Redis URL" in output, output[-2000:]
+
+
+# ------------------------------------------------ deletes, routes and outages
+def test_a_delete_that_cannot_reach_redis_says_so_and_a_retry_deletes(llama, tokenizer):
+    """Redis hung: remove() raises StoreUnavailable saying the session was
+    removed here only (never a silent success that other processes would not
+    see); while the store rests, nothing is removed; once Redis answers, the
+    same call deletes it there, and another manager starts it from nothing."""
+    server = redis_server()
+    try:
+        a, b = _two_managers(server.redis_url, llama, tokenizer, timeout=0.3, retry_after=0.5)
+        messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+        _turns(a, "kept", [LONG_SYSTEM], llama, tokenizer, 1)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable, match="'s' was removed here, but not in"):
+                a.remove("s")
+            assert a.sessions() == ["kept"]
+            with pytest.raises(StoreUnavailable, match="'kept' was not removed"):
+                a.remove("kept")  # the store is resting: nothing is removed
+            with pytest.raises(StoreUnavailable, match="'kept' was not cleared"):
+                a.clear("kept")
+            assert a.messages("kept")[-1]["role"] == "assistant"
+            assert a.sessions() == ["kept"]
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        time.sleep(0.6)  # past retry_after
+        a.remove("s")  # held only by the store now: deleted there
+        manifests, _, _ = _keyspace(redis.Redis.from_url(server.redis_url))
+        assert set(manifests) == {"kept"}, manifests.keys()
+        _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+        assert reports[0].reused_tokens == 0 and reports[0].reason != "store_reload"
+    finally:
+        server.stop()
+
+
+def test_a_delete_the_store_cannot_carry_out_is_a_503_until_it_can(tokenizer):
+    """`kvchat serve --store`, Redis hung: DELETE answers 503 (OpenAI-shaped,
+    `store_unavailable`, saying to retry), never 200 for a delete the other
+    replicas would not see; once Redis answers again, the retried DELETE
+    answers 200 and nothing of the session is left in Redis."""
+    import httpx
+    from test_serve import Server, _ask, _client
+
+    server = redis_server()
+    flags = ("--store", server.redis_url, "--store-timeout", "0.3", "--api-key", "k")
+    replica = Server("tiny:llama", *flags)
+    auth = {"Authorization": "Bearer k"}
+    try:
+        _ask(_client(replica, "k"), [LONG_SYSTEM, user_message(0)], "s", stream=False)
+        url = f"{replica.url}/v1/sessions/s"
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            response = httpx.delete(url, headers=auth, timeout=60)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "server_error",
+            "store_unavailable",
+            "session_id",
+        ), error
+        assert "try again" in error["message"] or "call again" in error["message"], error
+        deadline = time.monotonic() + 60  # the tier rests 5 s after a failure
+        while response.status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            response = httpx.delete(url, headers=auth, timeout=60)
+        assert response.status_code == 200, response.text
+        assert replica.get("/v1/sessions/s", "k").status_code == 404
+        manifests, chunks, _ = _keyspace(redis.Redis.from_url(server.redis_url))
+        assert not manifests and not chunks, (manifests.keys(), len(chunks))
+    finally:
+        replica.stop()
+        server.stop()
+
+
+def test_deletes_of_what_exists_nowhere_leave_nothing_behind(llama, tokenizer, server):
+    """A DELETE of an id no process and no snapshot holds is a KeyError and
+    writes nothing (no tombstone for every junk id), and no process remembers
+    it; a real session's delete still reaches the process that holds a copy."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    client = redis.Redis.from_url(server.redis_url)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+    keys = set(client.keys())
+    for i in range(300):
+        with pytest.raises(KeyError):
+            b.remove(f"junk-{i}")
+    assert set(client.keys()) == keys
+    assert set(b.tier._epochs) == {"s"}
+    a.remove("s")
+    _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=2)
+    assert reports[0].reused_tokens == 0, reports
+
+
+def test_a_fork_of_an_older_conversation_never_takes_a_session_over_on_any_replica(
+    tokenizer, server
+):
+    """Two keyless replicas on one store. (1) A client continues its automatic
+    session by X-Session-ID; a fork of the conversation it held before, sent
+    to the other replica, gets a session of its own. (2) A conversation moves
+    on on the other replica; a fork of its older point, sent back to the first
+    replica (whose own map still has that point), gets one of its own too. In
+    both, the first conversation's next turn reuses its whole history."""
+    from test_serve import MAX_NEW as SERVE_MAX_NEW
+    from test_serve import Server, _client
+
+    flags = ("--store", server.redis_url, "--api-key", "k")
+    replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
+
+    def ask(replica, messages, session=None):
+        raw = _client(replicas[replica], "k").chat.completions.with_raw_response.create(
+            model="tiny:llama",
+            messages=messages,
+            max_tokens=SERVE_MAX_NEW,
+            temperature=0,
+            extra_headers={"X-Session-ID": session} if session else None,
+        )
+        completion = raw.parse()
+        reply = {"role": "assistant", "content": completion.choices[0].message.content}
+        return raw.headers["x-session-id"], [*messages, reply], completion.usage
+
+    def fork(messages):
+        return [*messages, {"role": "user", "content": "Something else entirely."}]
+
+    try:
+        for case, (continuer, forker) in enumerate([(0, 1), (1, 0)]):
+            system = dict(LONG_SYSTEM, content=f"Case {case}. {LONG_SYSTEM['content']}")
+            session, first, _ = ask(0, [system, user_message(0)])
+            by_header = session if case == 0 else None
+            same, history, usage = ask(continuer, [*first, user_message(1)], by_header)
+            assert same == session
+            forked, _, _ = ask(forker, fork(first))
+            assert forked != session, f"case {case}: the fork took the session over"
+            again, _, next_usage = ask(continuer, [*history, user_message(2)], by_header)
+            assert again == session
+            assert next_usage.prompt_tokens_details.cached_tokens > usage.prompt_tokens, case
+    finally:
+        for replica in replicas:
+            replica.stop()

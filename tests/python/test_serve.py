@@ -375,11 +375,15 @@ SERVE_ERROR_CASES = {
         ({"json": _chat_body(stream="yes")}, 400, "invalid_value", "stream"),
         ({"json": _chat_body(max_tokens=0)}, 400, "invalid_value", "max_tokens"),
         ({"json": [1, 2]}, 400, "invalid_value", None),
-        (
-            {"json": _chat_body(), "headers": {"X-Session-ID": "x" * 600}},
-            400,
-            "invalid_value",
-            "X-Session-ID",
+        *(
+            (
+                {"json": _chat_body(), "headers": {"X-Session-ID": value}},
+                400,
+                "invalid_value",
+                "X-Session-ID",
+            )
+            # Too long, a latin-1 byte (never echoed back), a tab inside.
+            for value in ("x" * 600, "caf\xe9".encode("latin-1"), "a\tb")
         ),
     ],
     "an unknown `model`": [({"json": _chat_body(model="gpt-9")}, 404, "model_not_found", "model")],
@@ -485,6 +489,10 @@ SERVE_ERROR_CASES = {
             ("documents", []),
             ("messages", []),
             ("tokenizer_kwargs", {}),
+            ("eos_token", "x" * 100_000),
+            ("bos_token", "x"),
+            ("additional_special_tokens", []),
+            ("self", 1),
         ]
     ],
 }
@@ -578,6 +586,9 @@ def test_every_readme_bad_request_row_is_covered():
     extra = {
         "more requests at once than `--max-pending`": "test_too_many_requests_at_once_get_429",
         "the model fails": "test_a_model_that_fails_gets_500_and_the_session_keeps_its_history",
+        "a `DELETE` the shared store cannot carry out": (
+            "test_redis_tier.py::test_a_delete_the_store_cannot_carry_out_is_a_503_until_it_can"
+        ),
     }
     assert len(rows) == len(SERVE_ERROR_CASES) + len(extra)
     for row in rows:
@@ -819,7 +830,7 @@ def test_a_client_template_is_refused_fast_and_costs_no_memory():
         server.stop()
 
 
-def test_the_idle_table_holds_only_sessions_that_exist(tokenizer):
+def test_the_idle_and_routing_tables_hold_only_sessions_that_exist(tokenizer):
     from fastapi.testclient import TestClient
     from kvchat import SessionManager
     from kvchat.serve import ServeConfig, create_app
@@ -842,6 +853,11 @@ def test_the_idle_table_holds_only_sessions_that_exist(tokenizer):
             "/v1/chat/completions", json={**body, "messages": [call], "user": f"t{i}"}
         )
         assert refused.status_code == 400, refused.text
+        # The same, keyless: an automatic session named, never made.
+        refused = client.post(
+            "/v1/chat/completions", json={**body, "messages": [call, user_message(i)]}
+        )
+        assert refused.status_code == 400, refused.text
         # Made, then deleted.
         assert (
             client.post("/v1/chat/completions", json={**body, "user": f"d{i}"}).status_code == 200
@@ -854,3 +870,4 @@ def test_the_idle_table_holds_only_sessions_that_exist(tokenizer):
     assert client.post("/v1/chat/completions", json={**body, "user": "kept"}).status_code == 200
     assert manager.sessions() == ["open/kept"]
     assert app.state.expiry.tracked() <= {"open/kept"}
+    assert app.state.router.tracked() <= {"open/kept"}

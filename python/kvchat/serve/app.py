@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._C import SessionBusy
 from ..manager import SessionManager
+from ..tier import StoreUnavailable
 from . import protocol
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
@@ -82,6 +83,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="kvchat serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.expiry = expiry
+    app.state.router = router
     app.add_exception_handler(APIError, api_error_handler)
     stop_ids = _stop_ids(manager)
     pending = threading.BoundedSemaphore(config.max_pending)
@@ -184,10 +186,15 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     @app.get("/v1/sessions")
     async def list_sessions(request: Request):
         ns = caller(request)
+        own = [i for i in manager.sessions() if router.external(ns, i) is not None]
+        # Deleted on another replica (one store round trip for them all): gone here too.
+        deleted = await run_in_threadpool(manager.drop_deleted, own)
+        for internal in deleted:
+            router.forget(internal)
         data = []
-        for internal in manager.sessions():
+        for internal in own:
             session_id = router.external(ns, internal)
-            if session_id is not None:
+            if internal not in deleted:
                 try:
                     data.append(session_view(session_id, internal))
                 except KeyError:  # removed since the listing began
@@ -233,6 +240,11 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         internal = router.internal(caller(request), session_id)
         try:
             await run_in_threadpool(manager.remove, internal)
+        except StoreUnavailable as error:
+            if internal not in manager.sessions():  # removed here, not yet in the store
+                router.forget(internal)
+                expiry.forget(internal)
+            raise APIError(503, str(error), param="session_id", code="store_unavailable") from None
         except SessionBusy:
             raise APIError(
                 409,
@@ -261,10 +273,11 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="model_not_found",
             )
         header = request.headers.get("x-session-id")
-        if header is not None and not 0 < len(header) <= 512:
+        if header is not None and not (0 < len(header) <= 512 and protocol.header_value(header)):
             raise APIError(
                 400,
-                "X-Session-ID must be 1 to 512 characters",
+                "X-Session-ID must be 1 to 512 characters of printable ASCII with no space "
+                f"at either end (it is sent back as a header), got {header[:64]!r}",
                 param="X-Session-ID",
                 code="invalid_value",
             )

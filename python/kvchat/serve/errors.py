@@ -15,6 +15,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    503: "server_error",
 }
 
 

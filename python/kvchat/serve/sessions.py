@@ -15,7 +15,11 @@ With a shared store (``--store``), the conversation-to-session map is shared
 too: each turn's conversation digest is written to the store, so a replica
 that has never seen a conversation continues the session another replica
 started, and loads its snapshot. Keyless clients, an agent loop behind the
-plain OpenAI SDK say, then get the store's reuse as keyed ones do.
+plain OpenAI SDK say, then get the store's reuse as keyed ones do. The store's
+map is then the one consulted (this replica's may be stale: another replica
+may have continued the session since), and a turn takes its session's route
+out of it until the turn ends, so two replicas never continue one session at
+once; only while the store cannot be reached does the map here stand in.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import hashlib
 import json
 import threading
 import uuid
+
+from ..tier import StoreUnavailable
 
 _KEPT = ("role", "content", "tool_calls", "tool_call_id", "name")
 
@@ -85,14 +91,16 @@ class SessionRouter:
         prefix = f"{ns}/"
         return internal_id[len(prefix) :] if internal_id.startswith(prefix) else None
 
-    def _start(self, session: str) -> None:
-        """Under the lock: a turn on the automatic ``session`` begins; it leaves the map."""
-        key = self._key_of.pop(session, None)
-        if key is not None and self._open.get(key) == session:
-            del self._open[key]
+    def _start(self, session: str, key: tuple[str, str] | None = None) -> None:
+        """Under the lock: a turn on the automatic ``session`` begins; it leaves
+        the map. ``key``: the conversation it holds, if the map here does not
+        know it (found in the shared store)."""
+        known = self._key_of.pop(session, None)
+        if known is not None and self._open.get(known) == session:
+            del self._open[known]
         running = self._running.get(session)
         if running is None:
-            self._running[session] = _Running(key)
+            self._running[session] = _Running(key or known)
         else:
             running.turns += 1
             running.overlapped = True
@@ -107,6 +115,13 @@ class SessionRouter:
                     self._start(session)
             return session
         digests = _digests(messages)
+        if self._shared is not None:
+            try:  # longest first, short of the last message
+                found = self._shared.take_route(ns, digests[len(messages) - 1 : 0 : -1])
+            except StoreUnavailable:
+                pass  # the map here stands in while the store cannot be reached
+            else:
+                return self._claim_found(ns, found)
         with self._lock:
             # The longest conversation a session holds, short of the last message.
             for k in range(len(messages) - 1, 0, -1):
@@ -117,15 +132,20 @@ class SessionRouter:
                     self._start(session)
                     return session
                 self._drop(session)  # removed meanwhile: out of the map
-        if self._shared is not None:
-            # Another replica's, as the store's route map knows it (longest first).
-            found = self._shared.recall_route(ns, digests[len(messages) - 1 : 0 : -1])
-            if found is not None and found.startswith(f"{ns}/"):
-                with self._lock:
-                    if found not in self._running:  # else: a fork of a turn running here
-                        self._auto.add(found)
-                        self._start(found)
-                        return found
+        return self._new(ns)
+
+    def _claim_found(self, ns: str, found: tuple[str, str] | None) -> str:
+        """The session the shared store's map gave (taken out of it), or a new one."""
+        if found is not None and found[0].startswith(f"{ns}/"):
+            session, conversation = found
+            with self._lock:
+                if session not in self._running:  # else: a fork of a turn running here
+                    self._auto.add(session)
+                    self._start(session, (ns, conversation))
+                    return session
+        return self._new(ns)
+
+    def _new(self, ns: str) -> str:
         session = self.internal(ns, f"auto-{uuid.uuid4().hex[:16]}")
         with self._lock:
             self._auto.add(session)
@@ -146,6 +166,8 @@ class SessionRouter:
                 return
             del self._running[session]
             key = running.key
+            if key is None and session not in self._mgr.sessions():
+                self._auto.discard(session)  # a refused first turn: nothing was made
             if key is None or running.overlapped:
                 return  # nothing held yet, or unknown which: out of the map
             other = self._open.get(key)
@@ -153,7 +175,7 @@ class SessionRouter:
                 self._key_of.pop(other, None)  # one conversation, one session
             self._open[key] = session
             self._key_of[session] = key
-        if conversation is not None and self._shared is not None:
+        if self._shared is not None:  # what it holds now (a failed turn: what it held)
             self._shared.remember_route(ns, key[1], session)
 
     def _drop(self, session: str) -> None:
@@ -162,6 +184,11 @@ class SessionRouter:
         key = self._key_of.pop(session, None)
         if key is not None and self._open.get(key) == session:
             del self._open[key]
+
+    def tracked(self) -> set[str]:
+        """Every session the router keeps anything of (for tests: no leak)."""
+        with self._lock:
+            return {*self._auto, *self._running, *self._key_of, *self._open.values()}
 
     def forget(self, session: str) -> None:
         """``session`` was removed (deleted, or expired)."""
