@@ -371,12 +371,13 @@ class SessionManager:
         """Drops the session's cache and history; keeps its system prompt. With
         a shared store, its snapshot there too (``StoreUnavailable`` if the
         store cannot be reached: cleared here only; call again)."""
+        _check_session_id(session_id)
         if self._tier.shared and not self._tier.available():
             raise StoreUnavailable(
                 f"session {session_id!r} was not cleared: the shared store is unreachable "
                 f"(its snapshot there would outlive the clear); try again"
             )
-        self._core.clear(_check_session_id(session_id))
+        self._core.clear(session_id)
         self._forget_stored(session_id, "cleared")
 
     def remove(self, session_id: str, local_only: bool = False) -> None:

@@ -876,3 +876,44 @@ def test_a_fork_of_an_older_conversation_never_takes_a_session_over_on_any_repli
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_a_replica_keeps_nothing_of_another_replicas_session_its_turn_refused(tokenizer, server):
+    """Conversations started on replica A; each continuation on B is refused
+    (over the context): B's router keeps nothing of those sessions, and each
+    route is back in the store, so A continues every conversation."""
+    from fastapi.testclient import TestClient
+    from kvchat.serve import ServeConfig, create_app
+
+    llama = _model("llama")
+    apps = []
+    for _ in range(2):
+        manager = SessionManager(
+            llama,
+            tokenizer,
+            isolate_namespaces=True,
+            max_context_length=256,
+            tier=RedisTier(server.redis_url),
+        )
+        apps.append((manager, create_app(manager, ServeConfig(model_name="tiny"))))
+    (manager_a, app_a), (manager_b, app_b) = apps
+    a, b = TestClient(app_a), TestClient(app_b)
+    body = {"model": "tiny", "max_tokens": 2}
+    try:
+        for i in range(5):
+            messages = [user_message(i)]
+            made = a.post("/v1/chat/completions", json={**body, "messages": messages})
+            assert made.status_code == 200, made.text
+            reply = made.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": reply}, user_message(i + 1)]
+            refused = b.post(
+                "/v1/chat/completions", json={**body, "messages": messages, "max_tokens": 10**6}
+            )
+            assert refused.status_code == 400, refused.text
+            again = a.post("/v1/chat/completions", json={**body, "messages": messages})
+            assert again.headers["x-session-id"] == made.headers["x-session-id"]
+        assert manager_b.sessions() == []
+        assert app_b.state.router.tracked() == set()
+    finally:
+        manager_a.close()
+        manager_b.close()

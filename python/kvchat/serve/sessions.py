@@ -166,10 +166,15 @@ class SessionRouter:
                 return
             del self._running[session]
             key = running.key
-            if key is None and session not in self._mgr.sessions():
-                self._auto.discard(session)  # a refused first turn: nothing was made
+            held = session in self._mgr.sessions()
+            if not held:  # a refused first turn here: nothing of it is kept here
+                self._drop(session)
             if key is None or running.overlapped:
                 return  # nothing held yet, or unknown which: out of the map
+            if not held:  # another replica's session: its route goes back to the store
+                if self._shared is not None:
+                    self._shared.remember_route(ns, key[1], session)
+                return
             other = self._open.get(key)
             if other is not None and other != session:
                 self._key_of.pop(other, None)  # one conversation, one session
