@@ -206,19 +206,9 @@ def test_dsa_sparse_selection_runs_as_plain_generate_exactly(variant, tokenizer,
     probe ran on attention-only models, kvchat reused these prompts and its
     reply differed from plain generate's (1 turn in 6 of a short replay)."""
     model = _dsa(variant, tokenizer)
-    with caplog.at_level("WARNING", logger="kvchat"):
-        manager = SessionManager(model, tokenizer)
-    assert not manager._bridge.supported
-    assert "does not continue the cached state" in caplog.text
-    messages = [LONGER_SYSTEM]
-    for turn in range(4):
-        messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=8)
-        assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
-        report = manager.last_turn("s")
-        assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
+    reports = _refused_by_the_probe_and_exact(model, tokenizer, caplog)
+    for report in reports:
         assert report.prompt_tokens > 8 * DSA["index_topk"], report  # the selection is real
-        messages.append({"role": "assistant", "content": reply})
 
 
 @pytest.mark.parametrize("variant", DSA_VARIANTS)
@@ -413,15 +403,23 @@ def test_a_dynamically_quantized_model_runs_as_plain_generate_exactly(tokenizer,
 
     model = tiny_model("llama", tokenizer=tokenizer)
     model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    _refused_by_the_probe_and_exact(model, tokenizer, caplog)
+
+
+def _refused_by_the_probe_and_exact(model, tokenizer, caplog) -> list:
+    """The probe refuses ``model`` (with a warning); four turns are then each
+    plain generate's reply, reusing nothing. Returns the turns' reports."""
     with caplog.at_level("WARNING", logger="kvchat"):
         manager = SessionManager(model, tokenizer)
     assert not manager._bridge.supported
     assert "does not continue the cached state" in caplog.text
-    messages = [LONGER_SYSTEM]
+    messages, reports = [LONGER_SYSTEM], []
     for turn in range(4):
         messages.append(user_message(turn))
         reply = manager.chat("s", messages, max_new_tokens=8)
         assert reply == reference_turn(model, tokenizer, messages, 8)[0], turn
         report = manager.last_turn("s")
         assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
+        reports.append(report)
         messages.append({"role": "assistant", "content": reply})
+    return reports
