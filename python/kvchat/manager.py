@@ -227,6 +227,9 @@ class SessionManager:
         if tier is None:
             tier = Spill(spill_dir) if spill_dir is not None else Tier()
         self._tier = tier
+        # Removed here, but the shared store could not be told: a retry must
+        # still delete it everywhere, though nothing of it is left here.
+        self._owed_deletes: set[str] = set()
         self._model = model
         self._tokenizer = tokenizer
         self._match = match
@@ -404,14 +407,16 @@ class SessionManager:
         except KeyError:
             if not everywhere:
                 raise
+            owed = session_id in self._owed_deletes
             try:
-                held = self._tier.forget(session_id, held_here=False)
+                held = self._tier.forget(session_id, held_here=owed)
             except StoreUnavailable as error:
                 raise StoreUnavailable(
                     f"session {session_id!r} is not held here, and the shared store "
                     f"could not be asked to delete it ({error}); try again"
                 ) from None
-            if not held:
+            self._owed_deletes.discard(session_id)
+            if not (held or owed):
                 raise
             return
         if everywhere or not self._tier.shared:
@@ -423,10 +428,13 @@ class SessionManager:
         try:
             self._tier.forget(session_id)
         except StoreUnavailable as error:
+            if done == "removed":
+                self._owed_deletes.add(session_id)
             raise StoreUnavailable(
                 f"session {session_id!r} was {done} here, but not in the shared store "
                 f"({error}); other processes may still serve it: call again"
             ) from None
+        self._owed_deletes.discard(session_id)
 
     def drop_if_deleted(self, session_id: str) -> bool:
         """With a shared store: whether the session was deleted (on any process)

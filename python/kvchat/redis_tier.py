@@ -23,9 +23,16 @@ token ids, cached text, messages), as immutable snapshots:
   manifests (``<prefix>:<model>:index:<scope>``).
 - **Routes** (``<prefix>:<model>:route:<namespace, conversation>``):
   ``kvchat serve``'s map from a conversation to the session holding it. A
-  session has one route, its latest conversation, and a replica that
-  continues it takes the route out of the map for the turn, so no other
-  replica (nor a fork of an older point) continues the same session at once.
+  session has one route, its latest conversation (a hash per session,
+  ``route-of``, lists it), and a replica that continues it, found by its
+  conversation or by its id, takes the route out of the map for the turn, so
+  no other replica (nor a fork of an older point) continues the same session
+  at once. A route change Redis could not take (it was down) is owed, the
+  newest per session, and made by the writer thread once Redis is back.
+- **A held marker** per session (``<prefix>:<model>:held:<id>``, for ``ttl``):
+  set by every process whose copy of the session begins a turn, so a delete
+  reaches a session of which no snapshot is stored (``write="evict"``, or
+  one still queued).
 - **A tombstone** per deleted session (``<prefix>:<model>:deleted:<id>``, a
   random token, for ``ttl`` seconds): ``forget`` (``SessionManager.remove``)
   sets it, removes the manifest, the session's routes and every chunk of it no
@@ -112,42 +119,60 @@ end
 return missing
 """
 
-# KEYS: manifest, tombstone, index, the session's route set, its chunk set;
-# ARGV: tombstone, ttl, session id, '1' if the deleting process holds it.
-# Returns whether a manifest was there, and the chunk keys the session's
-# snapshots listed (to delete those unused). Of a session that exists nowhere
-# it leaves no tombstone: deletes of junk ids cost the store nothing.
+# KEYS: manifest, tombstone, index, the session's routes, its chunk set, its
+# held marker; ARGV: tombstone, ttl, session id, '1' if the deleting process
+# holds it. Returns whether the store knew the session (a snapshot, a route or
+# a process holding it), and the chunk keys its snapshots listed (to delete
+# those unused). Of a session that exists nowhere it leaves no tombstone:
+# deletes of junk ids cost the store nothing.
 _DELETE = """
-if ARGV[4] ~= '1' and redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5]) == 0 then
+local known = redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5], KEYS[6])
+if ARGV[4] ~= '1' and known == 0 then
   return {0, {}}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[6])
 redis.call('HDEL', KEYS[3], KEYS[1])
-for _, route in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+for _, route in ipairs(redis.call('HKEYS', KEYS[4])) do
   if redis.call('GET', route) == ARGV[3] then redis.call('DEL', route) end
 end
 redis.call('DEL', KEYS[4])
 local chunks = redis.call('SMEMBERS', KEYS[5])
 redis.call('DEL', KEYS[5])
-return {existed, chunks}
+return {known, chunks}
 """
 
-# KEYS: route, the session's route set, tombstone; ARGV: session id, ttl, the
-# tombstone the session's copy here began under ('' for none). The session's
-# older routes go: it holds only its latest conversation, and a fork of an
-# older one must start a session of its own, never take this one over.
+# KEYS: route, the session's routes (route key -> conversation), tombstone;
+# ARGV: session id, ttl, the tombstone the session's copy here began under
+# ('' for none), the conversation. The session's older routes go: it holds
+# only its latest conversation, and a fork of an older one must start a
+# session of its own, never take this one over.
 _ROUTE = """
 local deleted = redis.call('GET', KEYS[3])
 if deleted and deleted ~= ARGV[3] then return 0 end
-for _, route in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+for _, route in ipairs(redis.call('HKEYS', KEYS[2])) do
   if route ~= KEYS[1] and redis.call('GET', route) == ARGV[1] then redis.call('DEL', route) end
 end
 redis.call('DEL', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('SADD', KEYS[2], KEYS[1])
+redis.call('HSET', KEYS[2], KEYS[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 1
+"""
+
+# KEYS: the session's routes; ARGV: session id. Takes every route of the
+# session out of the map (a turn on it by its id begins) and returns the
+# conversation of the one it held, or false if none.
+_TAKE_SESSION = """
+local held = false
+local routes = redis.call('HGETALL', KEYS[1])
+for i = 1, #routes, 2 do
+  if redis.call('GET', routes[i]) == ARGV[1] then
+    redis.call('DEL', routes[i])
+    held = routes[i + 1]
+  end
+end
+return held
 """
 
 # KEYS: routes, longest conversation first; ARGV: the namespace's session
@@ -328,6 +353,7 @@ class RedisTier(Tier):
         self._delete = self._redis.register_script(_DELETE)
         self._route = self._redis.register_script(_ROUTE)
         self._take = self._redis.register_script(_TAKE)
+        self._take_session = self._redis.register_script(_TAKE_SESSION)
         # Never the password: the URL as messages may show it.
         self.url, self.ttl, self.write_policy = redact_url(url), int(max(1, round(ttl))), write
         self._secrets = _secrets(url)  # scrubbed from the client's error texts
@@ -350,6 +376,11 @@ class RedisTier(Tier):
         # holds no more than this process's sessions, whatever is deleted.
         self._epochs: dict[str, bytes | None] = {}
         self._turn_epoch = threading.local()  # what this thread's turn saw
+        # Route changes the store could not take (it was down), per session, the
+        # newest only: paid by the writer thread once the store is back, so a
+        # route written before the outage never outlives the session's moving on.
+        self._owed: dict[str, tuple] = {}
+        self._route_lock = threading.Lock()  # one route change at a time, in order
         self._closed = False
         self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
@@ -372,7 +403,14 @@ class RedisTier(Tier):
         return self._key("deleted", session_id)
 
     def _routes_key(self, session_id: str) -> str:
-        return self._key("routes", session_id)
+        """The hash of the session's routes (route key -> conversation)."""
+        return self._key("route-of", session_id)
+
+    def held_key(self, session_id: str) -> str:
+        """Set (for ``ttl``) by every process whose copy of the session has
+        begun a turn: a delete on a process that holds nothing of it still
+        reaches the one that does, even when no snapshot is stored."""
+        return self._key("held", session_id)
 
     def _chunks_key(self, session_id: str) -> str:
         """The set of every chunk key the session's snapshots listed."""
@@ -402,8 +440,36 @@ class RedisTier(Tier):
         return f"{self._prefix}:{self._model_key}:route:{name}"
 
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
-        if not self._available():
-            return
+        self._change_route(session_id, ("route", namespace, conversation))
+
+    def take_session_route(self, session_id: str) -> str | None:
+        return self._change_route(session_id, ("take",))
+
+    def _change_route(self, session_id: str, change: tuple):
+        """Makes ``change`` to the session's routes now; if the store cannot
+        take it, owes it (superseding any older change owed)."""
+        with self._route_lock:
+            with self._cond:
+                self._owed.pop(session_id, None)  # this one is newer
+            if self._available():
+                try:
+                    return self._route_change(session_id, change)
+                except self._errors as error:
+                    self._failed("route write", error)
+            with self._cond:
+                self._owed[session_id] = change
+                self._cond.notify_all()  # the writer pays it once the store is back
+        return None
+
+    def _route_change(self, session_id: str, change: tuple):
+        """Under the route lock: a route write ("route", namespace,
+        conversation), never for a session deleted since its copy here began;
+        or ("take",): the session's routes leave the map, and the conversation
+        of the one it held (or None) is returned."""
+        if change[0] == "take":
+            held = self._take_session(keys=[self._routes_key(session_id)], args=[session_id])
+            return held.decode() if held else None
+        _, namespace, conversation = change
         with self._cond:
             epoch = self._epochs.get(session_id)
         keys = [
@@ -411,10 +477,31 @@ class RedisTier(Tier):
             self._routes_key(session_id),  # so that deleting the session deletes its routes
             self.tombstone_key(session_id),
         ]
-        try:  # never for a session deleted since its copy here began
-            self._route(keys=keys, args=[session_id, self.ttl, epoch or b""])
-        except self._errors as error:
-            self._failed("route write", error)
+        self._route(keys=keys, args=[session_id, self.ttl, epoch or b"", conversation])
+        return None
+
+    def _pay_owed(self) -> None:
+        """Under the route lock, the store being back: makes the owed route
+        changes, oldest first; what fails stays owed."""
+        with self._cond:
+            owed, self._owed = self._owed, {}
+        for session_id, change in owed.items():
+            try:
+                if self._available():
+                    self._route_change(session_id, change)
+                    continue
+            except self._errors as error:
+                self._failed("route write", error)
+            except Exception:  # a bug must not kill the writer, nor loop
+                logger.exception("kvchat: route change of session %r failed", session_id)
+                continue
+            with self._cond:
+                self._owed.setdefault(session_id, change)
+
+    def owed_routes(self) -> int:
+        """Route changes waiting for the store to be back."""
+        with self._cond:
+            return len(self._owed)
 
     def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
         if not conversations:
@@ -422,11 +509,13 @@ class RedisTier(Tier):
         if not self._available():
             raise StoreUnavailable("the Redis store is resting after a failure")
         keys = [self.route_key(namespace, c) for c in conversations]
-        try:
-            found = self._take(keys=keys, args=[f"{namespace}/"])
-        except self._errors as error:
-            self._failed("route lookup", error)
-            raise StoreUnavailable(f"route lookup failed: {type(error).__name__}") from None
+        with self._route_lock:  # after any route change made before it
+            self._pay_owed()  # a stale route must not be found first
+            try:
+                found = self._take(keys=keys, args=[f"{namespace}/"])
+            except self._errors as error:
+                self._failed("route lookup", error)
+                raise StoreUnavailable(f"route lookup failed: {type(error).__name__}") from None
         if not found:
             return None
         position, session = found
@@ -485,7 +574,7 @@ class RedisTier(Tier):
         began: the store holds a tombstone other than the one this process saw
         then. ``update``: the copy here is dropped (or begins) now; remember
         the tombstone. False when Redis cannot say; never raises."""
-        found = self._tombstones([session_id])
+        found = self._tombstones([session_id], held=session_id if update else None)
         if found is None:
             return False
         (found,) = found
@@ -510,12 +599,21 @@ class RedisTier(Tier):
             found is not None and session_id in self._epochs and self._epochs[session_id] != found
         )
 
-    def _tombstones(self, session_ids: list[str]) -> list[bytes | None] | None:
-        """The sessions' tombstones (None: none), or None when Redis cannot say."""
+    def _tombstones(
+        self, session_ids: list[str], held: str | None = None
+    ) -> list[bytes | None] | None:
+        """The sessions' tombstones (None: none), or None when Redis cannot say.
+        ``held``: a session whose copy here begins a turn; its held marker is
+        set in the same round trip."""
         if not self._available():
             return None
         found = []
         try:
+            if held is not None:
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.set(self.held_key(held), b"1", ex=self.ttl)
+                pipe.mget([self.tombstone_key(s) for s in session_ids])
+                return pipe.execute()[1]
             for start in range(0, len(session_ids), _TOMBSTONE_BATCH):
                 batch = session_ids[start : start + _TOMBSTONE_BATCH]
                 found += self._redis.mget([self.tombstone_key(s) for s in batch])
@@ -536,12 +634,15 @@ class RedisTier(Tier):
         each of its chunks no other live manifest lists, and leaves a tombstone,
         so every replica drops its copy before its next turn, and no snapshot
         of an older copy (a write queued before) is ever published. Returns
-        whether a snapshot was there. ``held_here``: the session existed in
-        this process (else a session found nowhere leaves no tombstone).
+        whether the store knew the session (a snapshot, a route, or a process
+        whose copy began a turn within ``ttl``). ``held_here``: the session
+        existed in this process (else one the store does not know leaves no
+        tombstone).
         Raises ``StoreUnavailable`` if Redis cannot be reached."""
         token = secrets.token_hex(16).encode()
         with self._cond:
             self._pending.pop(session_id, None)  # never written now
+            self._owed.pop(session_id, None)  # its routes go with it
             self._epochs.pop(session_id, None)  # a copy here begins anew, if ever
             self._cond.notify_all()
         keys = [
@@ -550,6 +651,7 @@ class RedisTier(Tier):
             self.index_key(session_id),
             self._routes_key(session_id),
             self._chunks_key(session_id),
+            self.held_key(session_id),
         ]
         args = [token, self.ttl, session_id, "1" if held_here else "0"]
         try:
@@ -635,14 +737,34 @@ class RedisTier(Tier):
         self._writer.join(timeout)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 
+    def _wait_for_work(self) -> bool:
+        """Under the lock: waits for a snapshot to write (True), or for owed
+        route changes once the store is back, or for close (False)."""
+        while not (self._pending or self._closed):
+            if not self._owed:
+                self._cond.wait()
+                continue
+            rest = self._down_until - time.monotonic()
+            if rest <= 0:
+                return False
+            self._cond.wait(rest)
+        return bool(self._pending)
+
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if self._closed and not self._pending:
+                write = self._wait_for_work()
+                if not write and self._closed:
                     return
-                session_id, (layout, tensors, messages, epoch) = self._pending.popitem(last=False)
-                self._writing = session_id
+                if write:
+                    session_id, (layout, tensors, messages, epoch) = self._pending.popitem(
+                        last=False
+                    )
+                    self._writing = session_id
+            if not write:  # route changes owed, and the store is back
+                with self._route_lock:
+                    self._pay_owed()
+                continue
             try:
                 if not self._available():
                     self.write_errors += 1  # Redis is resting: this snapshot is lost

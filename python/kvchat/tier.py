@@ -103,7 +103,16 @@ class Tier:
 
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
         """A shared tier may keep ``kvchat serve``'s map from a conversation (a
-        digest of its messages) to its session, for the other replicas."""
+        digest of its messages) to its session, for the other replicas (its
+        one route: older ones go). A store that cannot be reached takes it
+        once it can, unless a newer change of the session's route came first."""
+
+    def take_session_route(self, session_id: str) -> str | None:
+        """A turn on the session by its id begins: takes its route out of the
+        map (so no other replica, nor a fork of the conversation it held,
+        continues it meanwhile) and returns that conversation; None if it has
+        none. A shared store that cannot be reached takes it once it can."""
+        return None
 
     def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
         """Takes the first of ``conversations`` the map knows out of the map (so

@@ -29,6 +29,8 @@ from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, reference_turn, user_me
 from kvchat import _C, RedisTier, SessionManager, StoreUnavailable
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
+from kvchat.serve.sessions import _digests
+from kvchat.tiny import tiny_tokenizer
 
 HERE = Path(__file__).parent
 
@@ -878,26 +880,217 @@ def test_a_fork_of_an_older_conversation_never_takes_a_session_over_on_any_repli
             replica.stop()
 
 
+class _Replicas:
+    """Two `kvchat serve` apps on one store, in this process (TestClient),
+    keyless: each request names no session unless it says so."""
+
+    def __init__(self, url: str, max_context_length: int | None = None, **tier_args):
+        from fastapi.testclient import TestClient
+        from kvchat.serve import ServeConfig, create_app
+
+        self.managers, self.apps, self.clients = [], [], []
+        for _ in range(2):
+            manager = SessionManager(
+                _model("llama"),
+                tiny_tokenizer(),
+                isolate_namespaces=True,
+                max_context_length=max_context_length,
+                tier=RedisTier(url, **tier_args),
+            )
+            app = create_app(manager, ServeConfig(model_name="tiny"))
+            self.managers.append(manager)
+            self.apps.append(app)
+            self.clients.append(TestClient(app))
+
+    def ask(self, replica: int, messages: list[dict], session: str | None = None, **body):
+        """(the session it ran on, the messages with its reply, the response's usage)."""
+        response = self.clients[replica].post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": MAX_NEW, "messages": messages, **body},
+            headers={"X-Session-ID": session} if session else {},
+        )
+        assert response.status_code == 200, response.text
+        reply = response.json()["choices"][0]["message"]["content"]
+        return (
+            response.headers["x-session-id"],
+            [*messages, {"role": "assistant", "content": reply}],
+            response.json()["usage"],
+        )
+
+    def close(self):
+        for manager in self.managers:
+            manager.close()
+
+
+def _fork(messages: list[dict]) -> list[dict]:
+    return [*messages, {"role": "user", "content": "Something else entirely."}]
+
+
+def test_a_session_continued_by_its_id_on_another_replica_leaves_the_map_and_keeps_its_route(
+    server,
+):
+    """A keyless conversation starts on A; its client continues it on B by
+    X-Session-ID (B never made it). A fork of the conversation it held
+    before, on either replica, gets a session of its own; the conversation's
+    next keyless turn finds the session again, with its whole history."""
+    replicas = _Replicas(server.redis_url)
+    try:
+        for forker in (0, 1):
+            system = dict(LONG_SYSTEM, content=f"Fork on {forker}. {LONG_SYSTEM['content']}")
+            session, first, _ = replicas.ask(0, [system, user_message(0)])
+            same, history, usage = replicas.ask(1, [*first, user_message(1)], session)
+            assert same == session
+            forked, _, _ = replicas.ask(forker, _fork(first))
+            assert forked != session, f"a fork on replica {forker} took the session over"
+            again, _, next_usage = replicas.ask(0, [*history, user_message(2)])
+            assert again == session, "the session's latest conversation lost its route"
+            cached = next_usage["prompt_tokens_details"]["cached_tokens"]
+            assert cached > usage["prompt_tokens"], (cached, usage)
+    finally:
+        replicas.close()
+
+
+@pytest.mark.parametrize("written", ["evict", "not yet"])
+def test_a_delete_on_a_replica_holding_nothing_reaches_the_one_that_does(
+    llama, tokenizer, server, written
+):
+    """A holds session "s"; no snapshot of it is in the store (``write="evict"``
+    stores none until eviction; or A's snapshot is still being written). B's
+    remove("s") deletes it (no KeyError): A's next turn starts it anew, and
+    A's write, once it goes on, publishes nothing."""
+    tier_args = {"write": "evict"} if written == "evict" else {}
+    a, b = _two_managers(server.redis_url, llama, tokenizer, **tier_args)
+    go = threading.Event()
+    if written == "not yet":
+        original = a.tier._write
+
+        def held_write(*args):
+            assert go.wait(60)
+            return original(*args)
+
+        a.tier._write = held_write
+    try:
+        messages = [LONG_SYSTEM, user_message(0)]
+        messages.append(
+            {"role": "assistant", "content": a.chat("s", messages, max_new_tokens=MAX_NEW)}
+        )
+        b.remove("s")
+    finally:
+        go.set()
+    assert a.flush(timeout=60)
+    manifests, chunks, _ = _keyspace(redis.Redis.from_url(server.redis_url))
+    assert not manifests and not chunks, (manifests.keys(), len(chunks))
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reused_tokens == 0, reports
+    with pytest.raises(KeyError):
+        b.remove("never-made")
+
+
+def test_a_retried_delete_reaches_other_processes_though_the_store_forgot_the_session(
+    llama, tokenizer
+):
+    """A and B each hold "s"; nothing of it is stored (``write="evict"``). A's
+    remove("s") cannot reach Redis (removed here only: StoreUnavailable). The
+    retry, once Redis is back, still deletes it everywhere, even though the
+    store no longer knows the session (its held marker expired): B's next
+    turn starts it anew."""
+    server = redis_server()
+    try:
+        a, b = _two_managers(
+            server.redis_url, llama, tokenizer, write="evict", timeout=0.3, retry_after=0.5
+        )
+        messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+        _turns(b, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable, match="'s' was removed here, but not in"):
+                a.remove("s")
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        client = redis.Redis.from_url(server.redis_url)
+        for marker in client.scan_iter("*:held:*"):  # as if they had expired
+            client.delete(marker)
+        time.sleep(0.6)  # past retry_after
+        a.remove("s")  # no KeyError: the delete is still owed
+        _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
+        assert reports[0].reused_tokens == 0, reports
+    finally:
+        server.stop()
+
+
+def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
+    """A keyless conversation on A; Redis hangs while its next turn runs (A's
+    own map stands in), so the store still routes the older conversation to
+    the session. Once Redis answers, A pays the route change it owes: a fork
+    of the older conversation, on B, gets a session of its own, and the
+    conversation's next turn, on B, continues the session."""
+    server = redis_server()
+    try:
+        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=0.5)
+        try:
+            session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                same, history, _ = replicas.ask(0, [*first, user_message(1)])
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert same == session
+            client = redis.Redis.from_url(server.redis_url)
+            route = replicas.managers[0].tier.route_key("open", _digests(history)[-1])
+            deadline = time.monotonic() + 30
+            while not client.exists(route) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.get(route) == f"open/{session}".encode(), "the route never landed"
+            forked, _, _ = replicas.ask(1, _fork(first))
+            assert forked != session, "the fork took the session over after the outage"
+            again, _, _ = replicas.ask(1, [*history, user_message(2)])
+            assert again == session
+        finally:
+            replicas.close()
+    finally:
+        server.stop()
+
+
+def test_a_hung_store_never_blocks_the_event_loop():
+    """Redis hung (SIGSTOP) while a keyless request asks it for its route (a
+    5 s timeout): the server still answers /health at once meanwhile, and
+    the request then runs without the store."""
+    import httpx
+    from test_serve import Server
+
+    server = redis_server()
+    replica = Server("tiny:llama", "--store", server.redis_url, "--store-timeout", "5")
+    try:
+        earlier = [user_message(0), {"role": "assistant", "content": "Hello."}]
+        body = {"model": "tiny:llama", "max_tokens": 2, "messages": [*earlier, user_message(1)]}
+        done = {}
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            asking = threading.Thread(
+                target=lambda: done.setdefault(
+                    "chat", httpx.post(f"{replica.url}/v1/chat/completions", json=body, timeout=60)
+                )
+            )
+            asking.start()
+            time.sleep(1)  # the request is waiting on Redis now
+            health = httpx.get(f"{replica.url}/health", timeout=3)
+            assert health.status_code == 200
+            assert "chat" not in done, "the request did not wait on the hung store"
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        asking.join(60)
+        assert done["chat"].status_code == 200, done["chat"].text
+    finally:
+        replica.stop()
+        server.stop()
+
+
 def test_a_replica_keeps_nothing_of_another_replicas_session_its_turn_refused(tokenizer, server):
     """Conversations started on replica A; each continuation on B is refused
     (over the context): B's router keeps nothing of those sessions, and each
     route is back in the store, so A continues every conversation."""
-    from fastapi.testclient import TestClient
-    from kvchat.serve import ServeConfig, create_app
-
-    llama = _model("llama")
-    apps = []
-    for _ in range(2):
-        manager = SessionManager(
-            llama,
-            tokenizer,
-            isolate_namespaces=True,
-            max_context_length=256,
-            tier=RedisTier(server.redis_url),
-        )
-        apps.append((manager, create_app(manager, ServeConfig(model_name="tiny"))))
-    (manager_a, app_a), (manager_b, app_b) = apps
-    a, b = TestClient(app_a), TestClient(app_b)
+    replicas = _Replicas(server.redis_url, max_context_length=256)
+    manager_b, (a, b) = replicas.managers[1], replicas.clients
     body = {"model": "tiny", "max_tokens": 2}
     try:
         for i in range(5):
@@ -913,7 +1106,6 @@ def test_a_replica_keeps_nothing_of_another_replicas_session_its_turn_refused(to
             again = a.post("/v1/chat/completions", json={**body, "messages": messages})
             assert again.headers["x-session-id"] == made.headers["x-session-id"]
         assert manager_b.sessions() == []
-        assert app_b.state.router.tracked() == set()
+        assert replicas.apps[1].state.router.tracked() == set()
     finally:
-        manager_a.close()
-        manager_b.close()
+        replicas.close()

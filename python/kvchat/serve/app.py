@@ -289,7 +289,11 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 f"more than {config.max_pending} requests are in progress; retry later",
                 code="rate_limit_exceeded",
             )
-        session = router.claim(ns, explicit, chat.messages)
+        try:
+            session = await claim(ns, explicit, chat.messages)
+        except BaseException:
+            pending.release()
+            raise
         expiry.begin(session)  # until finish(): it never expires while in use
         max_tokens = chat.max_tokens or config.default_max_tokens
         try:
@@ -318,6 +322,26 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             cid, chat.model, content, turn.finish_reason(stop_ids), turn.report
         )
         return JSONResponse(body, headers=headers)
+
+    async def claim(ns: str, explicit: str | None, messages: list[dict]) -> str:
+        """router.claim, off the event loop when it asks the shared store (a
+        network call). If the request is cancelled meanwhile (its client
+        left), the claim is settled as a failed turn once it is made: never
+        a session held out of the map for ever."""
+        if not manager.tier.shared:
+            return router.claim(ns, explicit, messages)
+        loop = asyncio.get_running_loop()
+        claimed = loop.run_in_executor(None, router.claim, ns, explicit, messages)
+        try:
+            return await asyncio.shield(claimed)
+        except asyncio.CancelledError:
+
+            def settle(done) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    loop.run_in_executor(None, router.settle, ns, done.result(), None)
+
+            claimed.add_done_callback(settle)
+            raise
 
     async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int):
         """Starts the turn and waits for its first piece, so what is refused

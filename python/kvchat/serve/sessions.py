@@ -18,8 +18,11 @@ started, and loads its snapshot. Keyless clients, an agent loop behind the
 plain OpenAI SDK say, then get the store's reuse as keyed ones do. The store's
 map is then the one consulted (this replica's may be stale: another replica
 may have continued the session since), and a turn takes its session's route
-out of it until the turn ends, so two replicas never continue one session at
-once; only while the store cannot be reached does the map here stand in.
+out of it until the turn ends, whether it found the session by messages or by
+its id on any replica, so two replicas never continue one session at once,
+and a fork of an older point never takes it over. Only while the store cannot
+be reached does the map here stand in; the store then owes the route changes
+of those turns, and makes them once it answers again.
 """
 
 from __future__ import annotations
@@ -107,13 +110,10 @@ class SessionRouter:
 
     def claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
         """The session (internal id) this request's turn runs on. Every claim
-        is followed by one settle() for it, whatever becomes of the request."""
+        is followed by one settle() for it, whatever becomes of the request.
+        It may ask the shared store: call it off the event loop."""
         if explicit is not None:
-            session = self.internal(ns, explicit)
-            with self._lock:
-                if session in self._auto:  # an automatic session, continued by its id
-                    self._start(session)
-            return session
+            return self._claim_by_id(ns, self.internal(ns, explicit))
         digests = _digests(messages)
         if self._shared is not None:
             try:  # longest first, short of the last message
@@ -122,17 +122,36 @@ class SessionRouter:
                 pass  # the map here stands in while the store cannot be reached
             else:
                 return self._claim_found(ns, found)
+        session = None
         with self._lock:
             # The longest conversation a session holds, short of the last message.
             for k in range(len(messages) - 1, 0, -1):
-                session = self._open.get((ns, digests[k]))
-                if session is None:
+                found_here = self._open.get((ns, digests[k]))
+                if found_here is None:
                     continue
-                if session in self._mgr.sessions():
-                    self._start(session)
-                    return session
-                self._drop(session)  # removed meanwhile: out of the map
-        return self._new(ns)
+                if found_here in self._mgr.sessions():
+                    self._start(found_here)
+                    session = found_here
+                    break
+                self._drop(found_here)  # removed meanwhile: out of the map
+        if session is None:
+            return self._new(ns)
+        if self._shared is not None:  # its route in the store goes once the store is back
+            self._shared.take_session_route(session)
+        return session
+
+    def _claim_by_id(self, ns: str, session: str) -> str:
+        """A turn by the session's id. If it is an automatic session (this
+        replica's, or one whose route the shared store held), it leaves the
+        map for the turn, as when found by its conversation."""
+        held = None if self._shared is None else self._shared.take_session_route(session)
+        with self._lock:
+            if held is not None:  # routed by the store: settle() writes its new route
+                self._auto.add(session)
+                self._start(session, (ns, held))
+            elif session in self._auto:
+                self._start(session)
+        return session
 
     def _claim_found(self, ns: str, found: tuple[str, str] | None) -> str:
         """The session the shared store's map gave (taken out of it), or a new one."""
