@@ -28,11 +28,18 @@ token ids, cached text, messages), as immutable snapshots:
   conversation or by its id, takes the route out of the map for the turn, so
   no other replica (nor a fork of an older point) continues the same session
   at once. A route change Redis could not take (it was down) is owed, the
-  newest per session, and made by the writer thread once Redis is back.
-- **A held marker** per session (``<prefix>:<model>:held:<id>``, for ``ttl``):
-  set by every process whose copy of the session begins a turn, so a delete
-  reaches a session of which no snapshot is stored (``write="evict"``, or
-  one still queued).
+  newest per session, and made by the writer thread once Redis is back, but
+  only if no other process changed that session's routes meanwhile (the hash
+  counts changes): the other's route is the newer and stands.
+- **Held marks** (``<prefix>:<model>:held:<id>:<process>``, for ``ttl``, and
+  a set of the processes per session): each process marks the sessions it
+  holds a copy of when the copy begins a turn, keeps the marks alive while
+  the copies last (the writer thread refreshes them every ``ttl / 4``) and
+  removes its mark when its copy ends without a delete (``released``). So a
+  delete on a process that holds nothing of a session still reaches every
+  process that does, even with no snapshot stored (``write="evict"``, one
+  still queued, or one expired), and one of a session nobody holds any more
+  is a ``KeyError``.
 - **A tombstone** per deleted session (``<prefix>:<model>:deleted:<id>``, a
   random token, for ``ttl`` seconds): ``forget`` (``SessionManager.remove``)
   sets it, removes the manifest, the session's routes and every chunk of it no
@@ -92,6 +99,7 @@ _DEFAULT_MS_PER_BYTE = 5e-6
 _SMOOTHING = 0.3
 
 _TOMBSTONE_BATCH = 512  # tombstones per MGET when a listing asks after many sessions
+_GENERATIONS_KEPT = 1 << 16  # sessions whose route generation a process remembers
 
 # KEYS: manifest, tombstone, index, the session's chunk set, chunks...; ARGV:
 # manifest, ttl, the tombstone the snapshot's copy began under ('' for none),
@@ -119,22 +127,27 @@ end
 return missing
 """
 
-# KEYS: manifest, tombstone, index, the session's routes, its chunk set, its
-# held marker; ARGV: tombstone, ttl, session id, '1' if the deleting process
-# holds it. Returns whether the store knew the session (a snapshot, a route or
-# a process holding it), and the chunk keys its snapshots listed (to delete
-# those unused). Of a session that exists nowhere it leaves no tombstone:
-# deletes of junk ids cost the store nothing.
+# KEYS: manifest, tombstone, index, the session's routes, its chunk set, the
+# set of processes that marked it held; ARGV: tombstone, ttl, session id, '1'
+# if the deleting process holds it, the prefix of its held markers. Returns
+# whether the store knew the session (a snapshot, a route, or a live held
+# marker), and the chunk keys its snapshots listed (to delete those unused).
+# Of a session that exists nowhere it leaves no tombstone: deletes of junk
+# ids cost the store nothing.
 _DELETE = """
-local known = redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5], KEYS[6])
+local known = redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5])
+for _, holder in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+  known = known + redis.call('DEL', ARGV[5] .. ':' .. holder)
+end
+redis.call('DEL', KEYS[6])
 if ARGV[4] ~= '1' and known == 0 then
   return {0, {}}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-redis.call('DEL', KEYS[1], KEYS[6])
+redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[3], KEYS[1])
 for _, route in ipairs(redis.call('HKEYS', KEYS[4])) do
-  if redis.call('GET', route) == ARGV[3] then redis.call('DEL', route) end
+  if route ~= '~gen' and redis.call('GET', route) == ARGV[3] then redis.call('DEL', route) end
 end
 redis.call('DEL', KEYS[4])
 local chunks = redis.call('SMEMBERS', KEYS[5])
@@ -142,37 +155,54 @@ redis.call('DEL', KEYS[5])
 return {known, chunks}
 """
 
-# KEYS: route, the session's routes (route key -> conversation), tombstone;
-# ARGV: session id, ttl, the tombstone the session's copy here began under
-# ('' for none), the conversation. The session's older routes go: it holds
-# only its latest conversation, and a fork of an older one must start a
-# session of its own, never take this one over.
+# The session's routes (a hash: route key -> conversation) also count its
+# route changes ('~gen'), so a change made late (owed while Redis was down)
+# is made only if no other process changed the session's routes since.
+
+# KEYS: route, the session's routes, tombstone; ARGV: session id, ttl, the
+# tombstone the session's copy here began under ('' for none), the
+# conversation, the generation it must find ('' for any). The session's older
+# routes go: it holds only its latest conversation, and a fork of an older one
+# must start a session of its own, never take this one over. Returns the new
+# generation, or -1 if refused.
 _ROUTE = """
 local deleted = redis.call('GET', KEYS[3])
-if deleted and deleted ~= ARGV[3] then return 0 end
+if deleted and deleted ~= ARGV[3] then return -1 end
+local gen = tonumber(redis.call('HGET', KEYS[2], '~gen') or '0')
+if ARGV[5] ~= '' and gen ~= tonumber(ARGV[5]) then return -1 end
 for _, route in ipairs(redis.call('HKEYS', KEYS[2])) do
-  if route ~= KEYS[1] and redis.call('GET', route) == ARGV[1] then redis.call('DEL', route) end
+  if route ~= '~gen' and route ~= KEYS[1] and redis.call('GET', route) == ARGV[1] then
+    redis.call('DEL', route)
+  end
 end
 redis.call('DEL', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('HSET', KEYS[2], KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[2], KEYS[1], ARGV[4], '~gen', gen + 1)
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-return 1
+return gen + 1
 """
 
-# KEYS: the session's routes; ARGV: session id. Takes every route of the
-# session out of the map (a turn on it by its id begins) and returns the
-# conversation of the one it held, or false if none.
+# KEYS: the session's routes; ARGV: session id, the generation it must find
+# ('' for any). Takes every route of the session out of the map (a turn on it
+# by its id begins). Returns {the new generation (-1: refused), the
+# conversation of the route it held ('' for none), 1 if the session ever had
+# a route (it is an automatic session) else 0}.
 _TAKE_SESSION = """
-local held = false
+local gen = tonumber(redis.call('HGET', KEYS[1], '~gen') or '0')
+if ARGV[2] ~= '' and gen ~= tonumber(ARGV[2]) then return {-1, '', 0} end
+local held = ''
 local routes = redis.call('HGETALL', KEYS[1])
 for i = 1, #routes, 2 do
-  if redis.call('GET', routes[i]) == ARGV[1] then
+  if routes[i] ~= '~gen' and redis.call('GET', routes[i]) == ARGV[1] then
     redis.call('DEL', routes[i])
     held = routes[i + 1]
   end
 end
-return held
+if #routes > 0 then
+  gen = gen + 1
+  redis.call('HSET', KEYS[1], '~gen', gen)
+end
+return {gen, held, #routes > 0 and 1 or 0}
 """
 
 # KEYS: routes, longest conversation first; ARGV: the namespace's session
@@ -381,6 +411,12 @@ class RedisTier(Tier):
         # route written before the outage never outlives the session's moving on.
         self._owed: dict[str, tuple] = {}
         self._route_lock = threading.Lock()  # one route change at a time, in order
+        # Per session, the generation of its routes after this process's last
+        # change: an owed change is made only if the store still has it.
+        self._gens: OrderedDict[str, int] = OrderedDict()
+        # This process's mark on the sessions it holds (see held_key).
+        self._holder = secrets.token_hex(8)
+        self._next_refresh = time.monotonic() + self._refresh_every()
         self._closed = False
         self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._write_loop, name="kvchat-store", daemon=True)
@@ -406,11 +442,20 @@ class RedisTier(Tier):
         """The hash of the session's routes (route key -> conversation)."""
         return self._key("route-of", session_id)
 
-    def held_key(self, session_id: str) -> str:
-        """Set (for ``ttl``) by every process whose copy of the session has
-        begun a turn: a delete on a process that holds nothing of it still
-        reaches the one that does, even when no snapshot is stored."""
-        return self._key("held", session_id)
+    def held_key(self, session_id: str, holder: str | None = None) -> str:
+        """This process's (or ``holder``'s) mark that it holds a copy of the
+        session: set when the copy begins a turn, kept alive (``ttl``) while
+        the copy lasts, removed when it goes. A delete on a process that holds
+        nothing of the session still reaches every one that does, even when
+        no snapshot is stored."""
+        return f"{self._key('held', session_id)}:{holder or self._holder}"
+
+    def _holders_key(self, session_id: str) -> str:
+        """The set of processes that marked the session held."""
+        return self._key("holders", session_id)
+
+    def _refresh_every(self) -> float:
+        return min(max(self.ttl / 4, 0.25), 3600.0)
 
     def _chunks_key(self, session_id: str) -> str:
         """The set of every chunk key the session's snapshots listed."""
@@ -442,8 +487,8 @@ class RedisTier(Tier):
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
         self._change_route(session_id, ("route", namespace, conversation))
 
-    def take_session_route(self, session_id: str) -> str | None:
-        return self._change_route(session_id, ("take",))
+    def take_session_route(self, session_id: str) -> tuple[bool, str | None]:
+        return self._change_route(session_id, ("take",)) or (False, None)
 
     def _change_route(self, session_id: str, change: tuple):
         """Makes ``change`` to the session's routes now; if the store cannot
@@ -453,7 +498,7 @@ class RedisTier(Tier):
                 self._owed.pop(session_id, None)  # this one is newer
             if self._available():
                 try:
-                    return self._route_change(session_id, change)
+                    return self._route_change(session_id, change)[1]
                 except self._errors as error:
                     self._failed("route write", error)
             with self._cond:
@@ -461,34 +506,54 @@ class RedisTier(Tier):
                 self._cond.notify_all()  # the writer pays it once the store is back
         return None
 
-    def _route_change(self, session_id: str, change: tuple):
+    def _route_change(self, session_id: str, change: tuple, gen: int | None = None):
         """Under the route lock: a route write ("route", namespace,
         conversation), never for a session deleted since its copy here began;
-        or ("take",): the session's routes leave the map, and the conversation
-        of the one it held (or None) is returned."""
+        or ("take",): the session's routes leave the map. ``gen``: made only
+        if the session's routes are at that generation. Returns (whether it
+        was made, and for a take: (whether the session ever had a route, the
+        conversation of the route it removed, or None))."""
         if change[0] == "take":
-            held = self._take_session(keys=[self._routes_key(session_id)], args=[session_id])
-            return held.decode() if held else None
-        _, namespace, conversation = change
-        with self._cond:
-            epoch = self._epochs.get(session_id)
-        keys = [
-            self.route_key(namespace, conversation),
-            self._routes_key(session_id),  # so that deleting the session deletes its routes
-            self.tombstone_key(session_id),
-        ]
-        self._route(keys=keys, args=[session_id, self.ttl, epoch or b"", conversation])
-        return None
+            made, held, routed = self._take_session(
+                keys=[self._routes_key(session_id)], args=[session_id, "" if gen is None else gen]
+            )
+            held = (bool(routed), held.decode() if held else None)
+        else:
+            _, namespace, conversation = change
+            with self._cond:
+                epoch = self._epochs.get(session_id)
+            keys = [
+                self.route_key(namespace, conversation),
+                self._routes_key(session_id),  # so that deleting the session deletes its routes
+                self.tombstone_key(session_id),
+            ]
+            args = [session_id, self.ttl, epoch or b"", conversation, "" if gen is None else gen]
+            made, held = self._route(keys=keys, args=args), None
+        made = int(made)
+        if made >= 0:
+            with self._cond:
+                self._gens[session_id] = made
+                self._gens.move_to_end(session_id)
+                while len(self._gens) > _GENERATIONS_KEPT:
+                    self._gens.popitem(last=False)
+        return made >= 0, held
 
     def _pay_owed(self) -> None:
         """Under the route lock, the store being back: makes the owed route
-        changes, oldest first; what fails stays owed."""
+        changes, oldest first, each only if no other process changed that
+        session's routes since this one last did (else the other's is newer
+        and stands); what fails stays owed."""
         with self._cond:
             owed, self._owed = self._owed, {}
         for session_id, change in owed.items():
+            with self._cond:
+                gen = self._gens.get(session_id, 0)
             try:
                 if self._available():
-                    self._route_change(session_id, change)
+                    if not self._route_change(session_id, change, gen)[0]:
+                        logger.info(
+                            "kvchat: route change of session %r superseded meanwhile", session_id
+                        )
                     continue
             except self._errors as error:
                 self._failed("route write", error)
@@ -510,6 +575,8 @@ class RedisTier(Tier):
             raise StoreUnavailable("the Redis store is resting after a failure")
         keys = [self.route_key(namespace, c) for c in conversations]
         with self._route_lock:  # after any route change made before it
+            if not self._available():  # it failed while this call waited
+                raise StoreUnavailable("the Redis store is resting after a failure")
             self._pay_owed()  # a stale route must not be found first
             try:
                 found = self._take(keys=keys, args=[f"{namespace}/"])
@@ -581,6 +648,8 @@ class RedisTier(Tier):
         with self._cond:
             deleted = self._deleted(session_id, found)
             if update:
+                if not self._epochs:  # the writer may sleep with no mark to refresh
+                    self._cond.notify_all()
                 self._epochs[session_id] = found
         if update:
             self._turn_epoch.seen = (session_id, found)
@@ -611,9 +680,9 @@ class RedisTier(Tier):
         try:
             if held is not None:
                 pipe = self._redis.pipeline(transaction=False)
-                pipe.set(self.held_key(held), b"1", ex=self.ttl)
                 pipe.mget([self.tombstone_key(s) for s in session_ids])
-                return pipe.execute()[1]
+                self._mark_held(pipe, [held])
+                return pipe.execute()[0]
             for start in range(0, len(session_ids), _TOMBSTONE_BATCH):
                 batch = session_ids[start : start + _TOMBSTONE_BATCH]
                 found += self._redis.mget([self.tombstone_key(s) for s in batch])
@@ -625,9 +694,36 @@ class RedisTier(Tier):
             return None
         return found
 
+    def _mark_held(self, pipe, session_ids) -> None:
+        for session_id in session_ids:
+            pipe.set(self.held_key(session_id), b"1", ex=self.ttl)
+            pipe.sadd(self._holders_key(session_id), self._holder)
+            pipe.expire(self._holders_key(session_id), self.ttl)
+
+    def _refresh_held(self) -> None:
+        """On the writer thread: keeps the held marks of the copies here alive."""
+        with self._cond:
+            held = list(self._epochs)
+        try:
+            for start in range(0, len(held), _TOMBSTONE_BATCH):
+                pipe = self._redis.pipeline(transaction=False)
+                self._mark_held(pipe, held[start : start + _TOMBSTONE_BATCH])
+                pipe.execute()
+        except self._errors as error:
+            self._failed("held marks' refresh", error)
+
     def released(self, session_id: str) -> None:
         with self._cond:
             self._epochs.pop(session_id, None)
+        if not self._available():
+            return  # the mark expires with ttl
+        try:  # no copy here now: a delete of it elsewhere is a 404 if none is left
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(self.held_key(session_id))
+            pipe.srem(self._holders_key(session_id), self._holder)
+            pipe.execute()
+        except self._errors as error:
+            self._failed("held mark's removal", error)
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:
         """Deletes the session from the store, now: its manifest, its routes and
@@ -651,9 +747,10 @@ class RedisTier(Tier):
             self.index_key(session_id),
             self._routes_key(session_id),
             self._chunks_key(session_id),
-            self.held_key(session_id),
+            self._holders_key(session_id),
         ]
         args = [token, self.ttl, session_id, "1" if held_here else "0"]
+        args.append(self._key("held", session_id))  # + ":" + holder: each process's mark
         try:
             existed, chunks = self._delete(keys=keys, args=args)
         except self._errors as error:
@@ -737,33 +834,41 @@ class RedisTier(Tier):
         self._writer.join(timeout)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 
-    def _wait_for_work(self) -> bool:
-        """Under the lock: waits for a snapshot to write (True), or for owed
-        route changes once the store is back, or for close (False)."""
+    def _wait_for_work(self) -> str:
+        """Under the lock: waits for a snapshot to write ("write"), owed route
+        changes once the store is back ("owed"), the time to refresh the held
+        marks ("refresh"), or close ("close")."""
         while not (self._pending or self._closed):
-            if not self._owed:
-                self._cond.wait()
-                continue
-            rest = self._down_until - time.monotonic()
-            if rest <= 0:
-                return False
-            self._cond.wait(rest)
-        return bool(self._pending)
+            now = time.monotonic()
+            if self._owed and now >= self._down_until:
+                return "owed"
+            if self._epochs and now >= self._next_refresh:
+                return "refresh"
+            deadline = self._next_refresh if self._epochs else None
+            if self._owed:
+                deadline = min(deadline or self._down_until, self._down_until)
+            self._cond.wait(None if deadline is None else max(deadline - now, 0.01))
+        return "write" if self._pending else "close"
 
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                write = self._wait_for_work()
-                if not write and self._closed:
+                work = self._wait_for_work()
+                if work == "close":
                     return
-                if write:
+                if work == "write":
                     session_id, (layout, tensors, messages, epoch) = self._pending.popitem(
                         last=False
                     )
                     self._writing = session_id
-            if not write:  # route changes owed, and the store is back
+            if work == "owed":
                 with self._route_lock:
                     self._pay_owed()
+                continue
+            if work == "refresh":
+                self._next_refresh = time.monotonic() + self._refresh_every()
+                if self._available():
+                    self._refresh_held()
                 continue
             try:
                 if not self._available():

@@ -107,12 +107,14 @@ class Tier:
         one route: older ones go). A store that cannot be reached takes it
         once it can, unless a newer change of the session's route came first."""
 
-    def take_session_route(self, session_id: str) -> str | None:
+    def take_session_route(self, session_id: str) -> tuple[bool, str | None]:
         """A turn on the session by its id begins: takes its route out of the
         map (so no other replica, nor a fork of the conversation it held,
-        continues it meanwhile) and returns that conversation; None if it has
-        none. A shared store that cannot be reached takes it once it can."""
-        return None
+        continues it meanwhile). Returns whether the session ever had a route
+        (it is ``kvchat serve``'s automatic session), and the conversation of
+        the route it took (None if none). A shared store that cannot be
+        reached takes it once it can, and says (False, None) now."""
+        return False, None
 
     def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
         """Takes the first of ``conversations`` the map knows out of the map (so

@@ -39,19 +39,24 @@ def _wanted(member: str) -> str | None:
     return None
 
 
+def download_sdist(folder: Path) -> Path:
+    """The llama-cpp-python sdist, downloaded from PyPI into ``folder``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+        + ["--no-binary", ":all:", SDIST, "-d", str(folder)],
+        check=True,
+    )
+    (sdist,) = Path(folder).glob("llama_cpp_python-*.tar.gz")
+    return sdist
+
+
 def fetch(target: Path = DEFAULT_DIR) -> Path:
     """The folder of templates and vocabularies, downloaded on first use."""
     if (target / _DONE).exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
-            + ["--no-binary", ":all:", SDIST, "-d", tmp],
-            check=True,
-        )
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as archive:
+        with tarfile.open(download_sdist(Path(tmp))) as archive:
             for member in archive:
                 name = _wanted(member.name)
                 if name is None or not member.isfile():

@@ -900,7 +900,8 @@ class _Replicas:
             app = create_app(manager, ServeConfig(model_name="tiny"))
             self.managers.append(manager)
             self.apps.append(app)
-            self.clients.append(TestClient(app))
+            # Entered: one event loop serves every request, as in uvicorn.
+            self.clients.append(TestClient(app).__enter__())
 
     def ask(self, replica: int, messages: list[dict], session: str | None = None, **body):
         """(the session it ran on, the messages with its reply, the response's usage)."""
@@ -918,6 +919,8 @@ class _Replicas:
         )
 
     def close(self):
+        for client in self.clients:
+            client.__exit__(None, None, None)
         for manager in self.managers:
             manager.close()
 
@@ -1049,6 +1052,100 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
             replicas.close()
     finally:
         server.stop()
+
+
+def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
+    """A owes a route change from an outage (its own map ran the turn); before
+    it pays, B continues the session by its id, so B's route is the newer.
+    A's late change is then not made: a fork of the conversation A held gets
+    a session of its own, and the latest conversation continues the session."""
+    server = redis_server()
+    try:
+        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=2)
+        try:
+            session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                same, on_a, _ = replicas.ask(0, [*first, user_message(1)])
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert same == session
+            again, on_b, _ = replicas.ask(1, [*on_a, user_message(2)], session)
+            assert again == session
+            time.sleep(2.5)  # A's rest ends: it pays what it owes (or finds it superseded)
+            assert replicas.managers[0].flush(timeout=60)
+            forked, _, _ = replicas.ask(1, _fork(on_a))
+            assert forked != session, "A's late route let a fork take the session over"
+            latest, _, _ = replicas.ask(0, [*on_b, user_message(3)])
+            assert latest == session
+        finally:
+            replicas.close()
+    finally:
+        server.stop()
+
+
+def test_a_refused_turn_is_settled_off_the_event_loop(server):
+    """A turn refused after its claim (over the context) puts its route back
+    in the store: that write, held up here as a hung store would hold it,
+    never stalls the event loop (/health answers meanwhile)."""
+    replicas = _Replicas(server.redis_url, max_context_length=256)
+    tier, client = replicas.managers[0].tier, replicas.clients[0]
+    try:
+        _, first, _ = replicas.ask(0, [user_message(0)])
+        entered, release, order = threading.Event(), threading.Event(), []
+        original = tier.remember_route
+
+        def held(*args):
+            entered.set()
+            release.wait(30)
+            order.append("route written")
+            return original(*args)
+
+        tier.remember_route = held
+        body = {"model": "tiny", "max_tokens": 10**6, "messages": [*first, user_message(1)]}
+        refused = {}
+        asking = threading.Thread(
+            target=lambda: refused.setdefault("r", client.post("/v1/chat/completions", json=body))
+        )
+        asking.start()
+        assert entered.wait(60)
+        threading.Timer(10, release.set).start()  # unblocks a stalled loop, failing the test
+        assert client.get("/health").status_code == 200
+        order.append("health")
+        release.set()
+        asking.join(60)
+        assert refused["r"].status_code == 400, refused["r"].text
+        assert order == ["health", "route written"], order
+    finally:
+        release.set()
+        replicas.close()
+
+
+def test_a_copy_let_go_here_is_no_longer_found_by_a_delete(llama, tokenizer, server):
+    """A's copy of "s" (nothing stored: ``write="evict"``) ends here only, as
+    serve's idle expiry ends it: a delete on B is then a KeyError (404), and
+    writes nothing to Redis."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict")
+    _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    a.remove("s", local_only=True)
+    client = redis.Redis.from_url(server.redis_url)
+    keys = set(client.keys())
+    with pytest.raises(KeyError):
+        b.remove("s")
+    assert not any(b":deleted:" in key for key in client.keys()), client.keys()
+    assert set(client.keys()) <= keys
+
+
+def test_a_copy_idle_past_the_store_ttl_is_still_reached_by_a_delete(llama, tokenizer, server):
+    """A holds "s" (nothing stored: ``write="evict"``) and stays idle longer
+    than the store's ttl: a delete on B still reaches it, and A's next turn
+    starts the session anew."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=1)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    time.sleep(2.5)
+    b.remove("s")
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reused_tokens == 0, reports
 
 
 def test_a_hung_store_never_blocks_the_event_loop():

@@ -300,10 +300,12 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             # Made before the turn runs: a turn is never run for a reply that cannot be sent.
             headers = {"X-Session-ID": router.external(ns, session) or session}
             stream, first = await start_turn(session, chat, max_tokens)
-        except BaseException:
+        except BaseException as error:
             pending.release()
-            router.settle(ns, session, None)
             expiry.end(session)
+            settled = settle_failed(ns, session)
+            if not isinstance(error, asyncio.CancelledError):
+                await settled  # before the error reaches the client, who may retry at once
             raise
         cid = protocol.completion_id()
         turn = _Turn(stream, first, chat, max_tokens, session, ns, explicit is None)
@@ -338,10 +340,21 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
 
             def settle(done) -> None:
                 if not done.cancelled() and done.exception() is None:
-                    loop.run_in_executor(None, router.settle, ns, done.result(), None)
+                    settle_failed(ns, done.result())
 
             claimed.add_done_callback(settle)
             raise
+
+    def settle_failed(ns: str, session: str) -> asyncio.Future:
+        """router.settle for a turn that never ran, off the event loop when it
+        writes to the shared store (a network call that a hung store stalls)."""
+        loop = asyncio.get_running_loop()
+        if not manager.tier.shared:
+            router.settle(ns, session, None)
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        return asyncio.shield(loop.run_in_executor(None, router.settle, ns, session, None))
 
     async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int):
         """Starts the turn and waits for its first piece, so what is refused

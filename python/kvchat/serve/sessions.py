@@ -144,11 +144,13 @@ class SessionRouter:
         """A turn by the session's id. If it is an automatic session (this
         replica's, or one whose route the shared store held), it leaves the
         map for the turn, as when found by its conversation."""
-        held = None if self._shared is None else self._shared.take_session_route(session)
+        routed, held = (False, None)
+        if self._shared is not None:
+            routed, held = self._shared.take_session_route(session)
         with self._lock:
-            if held is not None:  # routed by the store: settle() writes its new route
+            if routed:  # routed by the store: settle() writes its new route
                 self._auto.add(session)
-                self._start(session, (ns, held))
+                self._start(session, None if held is None else (ns, held))
             elif session in self._auto:
                 self._start(session)
         return session
