@@ -30,12 +30,18 @@ token ids, cached text, messages), as immutable snapshots:
   at once. A route change Redis could not take (it was down) is owed, the
   newest per session, and made by the writer thread once Redis is back, but
   only if no other process changed that session's routes meanwhile (the hash
-  counts changes): the other's route is the newer and stands.
+  counts changes): the other's route is the newer and stands. An owed take
+  (a turn that began while Redis was down) is always made: removing a route
+  late costs at most a prefill, while a stale one would let a fork take the
+  session over. A route found by its conversation counts as a change too.
 - **Held marks** (``<prefix>:<model>:held:<id>:<process>``, for ``ttl``, and
   a set of the processes per session): each process marks the sessions it
   holds a copy of when the copy begins a turn, keeps the marks alive while
-  the copies last (the writer thread refreshes them every ``ttl / 4``) and
-  removes its mark when its copy ends without a delete (``released``). So a
+  the copies last (the writer thread refreshes them every ``ttl / 4``, but
+  not one of a copy deleted since it began: that copy is remembered as
+  deleted, so its next turn drops it even once the tombstone has expired)
+  and removes its mark when its copy ends without a delete (``released``,
+  also on the writer thread: a caller never waits on Redis for it). So a
   delete on a process that holds nothing of a session still reaches every
   process that does, even with no snapshot stored (``write="evict"``, one
   still queued, or one expired), and one of a session nobody holds any more
@@ -205,6 +211,25 @@ end
 return {gen, held, #routes > 0 and 1 or 0}
 """
 
+# KEYS: per session held here, its held mark, its set of holders and its
+# tombstone; ARGV: ttl, this process's name, then per session the tombstone
+# its copy here began under ('' for none). Keeps the marks of the copies here
+# alive, but not of one deleted since it began: returns those (1-based).
+_REFRESH = """
+local deleted = {}
+for i = 1, #KEYS / 3 do
+  local found = redis.call('GET', KEYS[3 * i]) or ''
+  if found ~= ARGV[2 + i] then
+    deleted[#deleted + 1] = i
+  else
+    redis.call('SET', KEYS[3 * i - 2], '1', 'EX', ARGV[1])
+    redis.call('SADD', KEYS[3 * i - 1], ARGV[2])
+    redis.call('EXPIRE', KEYS[3 * i - 1], ARGV[1])
+  end
+end
+return deleted
+"""
+
 # KEYS: routes, longest conversation first; ARGV: the namespace's session
 # prefix. Takes the first route of the namespace out of the map and returns
 # {its position (1-based), its session}, or {} if there is none.
@@ -218,6 +243,11 @@ for i = 1, #KEYS do
 end
 return {}
 """
+
+
+# A copy here whose session was deleted elsewhere, seen by the marks' refresh:
+# its next turn drops it even after the tombstone has expired.
+_GONE = object()
 
 
 class StoreMiss(Exception):
@@ -384,6 +414,7 @@ class RedisTier(Tier):
         self._route = self._redis.register_script(_ROUTE)
         self._take = self._redis.register_script(_TAKE)
         self._take_session = self._redis.register_script(_TAKE_SESSION)
+        self._refresh = self._redis.register_script(_REFRESH)
         # Never the password: the URL as messages may show it.
         self.url, self.ttl, self.write_policy = redact_url(url), int(max(1, round(ttl))), write
         self._secrets = _secrets(url)  # scrubbed from the client's error texts
@@ -414,8 +445,11 @@ class RedisTier(Tier):
         # Per session, the generation of its routes after this process's last
         # change: an owed change is made only if the store still has it.
         self._gens: OrderedDict[str, int] = OrderedDict()
-        # This process's mark on the sessions it holds (see held_key).
+        # This process's mark on the sessions it holds (see held_key), and the
+        # sessions whose copies here ended, their marks to remove (the writer
+        # removes them: the caller may hold a lock the event loop waits on).
         self._holder = secrets.token_hex(8)
+        self._releasing: set[str] = set()
         self._next_refresh = time.monotonic() + self._refresh_every()
         self._closed = False
         self._cond = threading.Condition()
@@ -522,6 +556,8 @@ class RedisTier(Tier):
             _, namespace, conversation = change
             with self._cond:
                 epoch = self._epochs.get(session_id)
+            if epoch is _GONE:  # deleted since its copy here began: no route
+                return False, None
             keys = [
                 self.route_key(namespace, conversation),
                 self._routes_key(session_id),  # so that deleting the session deletes its routes
@@ -540,9 +576,12 @@ class RedisTier(Tier):
 
     def _pay_owed(self) -> None:
         """Under the route lock, the store being back: makes the owed route
-        changes, oldest first, each only if no other process changed that
-        session's routes since this one last did (else the other's is newer
-        and stands); what fails stays owed."""
+        changes, oldest first; what fails stays owed. A route write is made
+        only if no other process changed that session's routes since this one
+        last did: the other's change is the newer, and it removed the routes
+        written before it. A take is always made, whatever this process knew
+        of the session: no route of a session continued here may stand (a
+        fork would find it), and a route taken too many costs only a prefill."""
         with self._cond:
             owed, self._owed = self._owed, {}
         for session_id, change in owed.items():
@@ -550,10 +589,14 @@ class RedisTier(Tier):
                 gen = self._gens.get(session_id, 0)
             try:
                 if self._available():
-                    if not self._route_change(session_id, change, gen)[0]:
+                    made, _ = self._route_change(
+                        session_id, change, None if change[0] == "take" else gen
+                    )
+                    if not made:
                         logger.info(
                             "kvchat: route change of session %r superseded meanwhile", session_id
                         )
+                    self._forget_gen(session_id)
                     continue
             except self._errors as error:
                 self._failed("route write", error)
@@ -562,6 +605,13 @@ class RedisTier(Tier):
                 continue
             with self._cond:
                 self._owed.setdefault(session_id, change)
+
+    def _forget_gen(self, session_id: str) -> None:
+        """The session's route generation, once nothing here needs it: no
+        copy here, no change owed."""
+        with self._cond:
+            if session_id not in self._epochs and session_id not in self._owed:
+                self._gens.pop(session_id, None)
 
     def owed_routes(self) -> int:
         """Route changes waiting for the store to be back."""
@@ -583,10 +633,15 @@ class RedisTier(Tier):
             except self._errors as error:
                 self._failed("route lookup", error)
                 raise StoreUnavailable(f"route lookup failed: {type(error).__name__}") from None
-        if not found:
-            return None
-        position, session = found
-        return session.decode("utf-8", errors="replace"), conversations[int(position) - 1]
+            if not found:
+                return None
+            position, session = found
+            session = session.decode("utf-8", errors="replace")
+            try:  # counted as a change of its routes: what this process owes later is checked
+                self._route_change(session, ("take",))
+            except self._errors as error:  # taken all the same; a late change of it is refused
+                self._failed("route lookup", error)
+        return session, conversations[int(position) - 1]
 
     # ------------------------------------------------------------ health
     def _available(self) -> bool:
@@ -621,7 +676,8 @@ class RedisTier(Tier):
         """Eviction dropped this session (``write="evict"``): store what it held."""
         with self._cond:
             epoch = self._epochs.get(session_id)
-        self._enqueue(session_id, (*encode_state(state, self.bridge.slots), [], epoch))
+        if epoch is not _GONE:  # else deleted since the copy began: never stored
+            self._enqueue(session_id, (*encode_state(state, self.bridge.slots), [], epoch))
 
     def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
         """A turn finished (``write="turn"``): store the session as it now is."""
@@ -633,7 +689,8 @@ class RedisTier(Tier):
         else:
             with self._cond:
                 epoch = self._epochs.get(session_id)
-        self._enqueue(session_id, (*encode_state(state, self.bridge.slots), messages, epoch))
+        if epoch is not _GONE:
+            self._enqueue(session_id, (*encode_state(state, self.bridge.slots), messages, epoch))
 
     # ------------------------------------------------------------ deleting
     def deleted_since(self, session_id: str, update: bool = True) -> bool:
@@ -651,6 +708,7 @@ class RedisTier(Tier):
                 if not self._epochs:  # the writer may sleep with no mark to refresh
                     self._cond.notify_all()
                 self._epochs[session_id] = found
+                self._releasing.discard(session_id)  # marked again just now
         if update:
             self._turn_epoch.seen = (session_id, found)
         return deleted
@@ -663,10 +721,12 @@ class RedisTier(Tier):
             return {s for s, f in zip(session_ids, found, strict=True) if self._deleted(s, f)}
 
     def _deleted(self, session_id: str, found: bytes | None) -> bool:
-        """Under the lock: whether tombstone ``found`` is newer than the copy here."""
-        return (
-            found is not None and session_id in self._epochs and self._epochs[session_id] != found
-        )
+        """Under the lock: whether tombstone ``found`` is newer than the copy
+        here, or the refresh saw one that has expired since."""
+        if session_id not in self._epochs:
+            return False
+        epoch = self._epochs[session_id]
+        return epoch is _GONE or (found is not None and epoch != found)
 
     def _tombstones(
         self, session_ids: list[str], held: str | None = None
@@ -701,29 +761,60 @@ class RedisTier(Tier):
             pipe.expire(self._holders_key(session_id), self.ttl)
 
     def _refresh_held(self) -> None:
-        """On the writer thread: keeps the held marks of the copies here alive."""
+        """On the writer thread: keeps the held marks of the copies here alive,
+        but not of those deleted elsewhere since they began: each of those is
+        remembered as deleted (its tombstone may expire before its next turn,
+        which must still drop it). Then removes again any mark of a copy that
+        ended meanwhile (a refresh that raced its removal may have set it)."""
         with self._cond:
-            held = list(self._epochs)
+            held = [(s, e) for s, e in self._epochs.items() if e is not _GONE]
         try:
             for start in range(0, len(held), _TOMBSTONE_BATCH):
-                pipe = self._redis.pipeline(transaction=False)
-                self._mark_held(pipe, held[start : start + _TOMBSTONE_BATCH])
-                pipe.execute()
+                batch = held[start : start + _TOMBSTONE_BATCH]
+                keys = []
+                for session_id, _ in batch:
+                    keys += [
+                        self.held_key(session_id),
+                        self._holders_key(session_id),
+                        self.tombstone_key(session_id),
+                    ]
+                epochs = [epoch or b"" for _, epoch in batch]
+                deleted = self._refresh(keys=keys, args=[self.ttl, self._holder, *epochs])
+                with self._cond:
+                    for i in deleted:
+                        session_id, epoch = batch[int(i) - 1]
+                        if self._epochs.get(session_id, _GONE) == epoch:
+                            self._epochs[session_id] = _GONE
+                    ended = {s for s, _ in batch if s not in self._epochs}
+                    self._releasing |= ended
         except self._errors as error:
             self._failed("held marks' refresh", error)
 
     def released(self, session_id: str) -> None:
+        """The copy here ended: its mark goes (on the writer thread, so the
+        caller never waits on Redis), and a delete of it elsewhere is a 404
+        if no copy is left."""
         with self._cond:
             self._epochs.pop(session_id, None)
-        if not self._available():
-            return  # the mark expires with ttl
-        try:  # no copy here now: a delete of it elsewhere is a 404 if none is left
+            self._releasing.add(session_id)
+            self._cond.notify_all()
+        self._forget_gen(session_id)
+
+    def _release_marks(self) -> None:
+        """On the writer thread: removes the marks of the copies that ended
+        here (not of one begun again since); what fails is tried again."""
+        with self._cond:
+            ending, self._releasing = self._releasing - set(self._epochs), set()
+        try:
             pipe = self._redis.pipeline(transaction=False)
-            pipe.delete(self.held_key(session_id))
-            pipe.srem(self._holders_key(session_id), self._holder)
+            for session_id in ending:
+                pipe.srem(self._holders_key(session_id), self._holder)
+                pipe.delete(self.held_key(session_id))
             pipe.execute()
         except self._errors as error:
-            self._failed("held mark's removal", error)
+            self._failed("held marks' removal", error)
+            with self._cond:
+                self._releasing |= ending - set(self._epochs)
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:
         """Deletes the session from the store, now: its manifest, its routes and
@@ -740,6 +831,7 @@ class RedisTier(Tier):
             self._pending.pop(session_id, None)  # never written now
             self._owed.pop(session_id, None)  # its routes go with it
             self._epochs.pop(session_id, None)  # a copy here begins anew, if ever
+            self._gens.pop(session_id, None)
             self._cond.notify_all()
         keys = [
             self.manifest_key(session_id),
@@ -826,29 +918,45 @@ class RedisTier(Tier):
             return self._cond.wait_for(done, timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Writes what is queued, then stops the writer."""
+        """Writes what is queued, makes the route changes and mark removals
+        owed (waiting, within ``timeout``, for a store that rests after a
+        failure), then stops the writer."""
+        started = time.monotonic()
         self.flush(timeout)
         with self._cond:
+            if self._owed or self._releasing:
+                rest = self._down_until - time.monotonic()
+                if timeout is not None:
+                    rest = min(rest, timeout - (time.monotonic() - started))
+                self._cond.wait_for(lambda: not (self._owed or self._releasing), max(rest, 0) + 1)
             self._closed = True
             self._cond.notify_all()
         self._writer.join(timeout)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _wait_for_work(self) -> str:
-        """Under the lock: waits for a snapshot to write ("write"), owed route
-        changes once the store is back ("owed"), the time to refresh the held
-        marks ("refresh"), or close ("close")."""
-        while not (self._pending or self._closed):
+        """Under the lock: waits for the next work, the most urgent first:
+        owed route changes once the store is back ("owed"), marks of copies
+        that ended ("release"), the time to refresh the held marks
+        ("refresh"), a snapshot to write ("write"), or close ("close"). So a
+        steady stream of snapshots never starves the others."""
+        while True:
             now = time.monotonic()
-            if self._owed and now >= self._down_until:
+            back = now >= self._down_until
+            if self._owed and back:
                 return "owed"
+            if self._releasing and back:
+                return "release"
             if self._epochs and now >= self._next_refresh:
                 return "refresh"
+            if self._pending:
+                return "write"
+            if self._closed:
+                return "close"
             deadline = self._next_refresh if self._epochs else None
-            if self._owed:
+            if self._owed or self._releasing:
                 deadline = min(deadline or self._down_until, self._down_until)
             self._cond.wait(None if deadline is None else max(deadline - now, 0.01))
-        return "write" if self._pending else "close"
 
     def _write_loop(self) -> None:
         while True:
@@ -864,6 +972,13 @@ class RedisTier(Tier):
             if work == "owed":
                 with self._route_lock:
                     self._pay_owed()
+                with self._cond:
+                    self._cond.notify_all()  # close() may wait for it
+                continue
+            if work == "release":
+                self._release_marks()
+                with self._cond:
+                    self._cond.notify_all()
                 continue
             if work == "refresh":
                 self._next_refresh = time.monotonic() + self._refresh_every()

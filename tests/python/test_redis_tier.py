@@ -937,6 +937,8 @@ def test_a_session_continued_by_its_id_on_another_replica_leaves_the_map_and_kee
     before, on either replica, gets a session of its own; the conversation's
     next keyless turn finds the session again, with its whole history."""
     replicas = _Replicas(server.redis_url)
+    for manager in replicas.managers:  # not under test: whether a load beats a short prefill
+        manager.tier.observe_prefill = lambda tokens, ms: None
     try:
         for forker in (0, 1):
             system = dict(LONG_SYSTEM, content=f"Fork on {forker}. {LONG_SYSTEM['content']}")
@@ -948,7 +950,9 @@ def test_a_session_continued_by_its_id_on_another_replica_leaves_the_map_and_kee
             again, _, next_usage = replicas.ask(0, [*history, user_message(2)])
             assert again == session, "the session's latest conversation lost its route"
             cached = next_usage["prompt_tokens_details"]["cached_tokens"]
-            assert cached > usage["prompt_tokens"], (cached, usage)
+            report = replicas.managers[0].last_turn(f"open/{again}")
+            misses = replicas.managers[0].tier.misses
+            assert cached > usage["prompt_tokens"], (cached, usage, forker, report, misses)
     finally:
         replicas.close()
 
@@ -1206,3 +1210,191 @@ def test_a_replica_keeps_nothing_of_another_replicas_session_its_turn_refused(to
         assert replicas.apps[1].state.router.tracked() == set()
     finally:
         replicas.close()
+
+
+def _wait_until(condition, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def test_a_take_owed_by_a_replica_that_never_saw_the_session_is_still_made(tokenizer):
+    """A keyless conversation starts on A (its route is in the store). Redis
+    hangs while its client continues it on B by X-Session-ID (B never saw the
+    session, so B owes the route's removal). Once Redis answers, B makes it:
+    a fork of the conversation A held gets a session of its own."""
+    server = redis_server()
+    try:
+        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=0.5)
+        try:
+            session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                same, _, _ = replicas.ask(1, [*first, user_message(1)], session)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert same == session
+            tier_b = replicas.managers[1].tier
+            _wait_until(lambda: tier_b.owed_routes() == 0, "B paid what it owed")
+            forked, _, _ = replicas.ask(0, _fork(first))
+            assert forked != session, "B's owed take was dropped: a fork took the session over"
+        finally:
+            replicas.close()
+    finally:
+        server.stop()
+
+
+def test_a_copy_idle_while_its_delete_expires_is_still_dropped(llama, tokenizer, server):
+    """A holds "s"; B deletes it; A stays idle longer than the tombstone lives
+    (the store's ttl). A's next turn still starts the session anew."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, ttl=1)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    b.remove("s")
+    client = redis.Redis.from_url(server.redis_url)
+    _wait_until(lambda: not client.exists(a.tier.tombstone_key("s")), "the tombstone expired")
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reused_tokens == 0, reports
+
+
+class _Snooping(dict):
+    """The tier's table of held copies: the first time the writer reads it
+    for a refresh, ``hook()`` runs there (as another thread would, just
+    after), then every read is counted."""
+
+    def __init__(self, table, hook):
+        super().__init__(table)
+        self.hook, self.reads = hook, 0
+
+    def _read(self):
+        keys = list(super().keys())
+        if threading.current_thread().name == "kvchat-store":
+            self.reads += 1
+            if self.reads == 1:
+                self.hook()
+        return keys
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def items(self):
+        return [(k, self[k]) for k in self._read() if k in self]
+
+
+def test_a_mark_let_go_during_a_refresh_stays_gone(llama, tokenizer, server):
+    """A holds "s" and "t"; its copy of "s" is let go (local_only) just as the
+    writer refreshes the held marks: the refresh does not bring the mark of
+    "s" back, so a delete on B is a KeyError (404)."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=2)
+    for session in ("s", "t"):
+        _turns(a, session, [LONG_SYSTEM], llama, tokenizer, 1)
+    with a.tier._cond:
+        a.tier._epochs = _Snooping(a.tier._epochs, lambda: a.remove("s", local_only=True))
+    table = a.tier._epochs
+    _wait_until(lambda: table.reads >= 2, "two refreshes")  # the first one is over
+    client = redis.Redis.from_url(server.redis_url)
+    assert not client.exists(a.tier.held_key("s")), "the refresh brought the mark back"
+    with pytest.raises(KeyError):
+        b.remove("s")
+
+
+def test_idle_expiry_never_waits_on_the_store_under_its_lock(llama, tokenizer, server):
+    """serve's idle expiry lets a copy go (local_only) under its own lock, the
+    one every request takes as it begins and ends: no Redis call is made on
+    that thread while the lock is held, as a hung store would hold it."""
+    from kvchat.serve.expiry import IdleExpiry
+    from kvchat.serve.sessions import SessionRouter
+
+    manager = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, write="evict"))
+    expiry = IdleExpiry(manager, SessionRouter(manager), ttl=60)
+    _turns(manager, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    tier, sweeper, under_lock = manager.tier, threading.current_thread(), []
+
+    class Watched:
+        def __getattr__(self, name):
+            if threading.current_thread() is sweeper:
+                under_lock.append((name, expiry._lock.locked()))
+            return getattr(real, name)
+
+    real, tier._redis = tier._redis, Watched()
+    with expiry._lock:
+        expiry._last["s"] = time.monotonic() - 120
+    assert expiry.sweep() == 1
+    assert manager.sessions() == []
+    assert not [call for call in under_lock if call[1]], under_lock
+    tier._redis = real
+    _wait_until(lambda: not real.exists(tier.held_key("s")), "the mark went (off that thread)")
+
+
+def test_a_deleted_session_leaves_no_route_generation_behind(llama, tokenizer, server):
+    """The route generations a tier remembers go with the session: deleted,
+    or let go here with nothing owed."""
+    a = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url))
+    for session in ("s", "t"):
+        _turns(a, session, [LONG_SYSTEM], llama, tokenizer, 1)
+        a.tier.remember_route("open", f"conversation of {session}", session)
+    assert {"s", "t"} <= set(a.tier._gens)
+    a.remove("s")
+    a.remove("t", local_only=True)
+    assert not {"s", "t"} & set(a.tier._gens), a.tier._gens
+
+
+def test_a_route_is_put_back_outside_the_routers_lock(server):
+    """A turn on another replica's session refused here puts its route back
+    in the store; that store call is never made holding the router's lock
+    (every claim and settle of every session takes it)."""
+    replicas = _Replicas(server.redis_url, max_context_length=256)
+    tier, router = replicas.managers[1].tier, replicas.apps[1].state.router
+    seen, original = [], tier.remember_route
+
+    def watched(*args):
+        seen.append(router._lock.locked())
+        return original(*args)
+
+    tier.remember_route = watched
+    try:
+        _, first, _ = replicas.ask(0, [user_message(0)])
+        body = {"model": "tiny", "max_tokens": 10**6, "messages": [*first, user_message(1)]}
+        refused = replicas.clients[1].post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        assert seen == [False], seen
+    finally:
+        replicas.close()
+
+
+def test_a_route_owed_at_close_is_made_before_the_writer_stops(llama, tokenizer):
+    """A route change owed during an outage, with Redis back but the tier
+    still resting, is made by close(): it is not lost with the process."""
+    server = redis_server()
+    try:
+        tier = RedisTier(server.redis_url, timeout=0.3, retry_after=1)
+        SessionManager(llama, tokenizer, tier=tier)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            tier.remember_route("open", "a conversation", "open/s")
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert tier.owed_routes() == 1
+        tier.close()
+        client = redis.Redis.from_url(server.redis_url)
+        assert client.get(tier.route_key("open", "a conversation")) == b"open/s"
+    finally:
+        server.stop()
+
+
+def test_held_marks_are_kept_alive_while_snapshots_keep_coming(llama, tokenizer, server):
+    """A steady queue of snapshots to write never starves the refresh of the
+    held marks: a copy held here stays marked past the store's ttl."""
+    manager = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, ttl=1))
+    _turns(manager, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    tier, original = manager.tier, manager.tier._write
+    tier._write = lambda *args: time.sleep(0.2)  # a slow write (what it writes does not matter)
+    client = redis.Redis.from_url(server.redis_url)
+    try:
+        for i in range(30):  # 3 s of snapshots, always one queued
+            tier._enqueue(f"other-{i % 3}", ({"layers": []}, {}, [], None))
+            time.sleep(0.1)
+            assert client.exists(tier.held_key("s")), f"the mark expired after {i / 10:.1f} s"
+    finally:
+        assert manager.flush(timeout=60)
+        tier._write = original

@@ -192,15 +192,12 @@ class SessionRouter:
                 self._drop(session)
             if key is None or running.overlapped:
                 return  # nothing held yet, or unknown which: out of the map
-            if not held:  # another replica's session: its route goes back to the store
-                if self._shared is not None:
-                    self._shared.remember_route(ns, key[1], session)
-                return
-            other = self._open.get(key)
-            if other is not None and other != session:
-                self._key_of.pop(other, None)  # one conversation, one session
-            self._open[key] = session
-            self._key_of[session] = key
+            if held:  # else another replica's session: only its route goes back to the store
+                other = self._open.get(key)
+                if other is not None and other != session:
+                    self._key_of.pop(other, None)  # one conversation, one session
+                self._open[key] = session
+                self._key_of[session] = key
         if self._shared is not None:  # what it holds now (a failed turn: what it held)
             self._shared.remember_route(ns, key[1], session)
 
