@@ -19,7 +19,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
 	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
-	bench-first-piece \
+	bench-first-piece bench-peers bench-cpu-dtypes \
 	sanitize
 
 help:
@@ -29,7 +29,7 @@ help:
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
 	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas,"
-	@echo "     bench-first-piece - see benchmarks/RESULTS.md"
+	@echo "     bench-first-piece, bench-peers, bench-cpu-dtypes - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
@@ -106,6 +106,16 @@ bench-serve: build
 # Client-side time to the first streamed piece against the server's prefill time.
 bench-first-piece: build
 	$(PY) benchmarks/first_piece.py --model smollm2-135m --turns 6 --reply-tokens 48
+
+# kvchat serve, llama.cpp's llama-server (built once into build/llama-server from the
+# llama-cpp-python sdist) and transformers serve, on SmolLM2-135M-Instruct and an LFM2 hybrid.
+bench-peers: build
+	$(PY) -m pip install -q "accelerate>=1.1.0" rich
+	$(PY) benchmarks/peers.py --models smollm2 lfm2 --repetitions 3
+
+# Which weights a CPU user should run: float32, bfloat16, int8 dynamic quantization.
+bench-cpu-dtypes: build
+	$(PY) benchmarks/cpu_dtypes.py --turns 6 --max-new-tokens 32
 
 # Two kvchat serve replicas round-robin, with and without a Redis store, against one.
 bench-replicas: build

@@ -89,6 +89,29 @@ class Server(ServerProcess):
         super().__init__(command, log=OUT / f"serve-{kind}.log", env=env, timeout=600)
 
 
+def stream_turn(client, model: str, messages, max_tokens: int, extra_body=None):
+    """One greedy streamed chat completion, read to its end: when its first
+    content arrived (perf_counter), its pieces, its usage, and the last
+    ``timings`` a chunk carried (llama-server's server-side figures)."""
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra_body,
+    )
+    first, pieces, usage, timings = None, [], None, None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        usage = getattr(chunk, "usage", None) or usage
+        timings = (chunk.model_extra or {}).get("timings") or timings
+    return first, pieces, usage, timings
+
+
 def converse(server: Server, conversation, key: str, rows: list, lock) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
     messages = [{"role": "system", "content": conversation.system}]
@@ -99,22 +122,11 @@ def converse(server: Server, conversation, key: str, rows: list, lock) -> None:
         started = time.perf_counter()
         first, pieces, usage, error = None, [], None, None
         try:
-            stream = client.chat.completions.create(
-                model=server.model,
-                messages=messages,
-                max_tokens=reply_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                # Only kvchat keys sessions; the others get the plain request.
-                extra_body={"prompt_cache_key": key} if server.kind == "kvchat" else None,
+            # Only kvchat keys sessions; the others get the plain request.
+            extra = {"prompt_cache_key": key} if server.kind == "kvchat" else None
+            first, pieces, usage, _ = stream_turn(
+                client, server.model, messages, reply_tokens, extra
             )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    pieces.append(chunk.choices[0].delta.content)
-                if getattr(chunk, "usage", None):
-                    usage = chunk.usage
         except openai.APIError as failure:
             error = f"{type(failure).__name__}: {failure}"[:300]
         done = time.perf_counter()

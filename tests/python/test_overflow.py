@@ -48,3 +48,40 @@ def test_truncate_cannot_drop_the_question_itself(llama, tokenizer):
     huge = [SYSTEM, {"role": "user", "content": "word " * 300}]
     with pytest.raises(ValueError, match="exceeds max_context_length"):
         mgr.chat("s", huge, max_new_tokens=MAX_NEW)
+
+
+class _CountingTokenizer:
+    """The tiny tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text, *args, **kwargs):
+        self.longest = max(self.longest, len(text))
+        return self._tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("overflow", ["error", "truncate"])
+def test_a_prompt_too_long_to_fit_is_never_tokenized(llama, tokenizer, overflow):
+    """A message of megabytes against a 200-token context: refused (or, with
+    truncation, dropped) from its length alone, without tokenizing it, and
+    the session is left as it was."""
+    from kvchat.prompting import max_prompt_chars
+
+    counting = _CountingTokenizer(tokenizer)
+    mgr = SessionManager(llama, counting, max_context_length=LIMIT, overflow=overflow)
+    huge = "word " * (max_prompt_chars(tokenizer, LIMIT) // 5 + 1000)
+    messages = [SYSTEM, {"role": "user", "content": huge}]
+    with pytest.raises(ValueError, match=rf"prompt of \d+ characters .*exceeds.*={LIMIT}"):
+        mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert counting.longest < len(huge), "the overlong prompt was tokenized"
+    assert mgr.sessions() == []
+    if overflow == "truncate":  # an old overlong turn is dropped before it is tokenized
+        old = [SYSTEM, {"role": "user", "content": huge}, {"role": "assistant", "content": "Ok."}]
+        reply = mgr.chat("s", [*old, user_message(1)], max_new_tokens=MAX_NEW)
+        assert counting.longest < len(huge)
+        kept = [SYSTEM, user_message(1)]
+        assert reply == reference_turn(llama, tokenizer, kept)[0]
