@@ -333,6 +333,7 @@ def test_metrics_are_prometheus_text(llama_server):
         "kvchat_evictions_total",
         "kvchat_resident_bytes",
         "kvchat_ttft_seconds_bucket",
+        "kvchat_tracked_sessions",
     ):
         assert name in text, name
     models = llama_server.get("/v1/models").json()
@@ -830,6 +831,53 @@ def test_a_client_template_is_refused_fast_and_costs_no_memory():
         server.stop()
 
 
+def _gauge(server: Server, name: str) -> float:
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def test_a_server_process_tracks_only_sessions_that_exist():
+    """A real `kvchat serve`, under new keys every request: refused turns
+    (over the context, refused by the template), sessions made then deleted,
+    keyless ones too. Its tables then hold only the one session kept
+    (``kvchat_tracked_sessions`` in /metrics)."""
+    server = Server("tiny:llama", "--max-context-length", "256", "--session-ttl", "3600")
+    try:
+        body = {"model": "tiny:llama", "messages": [user_message(0)], "max_tokens": 2}
+        call = _tool_call_message({})
+        for i in range(10):
+            for refused in (
+                {**body, "max_tokens": 10**6, "user": f"r{i}"},
+                {**body, "messages": [call], "user": f"t{i}"},
+                {**body, "messages": [call, user_message(i)]},
+            ):
+                response = server.post("/v1/chat/completions", key=f"k{i}", json=refused)
+                assert response.status_code == 400, response.text
+            made = server.post("/v1/chat/completions", key=f"k{i}", json={**body, "user": f"d{i}"})
+            assert made.status_code == 200, made.text
+            deleted = httpx.delete(
+                f"{server.url}/v1/sessions/d{i}", headers=_auth(f"k{i}"), timeout=60
+            )
+            assert deleted.status_code == 200, deleted.text
+            made = server.post(
+                "/v1/chat/completions", key=f"k{i}", json={**body, "messages": [user_message(i)]}
+            )
+            assert made.status_code == 200, made.text
+            session = made.headers["x-session-id"]
+            deleted = httpx.delete(
+                f"{server.url}/v1/sessions/{session}", headers=_auth(f"k{i}"), timeout=60
+            )
+            assert deleted.status_code == 200, deleted.text
+        kept = server.post("/v1/chat/completions", key="keeper", json={**body, "user": "kept"})
+        assert kept.status_code == 200, kept.text
+        assert _gauge(server, "kvchat_sessions") == 1
+        assert _gauge(server, "kvchat_tracked_sessions") == 1
+    finally:
+        server.stop()
+
+
 def test_the_idle_and_routing_tables_hold_only_sessions_that_exist(tokenizer):
     from fastapi.testclient import TestClient
     from kvchat import SessionManager
@@ -871,3 +919,76 @@ def test_the_idle_and_routing_tables_hold_only_sessions_that_exist(tokenizer):
     assert manager.sessions() == ["open/kept"]
     assert app.state.expiry.tracked() <= {"open/kept"}
     assert app.state.router.tracked() <= {"open/kept"}
+
+
+def test_a_long_first_word_streams_token_by_token_from_a_server_process(tmp_path):
+    """A checkpoint whose replies are one long word (every token holding
+    whitespace, or not whole characters on its own, is suppressed), served by
+    a real `kvchat serve`: the stream sends each token's text as its own
+    piece, so the first reaches the client one token after the prefill, not
+    with the reply's last token; joined, the pieces are the whole reply."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", dtype=torch.float64)
+    vocab = model.config.vocab_size
+    split = [
+        i
+        for i in range(len(tokenizer))
+        if any(c.isspace() or c == "\ufffd" for c in tokenizer.decode([i]))
+    ]
+    model.generation_config.suppress_tokens = sorted(
+        {*split, *range(len(tokenizer), vocab), tokenizer.eos_token_id}
+    )
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    server = Server(str(tmp_path))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(model=str(tmp_path), messages=[user_message(0)], max_tokens=24)
+        pieces = []
+        for chunk in client.chat.completions.create(**kwargs, stream=True, temperature=0):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+        whole = client.chat.completions.create(**kwargs, temperature=0)
+        reply = whole.choices[0].message.content
+        assert "".join(pieces) == reply
+        assert reply and not any(c.isspace() for c in reply), reply
+        assert whole.usage.completion_tokens == 24
+        assert len(pieces) == 24, pieces  # one piece per token: none waited for a space
+    finally:
+        server.stop()
+
+
+def test_the_models_own_template_refusing_a_message_is_a_400_from_a_server_process(tmp_path):
+    """A checkpoint whose chat template calls ``raise_exception`` on a system
+    message (as Gemma's and Mistral's did): a real `kvchat serve` answers that
+    request 400 on ``messages`` with the template's words, keeps no session
+    of it, and serves the next request."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}" + tokenizer.chat_template
+    )
+    tiny_model("llama", dtype=torch.float64).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    server = Server(str(tmp_path))
+    try:
+        body = {"model": str(tmp_path), "max_tokens": 2, "user": "s"}
+        refused = server.post(
+            "/v1/chat/completions",
+            key=None,
+            json={
+                **body,
+                "messages": [{"role": "system", "content": "Be brief."}, user_message(0)],
+            },
+        )
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "messages"), error
+        assert "System role not supported" in error["message"]
+        assert server.get("/v1/sessions", key=None).json()["data"] == []
+        served = server.post(
+            "/v1/chat/completions", key=None, json={**body, "messages": [user_message(0)]}
+        )
+        assert served.status_code == 200, served.text
+    finally:
+        server.stop()

@@ -67,6 +67,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     router = SessionRouter(manager)
     metrics = Metrics(manager)
     expiry = IdleExpiry(manager, router, config.session_ttl)
+    metrics.track(expiry, router)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -50,6 +50,22 @@ class _ManagerCollector:
         yield misses
 
 
+class _TablesCollector:
+    """How many sessions the server's own tables track, read when scraped: at
+    most the sessions that exist and those with a request in progress (a
+    refused request or a deleted session leaves nothing behind)."""
+
+    def __init__(self, expiry, router):
+        self._expiry, self._router = expiry, router
+
+    def collect(self):
+        yield GaugeMetricFamily(
+            "kvchat_tracked_sessions",
+            "Sessions the idle-expiry table and the session router hold anything of",
+            value=len(self._expiry.tracked() | self._router.tracked()),
+        )
+
+
 class Metrics:
     def __init__(self, manager):
         self.registry = CollectorRegistry()
@@ -81,6 +97,10 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_ManagerCollector(manager))
+
+    def track(self, expiry, router) -> None:
+        """Also report the size of the server's session tables."""
+        self.registry.register(_TablesCollector(expiry, router))
 
     def observe(self, report) -> None:
         self.tokens["prompt"].inc(report.prompt_tokens)
