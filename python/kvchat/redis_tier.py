@@ -213,21 +213,36 @@ return {gen, held, #routes > 0 and 1 or 0}
 
 # KEYS: per session held here, its held mark, its set of holders and its
 # tombstone; ARGV: ttl, this process's name, then per session the tombstone
-# its copy here began under ('' for none). Keeps the marks of the copies here
-# alive, but not of one deleted since it began: returns those (1-based).
+# its copy here began under ('' for none) and the copy's mark token. Keeps the
+# marks of the copies here alive, but not of one deleted since it began (a
+# tombstone other than its own; its own having expired is no delete):
+# returns those (1-based).
 _REFRESH = """
 local deleted = {}
 for i = 1, #KEYS / 3 do
   local found = redis.call('GET', KEYS[3 * i]) or ''
-  if found ~= ARGV[2 + i] then
+  if found ~= '' and found ~= ARGV[1 + 2 * i] then
     deleted[#deleted + 1] = i
   else
-    redis.call('SET', KEYS[3 * i - 2], '1', 'EX', ARGV[1])
+    redis.call('SET', KEYS[3 * i - 2], ARGV[2 + 2 * i], 'EX', ARGV[1])
     redis.call('SADD', KEYS[3 * i - 1], ARGV[2])
     redis.call('EXPIRE', KEYS[3 * i - 1], ARGV[1])
   end
 end
 return deleted
+"""
+
+# KEYS: per ended copy here, its held mark and its set of holders; ARGV: this
+# process's name, then per copy its mark token. Removes each mark only if it
+# is still that copy's: a copy begun here since has marked it anew.
+_RELEASE = """
+for i = 1, #KEYS / 2 do
+  if redis.call('GET', KEYS[2 * i - 1]) == ARGV[1 + i] then
+    redis.call('DEL', KEYS[2 * i - 1])
+    redis.call('SREM', KEYS[2 * i], ARGV[1])
+  end
+end
+return 0
 """
 
 # KEYS: routes, longest conversation first; ARGV: the namespace's session
@@ -415,12 +430,13 @@ class RedisTier(Tier):
         self._take = self._redis.register_script(_TAKE)
         self._take_session = self._redis.register_script(_TAKE_SESSION)
         self._refresh = self._redis.register_script(_REFRESH)
+        self._release = self._redis.register_script(_RELEASE)
         # Never the password: the URL as messages may show it.
         self.url, self.ttl, self.write_policy = redact_url(url), int(max(1, round(ttl))), write
         self._secrets = _secrets(url)  # scrubbed from the client's error texts
         self.keeps_evicted = write == "evict"
         self.writes_turns = write == "turn"
-        self._retry_after, self._prefix = retry_after, prefix
+        self._retry_after, self._prefix, self._call_timeout = retry_after, prefix, timeout
         self._block_tokens, self._chunk_bytes = block_tokens, chunk_bytes
         self._down_until = 0.0
         self._prefill_ms_per_token: float | None = None
@@ -445,11 +461,13 @@ class RedisTier(Tier):
         # Per session, the generation of its routes after this process's last
         # change: an owed change is made only if the store still has it.
         self._gens: OrderedDict[str, int] = OrderedDict()
-        # This process's mark on the sessions it holds (see held_key), and the
-        # sessions whose copies here ended, their marks to remove (the writer
+        # This process's mark on the sessions it holds (see held_key): per copy
+        # here, the token its mark holds (a copy begun anew marks it anew); and
+        # per copy that ended, the token of the mark to remove (the writer
         # removes them: the caller may hold a lock the event loop waits on).
         self._holder = secrets.token_hex(8)
-        self._releasing: set[str] = set()
+        self._marks: dict[str, bytes] = {}
+        self._releasing: dict[str, bytes] = {}
         self._next_refresh = time.monotonic() + self._refresh_every()
         self._closed = False
         self._cond = threading.Condition()
@@ -535,8 +553,8 @@ class RedisTier(Tier):
                     return self._route_change(session_id, change)[1]
                 except self._errors as error:
                     self._failed("route write", error)
-            with self._cond:
-                self._owed[session_id] = change
+            with self._cond:  # with what this process knew of the session's routes
+                self._owed[session_id] = (change, self._gens.get(session_id, 0))
                 self._cond.notify_all()  # the writer pays it once the store is back
         return None
 
@@ -584,9 +602,7 @@ class RedisTier(Tier):
         fork would find it), and a route taken too many costs only a prefill."""
         with self._cond:
             owed, self._owed = self._owed, {}
-        for session_id, change in owed.items():
-            with self._cond:
-                gen = self._gens.get(session_id, 0)
+        for session_id, (change, gen) in owed.items():
             try:
                 if self._available():
                     made, _ = self._route_change(
@@ -596,7 +612,6 @@ class RedisTier(Tier):
                         logger.info(
                             "kvchat: route change of session %r superseded meanwhile", session_id
                         )
-                    self._forget_gen(session_id)
                     continue
             except self._errors as error:
                 self._failed("route write", error)
@@ -604,7 +619,7 @@ class RedisTier(Tier):
                 logger.exception("kvchat: route change of session %r failed", session_id)
                 continue
             with self._cond:
-                self._owed.setdefault(session_id, change)
+                self._owed.setdefault(session_id, (change, gen))
 
     def _forget_gen(self, session_id: str) -> None:
         """The session's route generation, once nothing here needs it: no
@@ -628,6 +643,8 @@ class RedisTier(Tier):
             if not self._available():  # it failed while this call waited
                 raise StoreUnavailable("the Redis store is resting after a failure")
             self._pay_owed()  # a stale route must not be found first
+            if not self._available():  # paying failed: the store is down again
+                raise StoreUnavailable("the Redis store is resting after a failure")
             try:
                 found = self._take(keys=keys, args=[f"{namespace}/"])
             except self._errors as error:
@@ -637,6 +654,8 @@ class RedisTier(Tier):
                 return None
             position, session = found
             session = session.decode("utf-8", errors="replace")
+            with self._cond:
+                self._owed.pop(session, None)  # this take is newer
             try:  # counted as a change of its routes: what this process owes later is checked
                 self._route_change(session, ("take",))
             except self._errors as error:  # taken all the same; a late change of it is refused
@@ -696,11 +715,21 @@ class RedisTier(Tier):
     def deleted_since(self, session_id: str, update: bool = True) -> bool:
         """Whether the session was deleted (on any replica) since its copy here
         began: the store holds a tombstone other than the one this process saw
-        then. ``update``: the copy here is dropped (or begins) now; remember
-        the tombstone. False when Redis cannot say; never raises."""
-        found = self._tombstones([session_id], held=session_id if update else None)
+        then, or the marks' refresh saw one (that may have expired since).
+        ``update``: the copy here is dropped (or begins) now; remember the
+        tombstone. When Redis cannot say, only what the refresh saw counts
+        (and with ``update`` the copy here then begins unknown); never raises."""
+        token = secrets.token_hex(8).encode() if update else None
+        if update:
+            self._turn_epoch.seen = None  # nothing an earlier turn on this thread saw
+        found = self._tombstones([session_id], held=(session_id, token) if update else None)
         if found is None:
-            return False
+            with self._cond:
+                gone = self._epochs.get(session_id, None) is _GONE
+                if gone and update:  # dropped now; no mark of it is left to remove
+                    del self._epochs[session_id]
+                    self._marks.pop(session_id, None)
+            return gone
         (found,) = found
         with self._cond:
             deleted = self._deleted(session_id, found)
@@ -708,7 +737,7 @@ class RedisTier(Tier):
                 if not self._epochs:  # the writer may sleep with no mark to refresh
                     self._cond.notify_all()
                 self._epochs[session_id] = found
-                self._releasing.discard(session_id)  # marked again just now
+                self._marks[session_id] = token
         if update:
             self._turn_epoch.seen = (session_id, found)
         return deleted
@@ -729,11 +758,11 @@ class RedisTier(Tier):
         return epoch is _GONE or (found is not None and epoch != found)
 
     def _tombstones(
-        self, session_ids: list[str], held: str | None = None
+        self, session_ids: list[str], held: tuple[str, bytes] | None = None
     ) -> list[bytes | None] | None:
         """The sessions' tombstones (None: none), or None when Redis cannot say.
-        ``held``: a session whose copy here begins a turn; its held marker is
-        set in the same round trip."""
+        ``held``: (a session whose copy here begins a turn, its mark token);
+        its held mark is set in the same round trip."""
         if not self._available():
             return None
         found = []
@@ -754,9 +783,9 @@ class RedisTier(Tier):
             return None
         return found
 
-    def _mark_held(self, pipe, session_ids) -> None:
-        for session_id in session_ids:
-            pipe.set(self.held_key(session_id), b"1", ex=self.ttl)
+    def _mark_held(self, pipe, held) -> None:
+        for session_id, token in held:
+            pipe.set(self.held_key(session_id), token, ex=self.ttl)
             pipe.sadd(self._holders_key(session_id), self._holder)
             pipe.expire(self._holders_key(session_id), self.ttl)
 
@@ -764,29 +793,31 @@ class RedisTier(Tier):
         """On the writer thread: keeps the held marks of the copies here alive,
         but not of those deleted elsewhere since they began: each of those is
         remembered as deleted (its tombstone may expire before its next turn,
-        which must still drop it). Then removes again any mark of a copy that
-        ended meanwhile (a refresh that raced its removal may have set it)."""
+        which must still drop it). A copy that ends meanwhile has its mark
+        removed after this (by token), on this thread."""
         with self._cond:
-            held = [(s, e) for s, e in self._epochs.items() if e is not _GONE]
+            held = [
+                (s, e, self._marks[s])
+                for s, e in self._epochs.items()
+                if e is not _GONE and s in self._marks
+            ]
         try:
             for start in range(0, len(held), _TOMBSTONE_BATCH):
                 batch = held[start : start + _TOMBSTONE_BATCH]
-                keys = []
-                for session_id, _ in batch:
+                keys, args = [], [self.ttl, self._holder]
+                for session_id, epoch, token in batch:
                     keys += [
                         self.held_key(session_id),
                         self._holders_key(session_id),
                         self.tombstone_key(session_id),
                     ]
-                epochs = [epoch or b"" for _, epoch in batch]
-                deleted = self._refresh(keys=keys, args=[self.ttl, self._holder, *epochs])
+                    args += [epoch or b"", token]
+                deleted = self._refresh(keys=keys, args=args)
                 with self._cond:
                     for i in deleted:
-                        session_id, epoch = batch[int(i) - 1]
+                        session_id, epoch, _ = batch[int(i) - 1]
                         if self._epochs.get(session_id, _GONE) == epoch:
                             self._epochs[session_id] = _GONE
-                    ended = {s for s, _ in batch if s not in self._epochs}
-                    self._releasing |= ended
         except self._errors as error:
             self._failed("held marks' refresh", error)
 
@@ -796,25 +827,29 @@ class RedisTier(Tier):
         if no copy is left."""
         with self._cond:
             self._epochs.pop(session_id, None)
-            self._releasing.add(session_id)
-            self._cond.notify_all()
+            token = self._marks.pop(session_id, None)
+            if token is not None:
+                self._releasing[session_id] = token
+                self._cond.notify_all()
         self._forget_gen(session_id)
 
     def _release_marks(self) -> None:
         """On the writer thread: removes the marks of the copies that ended
-        here (not of one begun again since); what fails is tried again."""
+        here, each only if it is still that copy's (compared in Redis: a copy
+        begun here since marked it anew); what fails is tried again."""
         with self._cond:
-            ending, self._releasing = self._releasing - set(self._epochs), set()
+            ending, self._releasing = self._releasing, {}
+        keys, args = [], [self._holder]
+        for session_id, token in ending.items():
+            keys += [self.held_key(session_id), self._holders_key(session_id)]
+            args.append(token)
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for session_id in ending:
-                pipe.srem(self._holders_key(session_id), self._holder)
-                pipe.delete(self.held_key(session_id))
-            pipe.execute()
+            self._release(keys=keys, args=args)
         except self._errors as error:
             self._failed("held marks' removal", error)
             with self._cond:
-                self._releasing |= ending - set(self._epochs)
+                for session_id, token in ending.items():
+                    self._releasing.setdefault(session_id, token)
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:
         """Deletes the session from the store, now: its manifest, its routes and
@@ -831,6 +866,8 @@ class RedisTier(Tier):
             self._pending.pop(session_id, None)  # never written now
             self._owed.pop(session_id, None)  # its routes go with it
             self._epochs.pop(session_id, None)  # a copy here begins anew, if ever
+            self._marks.pop(session_id, None)  # the delete removes every mark
+            self._releasing.pop(session_id, None)
             self._gens.pop(session_id, None)
             self._cond.notify_all()
         keys = [
@@ -921,17 +958,23 @@ class RedisTier(Tier):
         """Writes what is queued, makes the route changes and mark removals
         owed (waiting, within ``timeout``, for a store that rests after a
         failure), then stops the writer."""
-        started = time.monotonic()
-        self.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        self.flush(left())
         with self._cond:
             if self._owed or self._releasing:
-                rest = self._down_until - time.monotonic()
-                if timeout is not None:
-                    rest = min(rest, timeout - (time.monotonic() - started))
-                self._cond.wait_for(lambda: not (self._owed or self._releasing), max(rest, 0) + 1)
+                # Until the rest ends, and a second for the writer's round trip;
+                # leaving the writer one call's time to end within the timeout.
+                wait = max(self._down_until - time.monotonic(), 0.0) + 1.0
+                if deadline is not None:
+                    wait = min(wait, max(left() - self._call_timeout, 0.0))
+                self._cond.wait_for(lambda: not (self._owed or self._releasing), wait)
             self._closed = True
             self._cond.notify_all()
-        self._writer.join(timeout)
+        self._writer.join(left())
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _wait_for_work(self) -> str:
