@@ -18,6 +18,7 @@ import hashlib
 import json
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 # Config entries that differ between two loads of one model, or do not affect its KV.
 _VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash")
@@ -56,13 +57,23 @@ def _content_sums(tensor: torch.Tensor, weights_by_device: dict) -> tuple[int, i
     return _to_int64(plain), _to_int64(weighted)
 
 
+def _sums(tensor: torch.Tensor, weights_by_device: dict):
+    """The content sums of a tensor, or of each inner tensor of a tensor
+    subclass that wraps others (a quantized weight: torchao's int8 data and
+    scales), which has no raw words of its own to view; None on the meta device."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return {name: _sums(getattr(tensor, name), weights_by_device) for name in names}
+    return None if tensor.is_meta else _content_sums(tensor, weights_by_device)
+
+
 def weights_checksum(model) -> str:
     """A digest of every parameter and buffer: names, shapes, dtypes and contents."""
     digest = hashlib.sha256()
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
     weights_by_device: dict = {}
     for name, tensor in tensors:
-        sums = None if tensor.is_meta else _content_sums(tensor, weights_by_device)
+        sums = _sums(tensor, weights_by_device)
         digest.update(json.dumps([name, list(tensor.shape), str(tensor.dtype), sums]).encode())
     return digest.hexdigest()
 

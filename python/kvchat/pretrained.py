@@ -48,6 +48,11 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
+        if importlib.util.find_spec("gguf") is None:  # else transformers' own message
+            raise ImportError(
+                "reading a .gguf file needs the gguf package: pip install 'kvchat[gguf]' "
+                "(or pip install 'gguf>=0.10')"
+            )
         path, kwargs = path.parent, {"gguf_file": path.name}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
