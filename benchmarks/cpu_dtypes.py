@@ -1,7 +1,9 @@
 """Which weights a CPU user should run: SmolLM2-135M-Instruct's real weights in
-float32, bfloat16, and with int8 dynamically quantized linear layers
-(``torch.ao.quantization.quantize_dynamic``: int8 weights, float32
-activations), each through kvchat on one conversation.
+float32, bfloat16, with int8 weight-only linear layers (torchao's
+``Int8WeightOnlyConfig``: int8 weights and scales, float32 activations), and
+with int8 dynamically quantized linear layers
+(``torch.ao.quantization.quantize_dynamic``: int8 weights, activations
+quantized per forward), each through kvchat on one conversation.
 
 Every variant answers the same prompts: the history is float32's replies, so
 prompts are equal and each turn's time compares like with like. Per variant:
@@ -28,18 +30,31 @@ from kvchat.pretrained import load_pretrained, smollm2_path
 from kvchat.prompting import render_prompt
 from kvchat.timing import FirstTokenTimer
 from machine import describe
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = ("float32", "bfloat16", "int8-dynamic")
+VARIANTS = ("float32", "bfloat16", "int8-weight-only", "int8-dynamic")
 
 
 def load(variant: str):
     model, tokenizer = load_pretrained(smollm2_path())
     if variant == "bfloat16":
         model = model.to(torch.bfloat16)
+    elif variant == "int8-weight-only":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
     elif variant == "int8-dynamic":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return model.eval(), tokenizer
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes; a tensor subclass's (torchao's) are its inner tensors'."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 def weight_bytes(model) -> int:
@@ -47,7 +62,7 @@ def weight_bytes(model) -> int:
     total = 0
     for value in state.values():
         if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
+            total += _bytes(value)
         elif isinstance(value, tuple):  # a quantized linear's packed (weight, bias)
             total += sum(t.numel() * t.element_size() for t in value if isinstance(t, torch.Tensor))
     return total
@@ -100,7 +115,7 @@ def run_variant(variant: str, history: list[dict] | None, args) -> dict:
 def format_table(results: list[dict]) -> str:
     base = results[0]
     lines = [
-        f"{'variant':<13} {'weights MiB':>11} {'decode tok/s':>12} {'TTFT turn 1':>11} "
+        f"{'variant':<16} {'weights MiB':>11} {'decode tok/s':>12} {'TTFT turn 1':>11} "
         f"{'TTFT turns 2+':>13} {'plain last':>10} {'same as f32':>11}"
     ]
     for r in results:
@@ -109,7 +124,7 @@ def format_table(results: list[dict]) -> str:
             a["output_ids"] == b["output_ids"] for a, b in zip(r["rows"], base["rows"], strict=True)
         )
         lines.append(
-            f"{r['variant']:<13} {r['weight_bytes'] / 2**20:>11.0f} "
+            f"{r['variant']:<16} {r['weight_bytes'] / 2**20:>11.0f} "
             f"{statistics.median(row['decode_tok_s'] for row in r['rows']):>12.1f} "
             f"{r['rows'][0]['ttft_ms']:>9.0f}ms {statistics.median(later):>11.0f}ms "
             f"{r['plain_ttft_last_ms']:>8.0f}ms {same:>6}/{len(r['rows'])}"
