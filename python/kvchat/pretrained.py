@@ -13,7 +13,9 @@ whose own dependencies (``llm``, ``llama-cpp-python``) kvchat does not need.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -37,6 +39,25 @@ def smollm2_path() -> Path:
     return path
 
 
+# transformers imports torchao, when it is installed, as it loads any model; on
+# a CPU machine torchao then logs that its CUDA kernels do not load, and torch
+# that torchao registers enums it no longer needs to: noise for every user.
+_NOISY_ON_IMPORT = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def _quiet_imports():
+    loggers = [logging.getLogger(name) for name in _NOISY_ON_IMPORT]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,8 +75,9 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
                 "(or pip install 'gguf>=0.10')"
             )
         path, kwargs = path.parent, {"gguf_file": path.name}
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or ("auto" if not kwargs else torch.float32), **kwargs
-    )
+    with _quiet_imports():
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype or ("auto" if not kwargs else torch.float32), **kwargs
+        )
     return model.to(device).eval(), tokenizer
