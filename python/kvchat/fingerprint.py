@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -58,12 +59,20 @@ def _content_sums(tensor: torch.Tensor, weights_by_device: dict) -> tuple[int, i
 
 
 def _sums(tensor: torch.Tensor, weights_by_device: dict):
-    """The content sums of a tensor, or of each inner tensor of a tensor
+    """The content sums of a tensor; None on the meta device. A tensor
     subclass that wraps others (a quantized weight: torchao's int8 data and
-    scales), which has no raw words of its own to view; None on the meta device."""
+    scales) has no raw words of its own to view: its class, its settings (how
+    it quantizes activations, its block size: two models with equal data may
+    compute differently) and each inner tensor's shape, dtype and sums."""
     if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return {name: _sums(getattr(tensor, name), weights_by_device) for name in names}
+        names, context = tensor.__tensor_flatten__()
+        inner = {}
+        for name in names:
+            part = getattr(tensor, name)
+            inner[name] = [list(part.shape), str(part.dtype), _sums(part, weights_by_device)]
+        kind = f"{type(tensor).__module__}.{type(tensor).__qualname__}"
+        # repr, less any memory address, so the same settings read the same in any process.
+        return [kind, re.sub(r" at 0x[0-9a-fA-F]+", "", repr(context)), inner]
     return None if tensor.is_meta else _content_sums(tensor, weights_by_device)
 
 

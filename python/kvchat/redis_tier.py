@@ -215,15 +215,17 @@ return {gen, held, #routes > 0 and 1 or 0}
 # tombstone; ARGV: ttl, this process's name, then per session the tombstone
 # its copy here began under ('' for none) and the copy's mark token. Keeps the
 # marks of the copies here alive, but not of one deleted since it began (a
-# tombstone other than its own; its own having expired is no delete):
-# returns those (1-based).
+# tombstone other than its own; its own having expired is no delete), nor a
+# mark another copy here set since (a newer token): returns the deleted
+# (1-based).
 _REFRESH = """
 local deleted = {}
 for i = 1, #KEYS / 3 do
   local found = redis.call('GET', KEYS[3 * i]) or ''
+  local mark = redis.call('GET', KEYS[3 * i - 2])
   if found ~= '' and found ~= ARGV[1 + 2 * i] then
     deleted[#deleted + 1] = i
-  else
+  elseif not mark or mark == ARGV[2 + 2 * i] then
     redis.call('SET', KEYS[3 * i - 2], ARGV[2 + 2 * i], 'EX', ARGV[1])
     redis.call('SADD', KEYS[3 * i - 1], ARGV[2])
     redis.call('EXPIRE', KEYS[3 * i - 1], ARGV[1])
@@ -263,6 +265,18 @@ return {}
 # A copy here whose session was deleted elsewhere, seen by the marks' refresh:
 # its next turn drops it even after the tombstone has expired.
 _GONE = object()
+# A copy here that began while Redis could not say which tombstone it began
+# under: any tombstone found later counts as a delete of it (a session deleted,
+# then used again under the same id during an outage, costs one re-prefill).
+_UNKNOWN = object()
+
+
+def _epoch_arg(epoch) -> bytes:
+    """An epoch as the Lua scripts compare it: '' for none; for a copy begun
+    unknown, a value no tombstone ever equals."""
+    if epoch is None:
+        return b""
+    return b"~unknown" if epoch is _UNKNOWN else epoch
 
 
 class StoreMiss(Exception):
@@ -581,7 +595,8 @@ class RedisTier(Tier):
                 self._routes_key(session_id),  # so that deleting the session deletes its routes
                 self.tombstone_key(session_id),
             ]
-            args = [session_id, self.ttl, epoch or b"", conversation, "" if gen is None else gen]
+            args = [session_id, self.ttl, _epoch_arg(epoch), conversation]
+            args.append("" if gen is None else gen)
             made, held = self._route(keys=keys, args=args), None
         made = int(made)
         if made >= 0:
@@ -719,16 +734,26 @@ class RedisTier(Tier):
         ``update``: the copy here is dropped (or begins) now; remember the
         tombstone. When Redis cannot say, only what the refresh saw counts
         (and with ``update`` the copy here then begins unknown); never raises."""
-        token = secrets.token_hex(8).encode() if update else None
+        token = None
         if update:
             self._turn_epoch.seen = None  # nothing an earlier turn on this thread saw
+            with self._cond:  # one token per copy: a copy's mark is the same all along
+                token = self._marks.get(session_id) or secrets.token_hex(8).encode()
         found = self._tombstones([session_id], held=(session_id, token) if update else None)
         if found is None:
             with self._cond:
                 gone = self._epochs.get(session_id, None) is _GONE
-                if gone and update:  # dropped now; no mark of it is left to remove
-                    del self._epochs[session_id]
-                    self._marks.pop(session_id, None)
+                if update:
+                    if gone:  # dropped now: a new copy begins; no mark of the old is left
+                        self._marks.pop(session_id, None)
+                        token = secrets.token_hex(8).encode()
+                    if gone or session_id not in self._epochs:
+                        # Begun unknown: the refresh marks it once Redis is back,
+                        # and any tombstone found later is a delete of it.
+                        self._epochs[session_id] = _UNKNOWN
+                        self._marks[session_id] = token
+                        self._next_refresh = min(self._next_refresh, time.monotonic())
+                        self._cond.notify_all()
             return gone
         (found,) = found
         with self._cond:
@@ -744,8 +769,9 @@ class RedisTier(Tier):
 
     def deleted_among(self, session_ids: list[str]) -> set[str]:
         found = self._tombstones(session_ids)
-        if found is None:
-            return set()
+        if found is None:  # only what the marks' refresh saw
+            with self._cond:
+                return {s for s in session_ids if self._epochs.get(s, None) is _GONE}
         with self._cond:
             return {s for s, f in zip(session_ids, found, strict=True) if self._deleted(s, f)}
 
@@ -755,7 +781,11 @@ class RedisTier(Tier):
         if session_id not in self._epochs:
             return False
         epoch = self._epochs[session_id]
-        return epoch is _GONE or (found is not None and epoch != found)
+        return (
+            epoch is _GONE
+            or (found is not None and epoch is _UNKNOWN)
+            or (found is not None and epoch != found)
+        )
 
     def _tombstones(
         self, session_ids: list[str], held: tuple[str, bytes] | None = None
@@ -811,7 +841,7 @@ class RedisTier(Tier):
                         self._holders_key(session_id),
                         self.tombstone_key(session_id),
                     ]
-                    args += [epoch or b"", token]
+                    args += [_epoch_arg(epoch), token]
                 deleted = self._refresh(keys=keys, args=args)
                 with self._cond:
                     for i in deleted:
@@ -1024,9 +1054,11 @@ class RedisTier(Tier):
                     self._cond.notify_all()
                 continue
             if work == "refresh":
-                self._next_refresh = time.monotonic() + self._refresh_every()
                 if self._available():
+                    self._next_refresh = time.monotonic() + self._refresh_every()
                     self._refresh_held()
+                else:  # once the store is back
+                    self._next_refresh = max(self._down_until, time.monotonic() + 0.01)
                 continue
             try:
                 if not self._available():
@@ -1118,7 +1150,7 @@ class RedisTier(Tier):
             ]
             gone = self._publish(
                 keys=[*head, *keys],
-                args=[json.dumps(manifest), self.ttl, epoch or b"", manifest["written_at"]],
+                args=[json.dumps(manifest), self.ttl, _epoch_arg(epoch), manifest["written_at"]],
             )
             if gone == -1:  # deleted since this copy began: never brought back
                 logger.info("kvchat: session %r was deleted; its snapshot is dropped", session_id)

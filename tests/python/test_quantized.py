@@ -7,6 +7,7 @@ quantized kernels take no float64."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
 from kvchat import SessionManager
@@ -57,3 +58,21 @@ def test_int8_dynamic_quantization_runs_as_plain_generate(tokenizer):
     reports = _conversation(SessionManager(model, tokenizer), model, tokenizer)
     assert all(r.reused_tokens == 0 for r in reports), reports
     assert {r.reason for r in reports} == {"unsupported_layers"}, reports
+
+
+def test_two_quantizations_with_equal_data_have_different_fingerprints(tokenizer, tmp_path):
+    """int8 weight-only and int8 dynamic-activation weights hold the same int8
+    data and scales, and compute differently: their fingerprints differ, so a
+    session saved from one is refused by the other."""
+    from kvchat import SessionFileError
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+
+    weight_only = _int8_weight_only()
+    dynamic = tiny_model("llama", dtype=torch.float32)
+    quantize_(dynamic, Int8DynamicActivationInt8WeightConfig())
+    assert weights_checksum(weight_only) != weights_checksum(dynamic)
+    saver = SessionManager(weight_only, tokenizer)
+    saver.chat("s", [LONG_SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)
+    saver.save("s", tmp_path / "s.safetensors")
+    with pytest.raises(SessionFileError, match="weights differ"):
+        SessionManager(dynamic, tokenizer).load(tmp_path / "s.safetensors")

@@ -958,8 +958,10 @@ def test_a_session_continued_by_its_id_on_another_replica_leaves_the_map_and_kee
             assert again == session, "the session's latest conversation lost its route"
             cached = next_usage["prompt_tokens_details"]["cached_tokens"]
             report = replicas.managers[0].last_turn(f"open/{again}")
-            misses = replicas.managers[0].tier.misses
-            assert cached > usage["prompt_tokens"], (cached, usage, forker, report, misses)
+            # B's snapshot, not A's older copy: all of B's prompt (and B's reply,
+            # as far as its raw text re-tokenizes to what B generated).
+            assert report.reason == "store_reload", (report, replicas.managers[0].tier.misses)
+            assert cached >= usage["prompt_tokens"], (cached, usage, forker, report)
     finally:
         replicas.close()
 
@@ -1125,12 +1127,14 @@ def test_a_refused_turn_is_settled_off_the_event_loop(server):
 
 def test_a_copy_let_go_here_is_no_longer_found_by_a_delete(llama, tokenizer, server):
     """A's copy of "s" (nothing stored: ``write="evict"``) ends here only, as
-    serve's idle expiry ends it: a delete on B is then a KeyError (404), and
-    writes nothing to Redis."""
+    serve's idle expiry ends it: once A's writer has let its mark go (off the
+    caller's thread: a delete in between finds a mark and leaves a tombstone of
+    what nobody holds), a delete on B is a KeyError (404) and writes nothing."""
     a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict")
     _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     a.remove("s", local_only=True)
     client = redis.Redis.from_url(server.redis_url)
+    _wait_until(lambda: not client.exists(a.tier.held_key("s")), "A let its mark go")
     keys = set(client.keys())
     with pytest.raises(KeyError):
         b.remove("s")
@@ -1484,3 +1488,110 @@ def test_close_keeps_to_its_timeout_with_redis_hung(llama, tokenizer):
         _wait_until(lambda: not manager.tier._writer.is_alive(), "the writer ended", 5)
     finally:
         server.stop()
+
+
+def _hung_while_its_turn_begins(tier, server):
+    """Redis hangs (SIGSTOP) only while the next turn reads its tombstone, and
+    is back (its rest over) when the turn goes on."""
+    original = tier.deleted_since
+
+    def once(*args, **kwargs):
+        tier.deleted_since = original
+        with _hung(server):
+            found = original(*args, **kwargs)
+        time.sleep(0.15)  # past retry_after
+        return found
+
+    tier.deleted_since = once
+
+
+@pytest.mark.parametrize("write", ["turn", "evict"])
+def test_a_delete_reaches_a_copy_begun_while_redis_could_not_answer(
+    llama, tokenizer, server, write
+):
+    """A's first turn on "s" begins while Redis hangs, so A cannot know which
+    tombstone it began under; Redis is back for the rest of the turn. A delete
+    on B still reaches A (no KeyError, though nothing may be stored), A's next
+    turn starts the session anew, and A publishes nothing of the deleted copy."""
+    a = SessionManager(
+        llama,
+        tokenizer,
+        tier=RedisTier(server.redis_url, write=write, timeout=0.3, retry_after=0.1),
+    )
+    b = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, write=write))
+    _hung_while_its_turn_begins(a.tier, server)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    client = redis.Redis.from_url(server.redis_url)
+    _wait_until(
+        lambda: client.exists(a.tier.held_key("s")), "A marked its copy once Redis was back"
+    )
+    b.remove("s")
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reused_tokens == 0, reports
+
+
+def test_a_mark_is_removed_when_its_copy_is_let_go_after_a_racing_refresh(llama, tokenizer, server):
+    """A turn of A's copy of "s" begins while the writer refreshes the marks;
+    the copy is then let go (as idle expiry does): its mark goes, so a delete
+    on B of what nobody holds is a KeyError (404)."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=60)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    done = threading.Event()
+
+    def next_turn():  # on another thread, as a request would; the writer waits for it
+        turn = threading.Thread(target=_turns, args=(a, "s", messages, llama, tokenizer, 1, 1))
+        turn.start()
+        turn.join(60)
+        done.set()
+
+    _before(a.tier, "_refresh", next_turn)
+    with a.tier._cond:
+        a.tier._next_refresh = 0
+        a.tier._cond.notify_all()
+    assert done.wait(60)
+    a.remove("s", local_only=True)
+    _wait_until(lambda: not a.tier._releasing, "the release was made")
+    client = redis.Redis.from_url(server.redis_url)
+    assert not client.exists(a.tier.held_key("s")), client.get(a.tier.held_key("s"))
+    with pytest.raises(KeyError):
+        b.remove("s")
+
+
+def test_a_copy_begun_again_during_a_refresh_keeps_its_mark(llama, tokenizer, server):
+    """While the writer refreshes the marks, A's copy of "s" is let go and
+    begins again: the refresh does not put back the old copy's mark, so its
+    removal leaves the new copy's, and a delete on B reaches A."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=60)
+    messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    done = threading.Event()
+
+    def let_go_and_begin_again():
+        a.remove("s", local_only=True)
+        turn = threading.Thread(target=_turns, args=(a, "s", messages, llama, tokenizer, 1, 1))
+        turn.start()
+        turn.join(60)
+        done.set()
+
+    _before(a.tier, "_refresh", let_go_and_begin_again)
+    with a.tier._cond:
+        a.tier._next_refresh = 0
+        a.tier._cond.notify_all()
+    assert done.wait(60)
+    _wait_until(lambda: not a.tier._releasing, "the release was made")
+    client = redis.Redis.from_url(server.redis_url)
+    assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
+    b.remove("s")
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=2)
+    assert reports[0].reused_tokens == 0, reports
+
+
+def test_a_copy_known_deleted_is_dropped_by_get_though_redis_hangs(llama, tokenizer, server):
+    """A's marks' refresh saw "s" deleted; then Redis hangs: serve's GET and
+    listing (drop_if_deleted) still drop the copy, as a turn would."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer, ttl=1, timeout=0.3)
+    _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+    b.remove("s")
+    _wait_until(lambda: a.tier._deleted("s", None), "A's refresh saw the delete")
+    with _hung(server):
+        dropped = a.drop_if_deleted("s")
+    assert dropped and "s" not in a.sessions(), "a copy known deleted is still served"
