@@ -145,7 +145,7 @@ class SessionManager:
             new suffix is tokenized, so re-tokenized replies still hit; the ids
             can differ from a fresh tokenization).
         max_checkpoints, max_checkpoint_bytes: per session, for models with
-            recurrent or sliding-window layers; see the README for the policy.
+            recurrent or sliding-window layers; see docs/hybrid-models.md for the policy.
         checkpoints: where a turn on such a model stops its prefill to take
             a checkpoint (each stop is one more forward over the model).
             "last" (default): at most once, at the final message's start when

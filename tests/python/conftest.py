@@ -1,5 +1,5 @@
 """Shared fixtures: tiny float64 models (exactness needs float64: reuse changes matmul
-shapes, and in float32 a near-tie can flip a greedy token; see the README's Correctness)
+shapes, and in float32 a near-tie can flip a greedy token; see docs/how-it-works.md, Correctness)
 and a reference that runs plain model.generate on the full conversation.
 
 KVCHAT_TEST_DEVICE (default cpu) puts the models on another device, such as

@@ -66,10 +66,11 @@ LONG_SYSTEM = {
 LONGER_SYSTEM = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
 
 
-def readme_table_rows(heading: str) -> list[str]:
-    """The first cell of each body row of the README table under ``heading``."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+def doc_table_rows(page: str, heading: str) -> list[str]:
+    """The first cell of each body row of the table under ``heading`` in the
+    docs page ``page`` (a path from the repository's root)."""
+    text = "\n" + (Path(__file__).parents[2] / page).read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     return [line.split("|")[1].strip() for line in lines[2:]]  # past the header and rule
 

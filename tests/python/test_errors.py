@@ -1,6 +1,6 @@
 """Bad input raises a clear Python exception naming the argument; never a crash.
 
-Every row of the README's error table maps to the tests that cover it
+Every row of the error table in docs/errors.md maps to the tests that cover it
 (``README_ROWS``), and ``test_every_readme_row_is_covered`` keeps the two in step."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import SYSTEM, readme_table_rows, user_message
+from helpers import SYSTEM, doc_table_rows, user_message
 from kvchat import _C, SessionBusy, SessionManager, UnknownSessionError
 from kvchat.tiny import CHATML_TEMPLATE, tiny_tokenizer
 
@@ -197,7 +197,7 @@ def test_core_positions_out_of_range():
     assert not session.resident
 
 
-# README error-table row (its first cell) -> the tests that cover it.
+# docs/errors.md table row (its first cell) -> the tests that cover it.
 README_ROWS = {
     "`store` not a `redis://` URL": ["test_redis_tier.py::test_store_argument_errors"],
     "unknown `session_id`": ["test_unknown_session_id"],
@@ -256,11 +256,11 @@ README_ROWS = {
 
 
 def test_every_readme_row_is_covered():
-    rows = readme_table_rows("## Errors")
+    rows = doc_table_rows("docs/errors.md", "# Errors")
     assert len(rows) == len(README_ROWS)
     for row in rows:
         keys = [key for key in README_ROWS if row.startswith(key)]
-        assert len(keys) == 1, f"README row {row!r} has no test in README_ROWS"
+        assert len(keys) == 1, f"docs/errors.md row {row!r} has no test in README_ROWS"
         for test in README_ROWS[keys[0]]:
             module, _, name = test.rpartition("::")
             found = importlib.import_module(re.sub(r"\.py$", "", module) or __name__)

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from conftest import DEVICE, _model
-from helpers import LONG_SYSTEM, readme_table_rows, reference_turn, user_message
+from helpers import LONG_SYSTEM, doc_table_rows, reference_turn, user_message
 from kvchat.serve.process import ServerProcess
 from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
 
@@ -367,7 +367,7 @@ def _tool_call_message(call) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
-# README "Bad requests" row -> (request, status, error code, param)
+# docs/serving.md "Bad requests" row -> (request, status, error code, param)
 SERVE_ERROR_CASES = {
     "malformed JSON": [({"content": b"{not json"}, 400, "invalid_json", None)],
     "a field of the wrong type": [
@@ -583,7 +583,7 @@ def test_a_model_that_fails_gets_500_and_the_session_keeps_its_history(tokenizer
 
 
 def test_every_readme_bad_request_row_is_covered():
-    rows = readme_table_rows("### Bad requests")
+    rows = doc_table_rows("docs/serving.md", "## Bad requests")
     extra = {
         "more requests at once than `--max-pending`": "test_too_many_requests_at_once_get_429",
         "the model fails": "test_a_model_that_fails_gets_500_and_the_session_keeps_its_history",
@@ -594,7 +594,7 @@ def test_every_readme_bad_request_row_is_covered():
     assert len(rows) == len(SERVE_ERROR_CASES) + len(extra)
     for row in rows:
         keys = [k for k in [*SERVE_ERROR_CASES, *extra] if row.startswith(k)]
-        assert len(keys) == 1, f"README row {row!r} has no test"
+        assert len(keys) == 1, f"docs/serving.md row {row!r} has no test"
 
 
 def test_idle_sessions_expire_but_never_mid_turn():

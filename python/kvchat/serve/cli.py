@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--checkpoints",
         choices=["last", "every"],
         default="last",
-        help="where hybrid models' turns take checkpoints (see the README's Checkpoints)",
+        help="where hybrid models' turns take checkpoints (see docs/hybrid-models.md, Checkpoints)",
     )
     limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
     limits.add_argument("--no-share-prefixes", action="store_true")
