@@ -41,11 +41,16 @@ token ids, cached text, messages), as immutable snapshots:
   not one of a copy deleted since it began: that copy is remembered as
   deleted, so its next turn drops it even once the tombstone has expired)
   and removes its mark when its copy ends without a delete (``released``,
-  also on the writer thread: a caller never waits on Redis for it). So a
-  delete on a process that holds nothing of a session still reaches every
-  process that does, even with no snapshot stored (``write="evict"``, one
-  still queued, or one expired), and one of a session nobody holds any more
-  is a ``KeyError``.
+  also on the writer thread: a caller never waits on Redis for it). A mark
+  holds its copy's token: a refresh never overwrites a newer copy's mark, and
+  a removal removes only its own copy's. A copy that begins while Redis
+  cannot say which tombstone it began under is marked once Redis is back,
+  and any tombstone found later counts as its delete. So a delete on a
+  process that holds nothing of a session still reaches every process that
+  does, even with no snapshot stored (``write="evict"``, one still queued,
+  or one expired), and one of a session nobody holds any more is a
+  ``KeyError`` (once the writer of the process that let it go has removed
+  its mark; a delete just before leaves a tombstone of what nobody holds).
 - **A tombstone** per deleted session (``<prefix>:<model>:deleted:<id>``, a
   random token, for ``ttl`` seconds): ``forget`` (``SessionManager.remove``)
   sets it, removes the manifest, the session's routes and every chunk of it no
