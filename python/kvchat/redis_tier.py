@@ -271,8 +271,12 @@ return {}
 # its next turn drops it even after the tombstone has expired.
 _GONE = object()
 # A copy here that began while Redis could not say which tombstone it began
-# under: any tombstone found later counts as a delete of it (a session deleted,
-# then used again under the same id during an outage, costs one re-prefill).
+# under: any tombstone found later counts as a delete of it. So a session
+# deleted, then used again under the same id while Redis could not answer, is
+# taken for deleted once Redis is back: its copy here is dropped (GET and
+# listings no longer show it, its history here goes; the next turn prefills
+# the whole conversation its client sends), and no snapshot of it is stored
+# until the old tombstone expires. Safer than serving a deleted session.
 _UNKNOWN = object()
 
 
@@ -855,6 +859,8 @@ class RedisTier(Tier):
                             self._epochs[session_id] = _GONE
         except self._errors as error:
             self._failed("held marks' refresh", error)
+            with self._cond:  # tried again once the rest ends, not a ttl / 4 later
+                self._next_refresh = min(self._next_refresh, self._down_until)
 
     def released(self, session_id: str) -> None:
         """The copy here ended: its mark goes (on the writer thread, so the

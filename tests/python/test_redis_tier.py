@@ -1595,3 +1595,25 @@ def test_a_copy_known_deleted_is_dropped_by_get_though_redis_hangs(llama, tokeni
     with _hung(server):
         dropped = a.drop_if_deleted("s")
     assert dropped and "s" not in a.sessions(), "a copy known deleted is still served"
+
+
+@pytest.mark.parametrize("write", ["turn", "evict"])
+def test_a_copy_begun_in_a_long_outage_is_marked_soon_after_it(llama, tokenizer, server, write):
+    """A's first turn on "s" runs while Redis hangs, and the outage lasts past
+    retry_after, so A's writer fails to mark the copy once. Redis is then
+    back: the writer marks it within moments, not a ttl / 4 later, so a delete
+    on B reaches A and A's next turn starts anew."""
+    a = SessionManager(
+        llama,
+        tokenizer,
+        tier=RedisTier(server.redis_url, write=write, ttl=60, timeout=0.3, retry_after=0.5),
+    )
+    b = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, write=write, ttl=60))
+    with _hung(server):
+        messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
+        time.sleep(2.0)  # the writer's try, at the end of the rest, fails
+    client = redis.Redis.from_url(server.redis_url)
+    _wait_until(lambda: client.exists(a.tier.held_key("s")), "A marked its copy", 10)
+    b.remove("s")
+    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
+    assert reports[0].reused_tokens == 0, reports
