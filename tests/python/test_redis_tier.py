@@ -1530,25 +1530,33 @@ def test_a_delete_reaches_a_copy_begun_while_redis_could_not_answer(
     assert reports[0].reused_tokens == 0, reports
 
 
+def _during_a_refresh(manager, work) -> None:
+    """Runs ``work`` on another thread (as a request would) while the writer
+    refreshes the held marks, between its read of them and its Lua script:
+    the writer waits for it. Returns once that refresh has begun and
+    ``work`` is done."""
+    done = threading.Event()
+
+    def on_a_thread():
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join(60)
+        done.set()
+
+    _before(manager.tier, "_refresh", on_a_thread)
+    with manager.tier._cond:
+        manager.tier._next_refresh = 0
+        manager.tier._cond.notify_all()
+    assert done.wait(60)
+
+
 def test_a_mark_is_removed_when_its_copy_is_let_go_after_a_racing_refresh(llama, tokenizer, server):
     """A turn of A's copy of "s" begins while the writer refreshes the marks;
     the copy is then let go (as idle expiry does): its mark goes, so a delete
     on B of what nobody holds is a KeyError (404)."""
     a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=60)
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-    done = threading.Event()
-
-    def next_turn():  # on another thread, as a request would; the writer waits for it
-        turn = threading.Thread(target=_turns, args=(a, "s", messages, llama, tokenizer, 1, 1))
-        turn.start()
-        turn.join(60)
-        done.set()
-
-    _before(a.tier, "_refresh", next_turn)
-    with a.tier._cond:
-        a.tier._next_refresh = 0
-        a.tier._cond.notify_all()
-    assert done.wait(60)
+    _during_a_refresh(a, lambda: _turns(a, "s", messages, llama, tokenizer, 1, 1))
     a.remove("s", local_only=True)
     _wait_until(lambda: not a.tier._releasing, "the release was made")
     client = redis.Redis.from_url(server.redis_url)
@@ -1563,20 +1571,12 @@ def test_a_copy_begun_again_during_a_refresh_keeps_its_mark(llama, tokenizer, se
     removal leaves the new copy's, and a delete on B reaches A."""
     a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict", ttl=60)
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-    done = threading.Event()
 
     def let_go_and_begin_again():
         a.remove("s", local_only=True)
-        turn = threading.Thread(target=_turns, args=(a, "s", messages, llama, tokenizer, 1, 1))
-        turn.start()
-        turn.join(60)
-        done.set()
+        _turns(a, "s", messages, llama, tokenizer, 1, 1)
 
-    _before(a.tier, "_refresh", let_go_and_begin_again)
-    with a.tier._cond:
-        a.tier._next_refresh = 0
-        a.tier._cond.notify_all()
-    assert done.wait(60)
+    _during_a_refresh(a, let_go_and_begin_again)
     _wait_until(lambda: not a.tier._releasing, "the release was made")
     client = redis.Redis.from_url(server.redis_url)
     assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
