@@ -624,26 +624,26 @@ class RedisTier(Tier):
         written before it. A take is always made, whatever this process knew
         of the session: no route of a session continued here may stand (a
         fork would find it), and a route taken too many costs only a prefill."""
-        with self._cond:
-            owed, self._owed = self._owed, {}
-        for session_id, (change, gen) in owed.items():
+        with self._cond:  # each stays owed until made (owed_routes() counts it till then)
+            owed = list(self._owed.items())
+        for session_id, entry in owed:
+            change, gen = entry
             try:
-                if self._available():
-                    made, _ = self._route_change(
-                        session_id, change, None if change[0] == "take" else gen
-                    )
-                    if not made:
-                        logger.info(
-                            "kvchat: route change of session %r superseded meanwhile", session_id
-                        )
-                    continue
+                if not self._available():
+                    continue  # stays owed
+                made, _ = self._route_change(
+                    session_id, change, None if change[0] == "take" else gen
+                )
+                if not made:
+                    logger.info("kvchat: route change of session %r superseded", session_id)
             except self._errors as error:
                 self._failed("route write", error)
+                continue  # stays owed
             except Exception:  # a bug must not kill the writer, nor loop
                 logger.exception("kvchat: route change of session %r failed", session_id)
-                continue
-            with self._cond:
-                self._owed.setdefault(session_id, (change, gen))
+            with self._cond:  # paid (unless a newer change replaced it meanwhile)
+                if self._owed.get(session_id) is entry:
+                    del self._owed[session_id]
 
     def _forget_gen(self, session_id: str) -> None:
         """The session's route generation, once nothing here needs it: no

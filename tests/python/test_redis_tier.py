@@ -1617,3 +1617,23 @@ def test_a_copy_begun_in_a_long_outage_is_marked_soon_after_it(llama, tokenizer,
     b.remove("s")
     _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
     assert reports[0].reused_tokens == 0, reports
+
+
+def test_a_route_change_counts_as_owed_until_it_is_made(llama, tokenizer):
+    """owed_routes() (what a caller waits on before relying on the store's
+    routes) counts a change owed during an outage until the writer has made
+    it, not from the moment the writer takes it up."""
+    server = redis_server()
+    try:
+        tier = RedisTier(server.redis_url, timeout=0.3, retry_after=0.5)
+        SessionManager(llama, tokenizer, tier=tier)
+        with _hung(server):
+            tier.take_session_route("open/s")
+        assert tier.owed_routes() == 1
+        seen = []
+        _before(tier, "_take_session", lambda: seen.append(tier.owed_routes()))
+        _wait_until(lambda: seen and tier.owed_routes() == 0, "the writer made the change")
+        assert seen == [1], seen
+        tier.close()
+    finally:
+        server.stop()
