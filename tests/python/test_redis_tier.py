@@ -1284,26 +1284,35 @@ def test_a_mark_let_go_during_a_refresh_stays_gone(llama, tokenizer, server):
         b.remove("s")
 
 
+def _on_a_thread(work) -> None:
+    """Runs ``work`` on a thread of its own, as a request would, and waits for
+    it (called from the writer thread, which then waits)."""
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(60)
+
+
+def _a_delete_on_b_reaches_a(a, b, server, messages, model, tokenizer) -> None:
+    """A holds a copy of "s" (its third turn comes next): its mark is in Redis,
+    B's delete reaches it, and A's next turn starts the session anew."""
+    client = redis.Redis.from_url(server.redis_url)
+    assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
+    b.remove("s")
+    _, reports = _turns(a, "s", messages, model, tokenizer, 1, start=2)
+    assert reports[0].reused_tokens == 0, reports
+
+
 def test_a_copy_begun_again_keeps_its_mark_when_the_last_copy_is_let_go(llama, tokenizer, server):
     """A's copy of "s" ends here (local_only) and, before the writer removes
     its mark, "s" begins again here: the late removal leaves the new copy's
     mark, so a delete on B still reaches A (no KeyError) and A starts anew."""
     a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict")
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-
-    def begin_again():  # on another thread, as a request would; the writer waits for it
-        turn = threading.Thread(target=_turns, args=(a, "s", messages, llama, tokenizer, 1, 1))
-        turn.start()
-        turn.join(60)
-
-    _before(a.tier, "_release", begin_again)
+    begin_again = lambda: _turns(a, "s", messages, llama, tokenizer, 1, 1)  # noqa: E731
+    _before(a.tier, "_release", lambda: _on_a_thread(begin_again))
     a.remove("s", local_only=True)
     _wait_until(lambda: not a.tier._releasing and "s" in a.sessions(), "began again, released")
-    client = redis.Redis.from_url(server.redis_url)
-    assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
-    b.remove("s")
-    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=2)
-    assert reports[0].reused_tokens == 0, reports
+    _a_delete_on_b_reaches_a(a, b, server, messages, llama, tokenizer)
 
 
 def test_idle_expiry_never_waits_on_the_store_under_its_lock(llama, tokenizer, server):
@@ -1536,14 +1545,7 @@ def _during_a_refresh(manager, work) -> None:
     the writer waits for it. Returns once that refresh has begun and
     ``work`` is done."""
     done = threading.Event()
-
-    def on_a_thread():
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join(60)
-        done.set()
-
-    _before(manager.tier, "_refresh", on_a_thread)
+    _before(manager.tier, "_refresh", lambda: (_on_a_thread(work), done.set()))
     with manager.tier._cond:
         manager.tier._next_refresh = 0
         manager.tier._cond.notify_all()
@@ -1578,11 +1580,7 @@ def test_a_copy_begun_again_during_a_refresh_keeps_its_mark(llama, tokenizer, se
 
     _during_a_refresh(a, let_go_and_begin_again)
     _wait_until(lambda: not a.tier._releasing, "the release was made")
-    client = redis.Redis.from_url(server.redis_url)
-    assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
-    b.remove("s")
-    _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=2)
-    assert reports[0].reused_tokens == 0, reports
+    _a_delete_on_b_reaches_a(a, b, server, messages, llama, tokenizer)
 
 
 def test_a_copy_known_deleted_is_dropped_by_get_though_redis_hangs(llama, tokenizer, server):
