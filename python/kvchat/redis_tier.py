@@ -664,10 +664,8 @@ class RedisTier(Tier):
             raise StoreUnavailable("the Redis store is resting after a failure")
         keys = [self.route_key(namespace, c) for c in conversations]
         with self._route_lock:  # after any route change made before it
-            if not self._available():  # it failed while this call waited
-                raise StoreUnavailable("the Redis store is resting after a failure")
             self._pay_owed()  # a stale route must not be found first
-            if not self._available():  # paying failed: the store is down again
+            if not self._available():  # it failed while this call waited, or as it paid
                 raise StoreUnavailable("the Redis store is resting after a failure")
             try:
                 found = self._take(keys=keys, args=[f"{namespace}/"])
