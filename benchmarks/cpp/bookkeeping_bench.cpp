@@ -1,7 +1,7 @@
 // Times the core's per-turn bookkeeping (begin_turn: plan, share lookup and
 // layers; finish_turn: checks, commit and record) for one session of 1k to 32k tokens,
 // SmolLM2-135M-shaped: 30 layers, 3 KV heads of 64; then what prefix sharing adds to a turn through
-// the manager (the share_prefix lookup, and the lease's settle: the rebase and the radix-tree
+// the manager (the share_prefix lookup, and the lease's reindex: the rebase and the radix-tree
 // update). Runs outside the test suite: `make bench-overhead`.
 #include <algorithm>
 #include <chrono>
@@ -38,20 +38,20 @@ double us_between(clock_type::time_point a, clock_type::time_point b) {
 
 // What sharing adds to an ordinary turn of 200 new tokens, while another
 // resident session holds the same ids: the share_prefix lookup (the session's
-// own cache wins, so nothing is adopted) and the release's settle (no rebase
+// own cache wins, so nothing is adopted) and the release's reindex (no rebase
 // pays at these lengths, so it re-indexes the ids in the radix tree).
 void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::RepetitionRule& rule) {
   constexpr int64_t kPrefix = 1000;
   std::printf("\nwith sharing on: lookup and re-index per turn (message boundary at %lld)\n",
               static_cast<long long>(kPrefix));
-  std::printf("%8s %12s %12s\n", "tokens", "share us", "settle us");
+  std::printf("%8s %12s %12s\n", "tokens", "share us", "reindex us");
   for (int64_t tokens : {1024, 4096, 8192, 16384, 32768}) {
     std::vector<int64_t> ids(tokens + kNewTokens);
     std::iota(ids.begin(), ids.end(), 10);
     ids[kPrefix - 1] = 2;  // the system prompt's end-of-turn: a message boundary
     auto cached = layers_of(tokens);
     auto grown = layers_of(tokens + kNewTokens);
-    std::vector<double> share_us, settle_us;
+    std::vector<double> share_us, reindex_us;
     for (int r = 0; r < kRepeats; ++r) {
       kvchat::ManagerLimits limits{4, 0, kLayers};
       limits.min_shared_tokens = 32;
@@ -69,13 +69,13 @@ void sharing_overhead(const kvchat::TurnMarkers& markers, const kvchat::Repetiti
       auto t1 = clock_type::now();
       session.commit(ids.data(), tokens + kNewTokens, grown, plan.kept_tokens, markers, rule);
       auto t2 = clock_type::now();
-      lease->release();  // settle: rebase when it pays, and re-index the ids
+      lease->release();  // reindex: rebase when it pays, and re-index the ids
       auto t3 = clock_type::now();
       share_us.push_back(us_between(t0, t1));
-      settle_us.push_back(us_between(t2, t3));
+      reindex_us.push_back(us_between(t2, t3));
     }
     std::printf("%8lld %12.1f %12.1f\n", static_cast<long long>(tokens), median_us(share_us),
-                median_us(settle_us));
+                median_us(reindex_us));
   }
 }
 

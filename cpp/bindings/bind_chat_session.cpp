@@ -74,7 +74,9 @@ void bind_chat_session(py::module_& m) {
       .def_readonly("generated_tokens", &SessionCounters::generated_tokens)
       .def_readonly("invalidations", &SessionCounters::invalidations)
       .def_readonly("checkpoint_restores", &SessionCounters::checkpoint_restores)
-      .def_readonly("checkpoints_taken", &SessionCounters::checkpoints_taken);
+      .def_readonly("checkpoints_taken", &SessionCounters::checkpoints_taken)
+      .def_readonly("settles", &SessionCounters::settles)
+      .def_readonly("settled_tokens", &SessionCounters::settled_tokens);
 
   py::class_<CacheInfo>(m, "CacheInfo")
       .def_readonly("cached_tokens", &CacheInfo::cached_tokens)
@@ -150,6 +152,7 @@ void bind_chat_session(py::module_& m) {
       .def("cached_state", &ChatSession::cached_state, no_gil())
       .def("restore", &ChatSession::restore, py::arg("state"), no_gil())
       .def_property_readonly("resident", py::cpp_function(&ChatSession::resident, no_gil()))
+      .def_property_readonly("version", py::cpp_function(&ChatSession::version, no_gil()))
       .def("cache_info", &ChatSession::cache_info, no_gil())
       .def("cached_ids", &ChatSession::cached_ids, no_gil())
       .def("cached_text", &ChatSession::cached_text, no_gil())

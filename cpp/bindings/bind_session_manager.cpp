@@ -73,7 +73,7 @@ void bind_session_manager(py::module_& m) {
           },
           py::arg("session"), py::arg("prompt_ids"), py::arg("plan"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
-           py::arg("create") = true, no_gil())
+           py::arg("create") = true, py::arg("touch") = true, no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"), no_gil())
       .def("__contains__", &SessionManager::contains, py::arg("session_id"), no_gil())
       .def("session_ids", &SessionManager::session_ids, no_gil())

@@ -3,9 +3,21 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 
 namespace kvchat {
+
+namespace {
+
+// One sequence for every session: a version names one cache, whichever
+// session (or a session of the same id made anew) holds it.
+uint64_t next_version() {
+  static std::atomic<uint64_t> counter{0};
+  return ++counter;
+}
+
+}  // namespace
 
 void SessionCounters::add(const TurnRecord& turn) {
   requests += 1;
@@ -24,11 +36,13 @@ SessionCounters& SessionCounters::operator+=(const SessionCounters& other) {
   invalidations += other.invalidations;
   checkpoint_restores += other.checkpoint_restores;
   checkpoints_taken += other.checkpoints_taken;
+  settles += other.settles;
+  settled_tokens += other.settled_tokens;
   return *this;
 }
 
 ChatSession::ChatSession(std::string id, int64_t num_layers, CheckpointPolicy policy)
-    : id_(std::move(id)), num_layers_(num_layers), policy_(policy) {
+    : id_(std::move(id)), num_layers_(num_layers), policy_(policy), version_(next_version()) {
   TORCH_CHECK_VALUE(!id_.empty(), "session_id must be a non-empty string");
   TORCH_CHECK_VALUE(num_layers_ >= 0, "num_layers must be >= 0, got ", num_layers_);
   TORCH_CHECK_VALUE(policy_.max_count >= 0, "max_checkpoints must be >= 0, got ",
@@ -110,9 +124,10 @@ std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const 
   return out;
 }
 
-void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
+bool ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers,
                          int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
-                         std::vector<Checkpoint> checkpoints, std::string text) {
+                         std::vector<Checkpoint> checkpoints, std::string text, int64_t needed,
+                         std::optional<uint64_t> expected_version) {
   TORCH_CHECK_VALUE(n > 0, "token_ids must not be empty");
   TORCH_CHECK_VALUE(num_layers_ == 0 || static_cast<int64_t>(layers.size()) == num_layers_,
                     "layers has ", layers.size(), " entries but the model has ", num_layers_,
@@ -159,9 +174,12 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
     }
   }
   const auto taken = static_cast<int64_t>(checkpoints.size());
-  auto merged = merge_checkpoints(std::move(kept), std::move(checkpoints), policy_);
+  auto merged = merge_checkpoints(std::move(kept), std::move(checkpoints), policy_, needed);
   CachedState old;
   std::lock_guard<std::mutex> lock(mutex_);
+  // `merged` and `layers` die after the lock if the cache moved on meanwhile.
+  if (expected_version && *expected_version != version_) return false;
+  version_ = next_version();
   counters_.checkpoints_taken += taken;
   old.checkpoints.swap(checkpoints_);
   old.layers.swap(layers_);
@@ -171,6 +189,7 @@ void ChatSession::commit(const int64_t* ids, int64_t n, std::vector<LayerStatePt
   layers_ = std::move(layers);
   trusted_tokens_ = trusted;
   last_check_ = why.str();
+  return true;
 }
 
 void ChatSession::invalidate_cache() {
@@ -187,6 +206,7 @@ CachedState ChatSession::take_cache() {
   out.trusted_tokens = trusted_tokens_;
   trusted_tokens_ = 0;
   last_check_.clear();
+  version_ = next_version();
   return out;
 }
 
@@ -196,6 +216,7 @@ void ChatSession::release_layers() {
   cached_ids_.clear();
   cached_text_.clear();
   released.swap(layers_);
+  version_ = next_version();
 }
 
 namespace {
@@ -249,6 +270,7 @@ void ChatSession::adopt_prefix(const SharedPrefixPtr& prefix) {
   if (needed) checkpoints_.push_back(std::move(at_prefix));
   trusted_tokens_ = prefix->num_tokens();
   last_check_.clear();
+  version_ = next_version();
 }
 
 bool ChatSession::rebase_on(const SharedPrefix& prefix) {
@@ -303,6 +325,12 @@ void ChatSession::restore(CachedState state) {
   cached_text_ = std::move(state.text);
   trusted_tokens_ = state.trusted_tokens;
   last_check_.clear();
+  version_ = next_version();
+}
+
+uint64_t ChatSession::version() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return version_;
 }
 
 bool ChatSession::resident() const {
@@ -360,6 +388,12 @@ void ChatSession::record_turn(const TurnRecord& turn) {
   std::lock_guard<std::mutex> lock(mutex_);
   counters_.add(turn);
   last_turn_ = turn;
+}
+
+void ChatSession::record_settle(int64_t prefilled_tokens) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  counters_.settles += 1;
+  counters_.settled_tokens += prefilled_tokens;
 }
 
 std::optional<TurnRecord> ChatSession::last_turn() const {

@@ -97,7 +97,7 @@ int64_t checkpoint_bytes(const std::vector<Checkpoint>& checkpoints) {
 
 std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
                                           std::vector<Checkpoint> added,
-                                          const CheckpointPolicy& policy) {
+                                          const CheckpointPolicy& policy, int64_t needed) {
   std::map<int64_t, Checkpoint> by_position;
   for (auto& cp : kept) by_position[cp.position] = std::move(cp);
   for (auto& cp : added) by_position[cp.position] = std::move(cp);
@@ -113,16 +113,26 @@ std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
       merged.clear();  // even one is over the byte bound
       break;
     }
+    // The one the next turn needs: the highest at or below `needed`; without
+    // a hint, the highest (a regenerate or the next turn restores it).
+    const size_t highest = merged.size() - 1;
+    size_t wanted = highest;
+    if (needed >= 0) {
+      while (wanted > 0 && merged[wanted].position > needed) --wanted;
+      if (merged[wanted].position > needed) wanted = highest;  // none at or below it
+    }
     // Without checkpoint i, a restore falls back to the one below it, so its
     // loss costs the gap below it in re-prefilled tokens. Drop the cheapest
-    // (ties: the lower); never the highest while others remain.
+    // (ties: the lower); never the wanted one, nor the highest while a third remains.
     auto cost = [&](size_t i) {
       return merged[i].position - (i == 0 ? 0 : merged[i - 1].position);
     };
-    size_t drop = 0;
-    for (size_t i = 1; i + 1 < merged.size(); ++i) {
-      if (cost(i) < cost(drop)) drop = i;
+    size_t drop = merged.size();
+    for (size_t i = 0; i < merged.size(); ++i) {
+      if (i == wanted || i == highest) continue;
+      if (drop == merged.size() || cost(i) < cost(drop)) drop = i;
     }
+    if (drop == merged.size()) drop = highest;  // two left: the wanted one stays
     merged.erase(merged.begin() + static_cast<std::ptrdiff_t>(drop));
   }
   return merged;

@@ -42,11 +42,11 @@ const std::shared_ptr<ChatSession>& SessionLease::session() const {
 void SessionLease::release() {
   if (!session_) return;
   const std::string id = session_->id();
-  // Settled while the turn lock is held, so no other call sees it half done.
+  // Reindexed while the turn lock is held, so no other call sees it half done.
   try {
-    manager_->settle(*session_);
+    manager_->reindex(*session_);
   } catch (const std::exception&) {
-    // Settling only dedupes storage; a session that keeps its own copy is
+    // Reindexing only dedupes storage; a session that keeps its own copy is
     // still correct, and a release must not throw.
   }
   turn_lock_.unlock();
@@ -66,7 +66,7 @@ SessionManager::SessionManager(ManagerLimits limits, TurnSettings settings)
 }
 
 std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait,
-                                                      bool create) {
+                                                      bool create, bool touch) {
   TORCH_CHECK_VALUE(!id.empty(), "session_id must be a non-empty string");
   std::shared_ptr<ChatSession> session;
   {
@@ -80,7 +80,7 @@ std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, boo
     if (!entry.session)
       entry.session = std::make_shared<ChatSession>(id, limits_.num_layers, limits_.checkpoints);
     entry.in_use += 1;
-    entry.last_used = ++clock_;
+    if (touch) entry.last_used = ++clock_;
     session = entry.session;
   }
   // The turn lock is taken outside the manager lock, so a long turn on one
@@ -257,7 +257,7 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
   return best->num_tokens();
 }
 
-void SessionManager::settle(ChatSession& session) {
+void SessionManager::reindex(ChatSession& session) {
   if (limits_.min_shared_tokens <= 0) return;
   const auto ids = session.cached_ids();
   const std::string prefix_scope = share_scope(session.id()) + "prefix:";

@@ -16,6 +16,12 @@ std::vector<LayerStatePtr> TurnPlan::take_layers() {
   return out;
 }
 
+std::vector<LayerStatePtr> SettlePlan::take_layers() {
+  std::vector<LayerStatePtr> out;
+  out.swap(layers);
+  return out;
+}
+
 TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
                                     int64_t max_new_tokens, std::optional<CachedState> reloaded,
                                     std::optional<ReuseReason> plain, int64_t rewritten_tail) {
@@ -103,7 +109,7 @@ TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& pla
         for (auto& cp : result.checkpoints) checkpoints.push_back(std::move(cp));
         session.commit(result.sequence.data(), result.cached_tokens, std::move(result.layers),
                        plan.kept_tokens, settings_.markers, settings_.repetition,
-                       std::move(checkpoints), std::move(result.text));
+                       std::move(checkpoints), std::move(result.text), result.needed_checkpoint);
         record.cache_stored = true;
       } catch (...) {
         session.invalidate_cache();
@@ -121,6 +127,58 @@ TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& pla
 void SessionManager::abort_turn(ChatSession& session, const TurnPlan& plan) {
   // A plain turn never took the session's layers; anything else did.
   if (!plan.plain) session.invalidate_cache();
+}
+
+SettlePlan SessionManager::begin_settle(ChatSession& session, const int64_t* target,
+                                        int64_t n) const {
+  TORCH_CHECK_VALUE(n > 0, "the settle target must not be empty");
+  SettlePlan settle;
+  settle.target.assign(target, target + n);
+  settle.version = session.version();  // read first: a later change refuses the commit
+  const auto cached = session.cached_ids();
+  const int64_t common =
+      common_prefix_length(cached.data(), static_cast<int64_t>(cached.size()), target, n);
+  if (common >= n && n <= session.cache_info().trusted_tokens) {
+    settle.kept_tokens = n;  // held already: nothing to do
+    return settle;
+  }
+  // The planner keeps at most n - 1 (a turn must run its last token), which
+  // is no limit here: what is held departs from the target before its end.
+  const ReusePlan plan = session.plan(target, n);
+  settle.kept_tokens = plan.kept_tokens;
+  settle.checkpoint_restored = plan.checkpoint_position;
+  settle.layers = session.layers_for(plan);
+  if (settings_.prefill_checkpoints) {
+    // The checkpoints a turn with this prompt would take, so the settled
+    // cache is the one a turn builds from the same tokens.
+    settle.checkpoint_positions = checkpoint_positions(target, n, plan.kept_tokens,
+                                                       settings_.markers, settings_.placement);
+    const bool start_is_new = plan.kept_tokens > 0 && plan.checkpoint_position != plan.kept_tokens;
+    if (settings_.placement == CheckpointPlacement::kLastMessage && start_is_new) {
+      Checkpoint start{plan.kept_tokens, {}};
+      for (const auto& layer : settle.layers) start.states.push_back(layer->shared_snapshot());
+      settle.checkpoints.push_back(std::move(start));
+    }
+  }
+  return settle;
+}
+
+bool SessionManager::finish_settle(ChatSession& session, const SettlePlan& plan,
+                                   SettleResult result) {
+  TORCH_CHECK_VALUE(
+      result.settled_tokens > plan.kept_tokens && result.settled_tokens <= plan.target_tokens(),
+      "settled_tokens must be in (", plan.kept_tokens, ", ", plan.target_tokens(), "], got ",
+      result.settled_tokens);
+  auto checkpoints = plan.checkpoints;
+  for (auto& cp : result.checkpoints) {
+    if (cp.position <= result.settled_tokens) checkpoints.push_back(std::move(cp));
+  }
+  const bool done =
+      session.commit(plan.target.data(), result.settled_tokens, std::move(result.layers),
+                     plan.kept_tokens, settings_.markers, settings_.repetition,
+                     std::move(checkpoints), {}, -1, plan.version);
+  if (done) session.record_settle(result.settled_tokens - plan.kept_tokens);
+  return done;
 }
 
 }  // namespace kvchat

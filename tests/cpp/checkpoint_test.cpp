@@ -116,6 +116,27 @@ TEST(Checkpoint, MergeThinsTheCheapestAndKeepsTheHighest) {
   EXPECT_TRUE(merge_checkpoints(merged, {}, CheckpointPolicy{0, 0}).empty());
 }
 
+TEST(Checkpoint, ThinningKeepsTheCheckpointTheNextTurnNeeds) {
+  // A turn's checkpoints: its start (100), a template's rewritten generation
+  // prompt (148) and the prompt's end (152). The next prompt departs at 150.
+  const std::vector<Checkpoint> taken{hybrid_checkpoint(100), hybrid_checkpoint(148),
+                                      hybrid_checkpoint(152)};
+  auto merged = merge_checkpoints({}, taken, CheckpointPolicy{1, 0}, 150);
+  EXPECT_EQ(positions(merged), (std::vector<int64_t>{148}));
+  // Two: the needed one and the highest.
+  merged = merge_checkpoints({}, taken, CheckpointPolicy{2, 0}, 150);
+  EXPECT_EQ(positions(merged), (std::vector<int64_t>{148, 152}));
+  // Needed at or past the highest, or nothing at or below it: the highest, as without a hint.
+  EXPECT_EQ(positions(merge_checkpoints({}, taken, CheckpointPolicy{1, 0}, 400)),
+            (std::vector<int64_t>{152}));
+  EXPECT_EQ(positions(merge_checkpoints({}, taken, CheckpointPolicy{1, 0}, 50)),
+            (std::vector<int64_t>{152}));
+  // A byte bound that fits one keeps the needed one too.
+  const int64_t one = checkpoint_bytes({hybrid_checkpoint(1)});
+  EXPECT_EQ(positions(merge_checkpoints({}, taken, CheckpointPolicy{8, one}, 120)),
+            (std::vector<int64_t>{100}));
+}
+
 TEST(Checkpoint, MergeRespectsTheByteBound) {
   const int64_t one = checkpoint_bytes({hybrid_checkpoint(1)});
   std::vector<Checkpoint> added;

@@ -55,6 +55,16 @@ TEST(SessionManager, LruOrderFollowsUse) {
   EXPECT_EQ(mgr->session_ids(), (std::vector<std::string>{"b", "a", "c"}));
 }
 
+TEST(SessionManager, ALeaseThatDoesNotTouchLeavesTheLruOrder) {
+  auto mgr = make_manager(2);
+  fill(*mgr, "a", 4);
+  fill(*mgr, "b", 4);
+  { auto background = mgr->acquire("a", true, true, false); }
+  fill(*mgr, "c", 4);  // a is still the least recently used
+  EXPECT_FALSE(mgr->find("a")->resident());
+  EXPECT_TRUE(mgr->find("b")->resident());
+}
+
 TEST(SessionManager, LruByBytes) {
   auto mgr = make_manager(100, session_bytes(10) * 2);
   fill(*mgr, "a", 10);

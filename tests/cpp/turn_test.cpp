@@ -238,5 +238,125 @@ TEST(Turn, BadArgumentsAreRefusedBeforeAnythingChanges) {
                c10::ValueError);
 }
 
+// Settling: the session after a turn (12 tokens cached: the prompt 100..109,
+// then 500, 501) brought to the ids its next prompt is predicted to start
+// with, here a re-tokenized reply: 100..109, 900, 901, 902, 2.
+std::vector<int64_t> settle_target() {
+  auto target = iota_ids(10);
+  target.insert(target.end(), {900, 901, 902, 2});
+  return target;
+}
+
+SettleResult settled(const SettlePlan& /*plan*/, int64_t tokens) {
+  return SettleResult{tokens, attention_layers(2, tokens), {}};
+}
+
+TEST(Turn, SettlingKeepsTheSessionsCacheUntilItCommits) {
+  auto mgr = make_manager();
+  run_turn(*mgr, "a", iota_ids(10));
+  const auto target = settle_target();
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_settle(session, target.data(), target.size());
+  EXPECT_EQ(plan.kept_tokens, 10);  // the reply departs at its first token
+  EXPECT_TRUE(plan.needed());
+  EXPECT_EQ(plan.version, session.version());
+  ASSERT_EQ(plan.layers.size(), 2u);
+  EXPECT_EQ(plan.layers[0]->num_tokens(), 10);
+  // The session still holds its own cache: a turn could run on it meanwhile.
+  EXPECT_EQ(session.cached_ids().size(), 12u);
+  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(plan, 14)));
+  EXPECT_EQ(session.cached_ids(), target);
+  EXPECT_NE(session.version(), plan.version);
+  EXPECT_EQ(session.counters().settles, 1);
+  EXPECT_EQ(session.counters().settled_tokens, 4);
+  EXPECT_EQ(session.counters().requests, 1);  // a settle is no turn
+  // Held now: a second settle to the same target has nothing to do.
+  EXPECT_FALSE(mgr->begin_settle(session, target.data(), target.size()).needed());
+}
+
+TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
+  auto mgr = make_manager();
+  run_turn(*mgr, "a", iota_ids(10));
+  const auto target = settle_target();
+  SettlePlan plan;
+  {
+    auto lease = mgr->acquire("a");
+    plan = mgr->begin_settle(*lease->session(), target.data(), target.size());
+  }
+  auto next = iota_ids(10);
+  next.insert(next.end(), {500, 501, 7});
+  run_turn(*mgr, "a", next);  // a turn took over before the settle was done
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  const auto held = session.cached_ids();
+  EXPECT_FALSE(mgr->finish_settle(session, plan, settled(plan, 14)));
+  EXPECT_EQ(session.cached_ids(), held);
+  EXPECT_EQ(session.counters().settles, 0);
+  // Nor onto a session of the same id made anew.
+  lease.reset();
+  mgr->remove("a");
+  run_turn(*mgr, "a", iota_ids(10));
+  lease = mgr->acquire("a");
+  EXPECT_FALSE(mgr->finish_settle(*lease->session(), plan, settled(plan, 14)));
+}
+
+TEST(Turn, APartialSettleCommitsWhatItPrefilled) {
+  auto mgr = make_manager();
+  run_turn(*mgr, "a", iota_ids(10));
+  const auto target = settle_target();
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_settle(session, target.data(), target.size());
+  EXPECT_THROW(mgr->finish_settle(session, plan, settled(plan, 10)), c10::ValueError);
+  EXPECT_THROW(mgr->finish_settle(session, plan, settled(plan, 15)), c10::ValueError);
+  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(plan, 12)));
+  EXPECT_EQ(session.cached_ids(), std::vector<int64_t>(target.begin(), target.begin() + 12));
+}
+
+TEST(Turn, SettlingAHybridRestoresTheCheckpointBeforeTheDeparture) {
+  auto mgr = make_manager(true);
+  // The first turn's checkpoints: the prompt's end (10), from generate.
+  auto first = iota_ids(10);
+  {
+    auto lease = mgr->acquire("a");
+    auto& session = *lease->session();
+    auto plan = mgr->begin_turn(session, first.data(), first.size(), 4);
+    auto result = model_output(first, 3);
+    result.layers = {recurrent_layer(12), recurrent_layer(12)};
+    result.checkpoints = {Checkpoint{10, {recurrent_layer(10), recurrent_layer(10)}}};
+    mgr->finish_turn(session, plan, std::move(result));
+  }
+  const auto target = settle_target();
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_settle(session, target.data(), target.size());
+  EXPECT_EQ(plan.kept_tokens, 10);
+  EXPECT_EQ(plan.checkpoint_restored, 10);
+  ASSERT_EQ(plan.layers.size(), 2u);
+  EXPECT_EQ(plan.layers[1]->num_tokens(), 10);
+  SettleResult result{14, {recurrent_layer(14), recurrent_layer(14)}, {}};
+  EXPECT_TRUE(mgr->finish_settle(session, plan, std::move(result)));
+  // The checkpoint it started from stays, for a prediction that missed.
+  EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{10}));
+}
+
+TEST(Turn, ThinningKeepsTheCheckpointTheTurnSaysTheNextOneNeeds) {
+  auto mgr = std::make_shared<SessionManager>(
+      ManagerLimits{16, 0, 2, CheckpointPolicy{1, 0}}, TurnSettings{kMarkers, {}, true});
+  const auto prompt = iota_ids(10);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto result = model_output(prompt, 3);
+  result.layers = {recurrent_layer(12), recurrent_layer(12)};
+  // A template that renders the generation prompt's last two tokens otherwise.
+  result.checkpoints = {Checkpoint{8, {recurrent_layer(8), recurrent_layer(8)}},
+                        Checkpoint{10, {recurrent_layer(10), recurrent_layer(10)}}};
+  result.needed_checkpoint = 9;
+  mgr->finish_turn(session, plan, std::move(result));
+  EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{8}));
+}
+
 }  // namespace
 }  // namespace kvchat

@@ -46,6 +46,8 @@ struct SessionCounters {
   int64_t invalidations = 0;  // turns whose reuse a check capped
   int64_t checkpoint_restores = 0;
   int64_t checkpoints_taken = 0;
+  int64_t settles = 0;         // settled caches committed between turns
+  int64_t settled_tokens = 0;  // tokens those settles prefilled
   void add(const TurnRecord& turn);
   SessionCounters& operator+=(const SessionCounters& other);
 };
@@ -101,11 +103,16 @@ class ChatSession {
   // Stores the cache after a turn. ids[0:n) are the tokens the layers hold;
   // tokens from `new_from` on are new this turn and are the only ones checked.
   // Checkpoints at or before new_from stay valid and are kept; `checkpoints`
-  // adds new ones. `text` is what the ids render to, for text-prefix
-  // matching (empty: unknown). Validates everything before changing anything.
-  void commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
+  // adds new ones; `needed` is where the next turn is expected to depart from
+  // ids, so thinning keeps the checkpoint below it (see merge_checkpoints).
+  // `text` is what the ids render to, for text-prefix matching (empty:
+  // unknown). Validates everything before changing anything. With
+  // `expected_version`, commits only if the cache is still that version
+  // (nothing changed it since it was read) and returns whether it did.
+  bool commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
               const TurnMarkers& markers, const RepetitionRule& rule,
-              std::vector<Checkpoint> checkpoints = {}, std::string text = {});
+              std::vector<Checkpoint> checkpoints = {}, std::string text = {},
+              int64_t needed = -1, std::optional<uint64_t> expected_version = std::nullopt);
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
   // Like invalidate_cache, but hands the cache to the caller (to spill it, or
@@ -118,6 +125,10 @@ class ChatSession {
   void release_layers();
   // Whether the session holds any tensors (layers or checkpoints).
   bool resident() const;
+  // Changes whenever the cache does (a commit, restore, take, release or
+  // adopted prefix), and is never the same for two sessions: work planned
+  // from one cache (settling, see turn.h) is committed only onto that cache.
+  uint64_t version() const;
   // The cache as it stands (empty ids and layers when nothing is cached).
   CachedState cached_state() const;
   // Replaces the cache with `state` (a saved or spilled one) after checking
@@ -145,6 +156,7 @@ class ChatSession {
 
   // --- counters ---
   void record_turn(const TurnRecord& turn);
+  void record_settle(int64_t prefilled_tokens);
   std::optional<TurnRecord> last_turn() const;
   SessionCounters counters() const;
 
@@ -166,6 +178,7 @@ class ChatSession {
   std::vector<LayerStatePtr> layers_;
   std::vector<Checkpoint> checkpoints_;  // sorted by position
   int64_t trusted_tokens_ = 0;
+  uint64_t version_;
   std::string last_check_;
   SessionCounters counters_;
   std::optional<TurnRecord> last_turn_;

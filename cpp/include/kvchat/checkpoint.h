@@ -36,10 +36,14 @@ bool restorable(const std::vector<LayerStatePtr>& layers, int64_t position,
                 const Checkpoint* checkpoint);
 
 // Merges `added` into `kept` (same position: added wins), sorts by position
-// and thins them (see CheckpointPolicy) until `policy` holds.
+// and thins them (see CheckpointPolicy) until `policy` holds. `needed`: where
+// the next turn is expected to depart from the cached ids (a reply the chat
+// template renders otherwise, say); the highest checkpoint at or below it is
+// the one that turn restores, so thinning keeps it first, before even the
+// highest of all (-1: nothing is known, the highest comes first).
 std::vector<Checkpoint> merge_checkpoints(std::vector<Checkpoint> kept,
                                           std::vector<Checkpoint> added,
-                                          const CheckpointPolicy& policy);
+                                          const CheckpointPolicy& policy, int64_t needed = -1);
 
 // Where a turn's prefill stops to snapshot its non-croppable layers. Each
 // stop is one more forward, and on a hybrid model one forward costs about

@@ -91,9 +91,11 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
 
   // Gets or creates the session and takes it for one turn. With wait=false a
   // session already in use raises SessionBusyError instead of blocking; with
-  // create=false an unknown id raises UnknownSessionError and creates nothing.
+  // create=false an unknown id raises UnknownSessionError and creates nothing;
+  // with touch=false the lease leaves the LRU order alone (background work,
+  // such as settling, is no use of the session).
   std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true,
-                                        bool create = true);
+                                        bool create = true, bool touch = true);
 
   std::shared_ptr<ChatSession> find(const std::string& id) const;  // UnknownSessionError
   bool contains(const std::string& id) const;
@@ -131,6 +133,15 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // handed its layers to the turn) and keeps its history.
   void abort_turn(ChatSession& session, const TurnPlan& plan);
 
+  // --- settling between turns (see turn.h); call each with `session` leased,
+  // and run the prefill between them without the lease ---
+  // Plans bringing the session to target[0:n): where its cache departs from
+  // it, the checkpoint or crop to start from, and the checkpoints to take.
+  SettlePlan begin_settle(ChatSession& session, const int64_t* target, int64_t n) const;
+  // Commits the settled cache when the session's cache is still the version
+  // the plan was made from; false (nothing changes) when it moved on.
+  bool finish_settle(ChatSession& session, const SettlePlan& plan, SettleResult result);
+
   // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
   // session leased, after planning (`own`: the session's plan for `prompt`):
   // when another resident session or a shared prefix holds more of `prompt`
@@ -154,9 +165,9 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
     std::vector<std::shared_ptr<ChatSession>> sessions;
   };
   void release(const std::string& id);
-  // After a turn, before the lease lets go: dedupes the session onto the
-  // longest shared prefix of its ids and indexes its ids for others.
-  void settle(ChatSession& session);
+  // Before any lease lets go: dedupes the session onto the longest shared
+  // prefix of its ids and indexes its ids for others.
+  void reindex(ChatSession& session);
   void enforce_limits_locked(Graveyard* dead);
   // What a session id may share with: its namespace ("a/" of "a/b") when
   // limits.isolate_namespaces, else everything ("").

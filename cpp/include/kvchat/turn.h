@@ -65,6 +65,41 @@ struct TurnResult {
   std::optional<std::vector<Message>> messages;
   double prefill_ms = 0.0;
   double total_ms = 0.0;
+  // Where the next prompt is predicted to depart from the sequence (-1:
+  // unknown): thinning keeps the checkpoint settling or that turn restores.
+  int64_t needed_checkpoint = -1;
+};
+
+// Settling, between two turns: the session is brought to `target`, the ids
+// its next prompt is predicted to start with (the history and the reply as
+// the client will send them back, rendered by the chat template), so that
+// turn prefills only what is new. begin_settle plans it with the session
+// leased but takes nothing from it: the session keeps its cache, and any turn
+// may run on it, until finish_settle commits the settled cache, which it does
+// only if the cache is still the one the plan was made from.
+struct SettlePlan {
+  std::vector<int64_t> target;
+  int64_t kept_tokens = 0;           // reused from the cache; the prefill starts here
+  int64_t checkpoint_restored = -1;  // position of a restored checkpoint, or -1
+  uint64_t version = 0;              // the session's cache version it was planned from
+  // Positions in (kept_tokens, target size) where the prefill snapshots, as a
+  // turn with this prompt would.
+  std::vector<int64_t> checkpoint_positions;
+  std::vector<Checkpoint> checkpoints;  // taken here (the free one at kept_tokens)
+  std::vector<LayerStatePtr> layers;    // at kept_tokens (views; the session keeps its own)
+
+  int64_t target_tokens() const { return static_cast<int64_t>(target.size()); }
+  // Whether there is anything to prefill (else the session holds the target).
+  bool needed() const { return kept_tokens < target_tokens(); }
+  std::vector<LayerStatePtr> take_layers();
+};
+
+// What the settling prefill left: the layers after target[0:settled_tokens).
+// Fewer than the whole target when a turn took over part way.
+struct SettleResult {
+  int64_t settled_tokens = 0;
+  std::vector<LayerStatePtr> layers;
+  std::vector<Checkpoint> checkpoints;
 };
 
 }  // namespace kvchat
