@@ -3,11 +3,12 @@ conversation's KV cache between turns and prefills only what is new."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from .prompting import (
     validate_messages,
 )
 from .report import ManagerStats, SessionInfo, TurnReport
+from .settling import Settler, predicted_prefix
 from .spill import Spill
 from .streaming import ReplyStream
 from .tier import StoreUnavailable, Tier
@@ -78,6 +80,27 @@ def _check_path(path) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
     return Path(path)
+
+
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class _SendBack:
+    """How the client will send a chat turn's conversation back: its messages,
+    then the reply as an assistant message, rendered with the same tools and
+    template arguments. ``settle``: settle the session for that after the turn."""
+
+    messages: list[dict]
+    tools: list | None
+    template_kwargs: dict | None
+    settle: bool
+
+    def history(self, reply: str) -> list[dict]:
+        return [*self.messages, {"role": "assistant", "content": reply}]
 
 
 def _positive_int(value, name: str, allow_none: bool = False):
@@ -138,6 +161,7 @@ class SessionManager:
         tier: Tier | None = None,
         isolate_namespaces: bool = False,
         store: str | None = None,
+        settle: bool = True,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -180,6 +204,13 @@ class SessionManager:
         isolate_namespaces: session ids of the form ``"namespace/name"`` share
             prefixes only within their namespace, so one tenant's turns never
             start from (or reveal) another's cache. ``kvchat serve`` sets it.
+        settle: after each chat() or stream_chat() turn, bring the session, in
+            the background and only while no turn runs, to the ids its next
+            prompt will start with (the history and the reply, rendered by the
+            chat template), so that turn prefills only its new messages even
+            when the reply re-tokenizes otherwise or the template rewrites it.
+            See docs/settling.md. Off with ``match="text"``, which already
+            reuses re-tokenized replies.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -211,6 +242,8 @@ class SessionManager:
             raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
         if not isinstance(isolate_namespaces, bool):
             raise TypeError(f"isolate_namespaces must be a bool, got {isolate_namespaces!r}")
+        if not isinstance(settle, bool):
+            raise TypeError(f"settle must be a bool, got {settle!r}")
         _positive_int(min_shared_tokens, "min_shared_tokens")
         if tier is not None and not isinstance(tier, Tier):
             raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
@@ -251,6 +284,8 @@ class SessionManager:
             placement=CHECKPOINT_PLACEMENTS[checkpoints],
             isolate_namespaces=isolate_namespaces,
         )
+        self._settles = settle and match == "tokens" and self._bridge.supported
+        self._settler = Settler(self._core, self._bridge, self._prefill, model.device)
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
         self._tier.isolate_namespaces = isolate_namespaces  # stored data stays in its namespace
         self._tier.bind(self._fingerprint, self._bridge, model.device)
@@ -268,20 +303,26 @@ class SessionManager:
         do_sample: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        settle: bool = True,
         **generate_kwargs,
     ) -> str:
         """Answers the whole conversation ``messages``; returns the reply text.
 
         ``tools`` and ``chat_template_kwargs`` (``{"enable_thinking": False}``,
-        say) go to the chat template; the rest goes to ``model.generate``."""
+        say) go to the chat template; the rest goes to ``model.generate``.
+        ``settle=False``: do not settle the session for a next turn that sends
+        the reply back as returned, because the caller sends something else
+        back (tool calls parsed from it, say) and calls ``settle()`` with that."""
         text, ids, messages = self._chat_text(
             session_id, messages, max_new_tokens, tools, chat_template_kwargs
         )
+        _check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         args = resolve_generate_args(self._model, kwargs, ids.numel())
         tail = self._rewritten_tail(tools, chat_template_kwargs)
+        sendback = _SendBack(messages, tools, chat_template_kwargs, settle)
         _, reply, _ = self._turn(
-            session_id, args, ids, text=text, messages=messages, rewritten_tail=tail
+            session_id, args, ids, text=text, sendback=sendback, rewritten_tail=tail
         )
         return reply
 
@@ -293,6 +334,7 @@ class SessionManager:
         do_sample: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        settle: bool = True,
         **generate_kwargs,
     ) -> ReplyStream:
         """Like chat(), but yields text pieces as they are generated; once it is
@@ -300,19 +342,21 @@ class SessionManager:
 
         Closing the stream (``close()``, leaving a ``for`` loop over it with
         ``break``, or dropping it) stops generation within a token; the
-        session keeps what was generated and stays exact."""
+        session keeps what was generated and stays exact. ``settle``: as in chat()."""
         # Validate now, so bad input raises here rather than at the first next().
         text, ids, messages = self._chat_text(
             session_id, messages, max_new_tokens, tools, chat_template_kwargs
         )
+        _check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         stream = ReplyStream(self._tokenizer, kwargs)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
         tail = self._rewritten_tail(tools, chat_template_kwargs)
+        sendback = _SendBack(messages, tools, chat_template_kwargs, settle)
 
         def run() -> TurnReport:
             _, _, record = self._turn(
-                session_id, args, ids, text=text, messages=messages, rewritten_tail=tail
+                session_id, args, ids, text=text, sendback=sendback, rewritten_tail=tail
             )
             return TurnReport.from_core(record, self._tier.reload_reason)
 
@@ -348,6 +392,37 @@ class SessionManager:
         output, _, _ = self._turn(session_id, args, input_ids[0].long())
         return output
 
+    def settle(
+        self,
+        session_id: str,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> None:
+        """Settles the session for a next turn whose conversation starts with
+        ``messages`` (what the caller will send back: the history and the
+        reply as it returns it, with parsed ``tool_calls``, say), rendered with
+        ``tools`` and ``chat_template_kwargs``. Returns at once: the prefill
+        runs in the background while no turn runs, and replaces any settle
+        waiting for this session. Does nothing with ``settle=False`` or
+        ``match="text"``. Bad messages raise here, as in chat()."""
+        _check_session_id(session_id)
+        require_chat_template(self._tokenizer)
+        messages = validate_messages(messages)
+        check_tools(tools)
+        check_template_kwargs(chat_template_kwargs, self._tokenizer)
+        session = self._core.find(session_id)  # KeyError for an unknown session
+        if not self._settles:
+            return
+        version = session.version  # read first: a turn meanwhile makes the settle moot
+        predict = functools.partial(self._predict, messages, tools, chat_template_kwargs)
+        self._settler.schedule(session_id, predict, version)
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Waits until no settle is waiting or running (a turn meanwhile pauses
+        them). False if ``timeout`` ran out first."""
+        return self._settler.wait(timeout)
+
     # ------------------------------------------------------------ inspection
     def last_turn(self, session_id: str) -> TurnReport | None:
         """What the session's last turn reused, prefilled and generated."""
@@ -356,7 +431,7 @@ class SessionManager:
 
     def stats(self) -> ManagerStats:
         stats = ManagerStats.from_core(self._core.stats())
-        return replace(stats, **self._tier.counters())
+        return replace(stats, **self._tier.counters(), **self._settler.counters())
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo.from_core(self._core.find(_check_session_id(session_id)))
@@ -380,7 +455,9 @@ class SessionManager:
                 f"session {session_id!r} was not cleared: the shared store is unreachable "
                 f"(its snapshot there would outlive the clear); try again"
             )
-        self._core.clear(session_id)
+        with self._settler.hold(session_id):
+            self._core.clear(session_id)
+        self._settler.forget(session_id)
         self._forget_stored(session_id, "cleared")
 
     def remove(self, session_id: str, local_only: bool = False) -> None:
@@ -403,7 +480,8 @@ class SessionManager:
                 f"(other processes would keep serving it); try again"
             )
         try:
-            self._core.remove(session_id)
+            with self._settler.hold(session_id):
+                self._core.remove(session_id)
         except KeyError:
             if not everywhere:
                 raise
@@ -419,6 +497,7 @@ class SessionManager:
             if not (held or owed):
                 raise
             return
+        self._settler.forget(session_id)
         if everywhere or not self._tier.shared:
             self._forget_stored(session_id, "removed")
         else:
@@ -450,9 +529,11 @@ class SessionManager:
         deleted = self._tier.deleted_among(list(session_ids))
         for session_id in deleted:
             try:
-                self._core.remove(session_id)
+                with self._settler.hold(session_id):
+                    self._core.remove(session_id)
             except (KeyError, _C.SessionBusy):
                 continue
+            self._settler.forget(session_id)
             self._tier.released(session_id)
         return deleted
 
@@ -463,8 +544,10 @@ class SessionManager:
         return self._tier.flush(timeout, session_id)
 
     def close(self) -> None:
-        """Writes what the tier has queued and stops its writer. The manager
-        should not be used afterwards."""
+        """Stops settling (a settle under way is dropped), writes what the
+        tier has queued and stops its writer. The manager should not be used
+        afterwards."""
+        self._settler.close()
         self._tier.close()
 
     # ------------------------------------------------------------ persistence
@@ -478,7 +561,10 @@ class SessionManager:
         # A consistent snapshot under the lease (UnknownSessionError, creating
         # nothing, for an unknown id); stored states are never written in place,
         # so the file is written after it, without blocking the session.
-        with self._core.acquire(session_id, wait=self._wait, create=False) as session:
+        with (
+            self._settler.hold(session_id),
+            self._core.acquire(session_id, wait=self._wait, create=False) as session,
+        ):
             messages = _as_dicts(session.messages())
             state = session.cached_state()
         write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
@@ -505,7 +591,7 @@ class SessionManager:
                 f"path {str(path)!r} holds an invalid session: {error}"
             ) from error
         target = session_id or saved.session_id
-        with self._core.acquire(target, wait=self._wait) as session:
+        with self._settler.hold(target), self._core.acquire(target, wait=self._wait) as session:
             if saved.state is None:
                 session.invalidate_cache()
             else:
@@ -604,14 +690,15 @@ class SessionManager:
         return self._rewrites[key]
 
     def _turn(
-        self, session_id, args: GenerateArgs, fresh, *, text=None, messages=None, rewritten_tail=0
+        self, session_id, args: GenerateArgs, fresh, *, text=None, sendback=None, rewritten_tail=0
     ):
         """One turn: the core's begin_turn, the model, the core's finish_turn.
 
         ``args``: the generate arguments, resolved (and so validated) by the caller;
         ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
-        ``text``, for ``messages``: the prompt text they came from (text mode).
-        Returns generate's output, for messages the reply text, and the TurnRecord.
+        ``text``, for a chat turn: the prompt text they came from (text mode);
+        ``sendback``: a chat turn's ``_SendBack`` (None for generate()).
+        Returns generate's output, for a chat turn the reply text, and the TurnRecord.
 
         Everything that can be refused is refused before the session is leased,
         so bad input leaves nothing behind; a turn that fails after begin_turn
@@ -626,13 +713,22 @@ class SessionManager:
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()
         kwargs = timer.attach(args.kwargs)
+        fresh = fresh.to("cpu", torch.long).contiguous()
+        settle_to = None
         try:
-            with self._core.acquire(session_id, wait=self._wait) as session:
+            # The turn takes over a settle of this session (see settling.py).
+            with (
+                self._settler.hold(session_id, fresh) as handover,
+                self._core.acquire(session_id, wait=self._wait) as session,
+            ):
                 self._drop_if_deleted(session)
                 # Text mode reads the session's cached text, so it matches under the lease.
                 prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
                 prompt = prompt.to("cpu", torch.long).contiguous()
                 self._check_context(prompt.numel(), args.max_new_tokens)
+                if handover is not None:
+                    self._settler.take_over(session, prompt, handover)
+                    handover = None  # its tensors are the session's now, or go here
                 reloaded = self._from_tier(session, prompt) if plain is None else None
                 plan = self._core.begin_turn(
                     session,
@@ -649,7 +745,8 @@ class SessionManager:
                         plan.reload_error,
                     )
                 try:
-                    output, reply, result = self._run(plan, prompt, kwargs, text, messages)
+                    output, reply, result = self._run(plan, prompt, kwargs, text, sendback)
+                    target = result.pop("settle_to", None)
                     result = _C.TurnResult(
                         **result,
                         prefill_ms=timer.prefill_ms,
@@ -663,8 +760,12 @@ class SessionManager:
                 if self._tier.writes_turns and not plan.plain and record.cache_stored:
                     # References, not copies: stored states are never written in place.
                     snapshot = (session.cached_state(), _as_dicts(session.messages()))
+                if target is not None and record.cache_stored and sendback.settle:
+                    settle_to = (target, session.version) if self._settles else None
             if snapshot is not None:
                 self._tier.turn_finished(session_id, *snapshot)
+            if settle_to is not None:
+                self._settler.schedule(session_id, *settle_to)
             if not plan.plain:
                 if not record.cache_stored:
                     logger.warning(
@@ -700,8 +801,10 @@ class SessionManager:
             have = min(have, local.trusted_tokens)  # past a failed check, nothing is held
         return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
-    def _run(self, plan, prompt, kwargs, text, messages):
-        """The model's part of a turn: (generate's output, reply text, TurnResult fields).
+    def _run(self, plan, prompt, kwargs, text, sendback):
+        """The model's part of a turn: (generate's output, reply text, TurnResult fields,
+        and "settle_to": the ids the next prompt is predicted to start with, or a
+        function that renders them, or None).
 
         A plain plan runs plain generate, passing no cache. Otherwise the cache
         is built from the plan's layers, the uncached tail is prefilled to each
@@ -744,8 +847,31 @@ class SessionManager:
             cached_ids = sequence[prompt.numel() : result["cached_tokens"]]
             result["text"] = text + self._tokenizer.decode(cached_ids, skip_special_tokens=False)
         reply = None
-        if messages is not None:
+        if sendback is not None:
             reply = self._decode_reply(sequences, prompt.numel())
-            history = [*messages, {"role": "assistant", "content": reply}]
+            history = sendback.history(reply)
             result["messages"] = _core_messages(history)
+            predicts = self._match == "tokens" and self._bridge.supported and not plan.plain
+            if predicts and (self._settles or self._bridge.needs_checkpoints):
+                predict = functools.partial(
+                    self._predict, history, sendback.tools, sendback.template_kwargs
+                )
+                result["settle_to"] = predict  # rendered by the settle thread
+                if self._bridge.needs_checkpoints:
+                    # Rendered now: where the next prompt departs from what is
+                    # cached, thinning keeps the checkpoint below it, which
+                    # settling (or that turn) restores.
+                    target = predict()
+                    result["settle_to"] = target
+                    if target is not None:
+                        result["needed_checkpoint"] = _C.common_prefix_length(target, sequence)
         return output, reply, result
+
+    def _predict(self, history, tools, template_kwargs):
+        """predicted_prefix, or None (logged) if rendering it fails: a
+        prediction is an optimization and never fails a turn."""
+        try:
+            return predicted_prefix(self._tokenizer, history, tools, template_kwargs)
+        except Exception as error:
+            logger.warning("kvchat: no settling after this turn: %s", error)
+            return None

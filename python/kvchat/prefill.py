@@ -49,15 +49,20 @@ class ChunkedPrefill:
                     f"checkpoint positions must rise within ({start}, {input_ids.shape[1]}), "
                     f"got {positions}"
                 )
-            self._model(
-                input_ids=input_ids[:, done:position],
-                use_cache=True,
-                **self._bridge.forward_arguments(cache, done, position, input_ids.device),
-                **self._extra,
-            )
+            self.forward(input_ids, cache, done, position)
             done = position
             checkpoints.append(_C.Checkpoint(position, self._bridge.snapshot(cache, position)))
         return checkpoints
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache, begin: int, end: int) -> None:
+        """One forward over ``input_ids[:, begin:end]`` into ``cache``, which holds ``begin``."""
+        self._model(
+            input_ids=input_ids[:, begin:end],
+            use_cache=True,
+            **self._bridge.forward_arguments(cache, begin, end, input_ids.device),
+            **self._extra,
+        )
 
 
 class PromptEndSnapshot(LogitsProcessor):

@@ -72,6 +72,13 @@ class ManagerStats:
     # store_misses by reason: absent, format, fingerprint, session, diverged,
     # chunk_missing, checksum, malformed, unavailable.
     store_miss_reasons: dict[str, int] = field(default_factory=dict)
+    # Settling between turns (docs/settling.md).
+    settles: int = 0  # settled caches committed, whole or taken over by a turn
+    settled_tokens: int = 0  # tokens those settles prefilled, off the turns' path
+    settle_ms: float = 0.0  # time settles spent prefilling
+    settle_misses: int = 0  # turns whose prompt did not start with the prediction
+    settles_taken_over: int = 0  # settles a turn took over part way
+    settles_pending: int = 0  # waiting or running now
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:
@@ -93,6 +100,8 @@ class ManagerStats:
             shared_prefixes=stats.shared_prefixes,
             prefix_shares=stats.prefix_shares,
             shared_tokens=stats.shared_tokens,
+            settles=t.settles,
+            settled_tokens=t.settled_tokens,
         )
 
     def as_dict(self) -> dict:

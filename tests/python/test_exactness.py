@@ -8,6 +8,7 @@ import torch
 from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat._C import common_prefix_length
+from kvchat.prompting import render_prompt
 
 
 def chat_and_check(mgr, model, tokenizer, session_id, messages):
@@ -22,24 +23,36 @@ def chat_and_check(mgr, model, tokenizer, session_id, messages):
     return reply, prompt, ref_ids
 
 
-def test_ten_turns_identical_and_prefill_only_new(family_model, tokenizer):
-    mgr = SessionManager(family_model, tokenizer)
+@pytest.mark.parametrize("settle", [False, True])
+def test_ten_turns_identical_and_prefill_only_new(family_model, tokenizer, settle):
+    """Unsettled, the cache holds the previous prompt and reply; settled (the
+    session waits for it, as a user reading the reply does), it holds the
+    history as the template renders it, and the turn prefills only the new
+    message and the generation prompt."""
+    mgr = SessionManager(family_model, tokenizer, settle=settle)
     messages = [SYSTEM]
     previous = None  # (prompt ids, output ids) of the previous turn
     for turn in range(10):
         messages.append(user_message(turn))
+        mgr.wait_settled()
+        held = torch.tensor(mgr._core.find("s").cached_ids() if previous else [])  # test-only
         reply, prompt, output_ids = chat_and_check(mgr, family_model, tokenizer, "s", messages)
         report = mgr.last_turn("s")
         if previous is None:
             assert report.reused_tokens == 0 and report.reason == "no_cache"
         else:
-            # The cache held the previous prompt plus all generated ids but the last.
             prev_prompt, prev_out = previous
-            cached = torch.cat([prev_prompt, torch.tensor(prev_out[:-1], dtype=torch.long)])
-            lcp = common_prefix_length(cached, prompt)
+            if not settle:  # the previous prompt plus all generated ids but the last
+                cached = torch.cat([prev_prompt, torch.tensor(prev_out[:-1], dtype=torch.long)])
+                assert torch.equal(held, cached)
+            lcp = common_prefix_length(held.long(), prompt)
             assert report.prefilled_tokens == prompt.numel() - min(lcp, prompt.numel() - 1)
             # At worst, re-tokenizing the reply costs the reply: never the old prompt.
             assert report.reused_tokens >= prev_prompt.numel()
+            if settle:  # the whole history
+                other = {"role": "user", "content": "Zebra"}
+                history = render_prompt(tokenizer, [*messages[:-1], other])
+                assert lcp == common_prefix_length(history, prompt)
         previous = (prompt, output_ids)
         messages.append({"role": "assistant", "content": reply})
     stats = mgr.stats()

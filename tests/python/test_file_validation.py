@@ -31,6 +31,7 @@ def saved_lfm2(tokenizer, tmp_path, turns=2):
         messages.append(
             {"role": "assistant", "content": mgr.chat("s", messages, max_new_tokens=MAX_NEW)}
         )
+    mgr.wait_settled()
     path = tmp_path / "s.safetensors"
     mgr.save("s", path)
     return model, messages, path
@@ -108,6 +109,7 @@ def test_every_one_byte_header_change_is_refused_or_harmless(tokenizer, tmp_path
     start, end = header_bounds(data)
     mgr = SessionManager(model, tokenizer)
     mgr.chat("other", [LONG_SYSTEM, user_message(3)], max_new_tokens=MAX_NEW)
+    mgr.wait_settled()
     other = (mgr.info("other"), mgr.messages("other"))
     good = SessionManager(model, tokenizer)
     good.load(path, session_id="s")

@@ -2,6 +2,10 @@
 
 Each test compares kvchat, turn by turn, with plain ``model.generate`` on the
 full conversation (float64, greedy), and asserts how much was reused and why.
+Tests of how a turn matches a cache that departs from its prompt (a reply
+that re-tokenizes otherwise, a template that rewrites history, a regenerate)
+turn settling off: settling would bring the session to the next prompt
+between the turns (test_settling.py), and they test the turn's own fallback.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def test_eight_turns_identical_when_replies_retokenize_differently(any_family, t
     prompt diverges inside the last reply: layers that cannot crop come back
     from the checkpoint at the previous prompt's last token."""
     family, model = any_family
-    mgr = SessionManager(model, tokenizer)
+    mgr = SessionManager(model, tokenizer, settle=False)
     messages, previous_prompt, diverged = [SYSTEM], None, 0
     for turn in range(8):
         messages.append(user_message(turn))
@@ -101,7 +105,7 @@ def test_template_that_drops_earlier_think_blocks(any_family):
     block, so the prompt diverges right after the previous generation prompt."""
     family, model = any_family
     tokenizer = tiny_tokenizer(THINK_DROPPING_TEMPLATE)
-    mgr = SessionManager(model, tokenizer)
+    mgr = SessionManager(model, tokenizer, settle=False)
     messages, previous_prompt = [SYSTEM], None
     for turn in range(4):
         messages.append(user_message(turn))
@@ -125,7 +129,7 @@ def test_template_that_opens_a_think_block_in_the_generation_prompt(any_family, 
     so every layer reuses the whole common prefix."""
     family, model = any_family
     tokenizer = tiny_tokenizer(THINK_OPENING_TEMPLATE)
-    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints)
+    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints, settle=False)
     messages, held, previous_prompt = [SYSTEM], [], None
     for turn in range(4):
         messages.append(user_message(turn))
@@ -150,7 +154,7 @@ def test_regenerated_turn_reuses_up_to_its_checkpoint(any_family, tokenizer, che
     crop come back from a checkpoint: with "every", the one before the last
     prompt token; with "last", the free one where the turn started."""
     family, model = any_family
-    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints)
+    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints, settle=False)
     messages, first = checked_turns(mgr, model, tokenizer, SYSTEM, 3)
     reply = messages.pop()["content"]  # the user asks for another answer to the same question
     again, t = chat_turn(mgr, model, tokenizer, messages)
@@ -208,7 +212,8 @@ def test_checkpoints_last_adds_no_forward_after_the_first_turn(any_family, token
     the first turn, which stops once at the long system prompt's end; with
     "every" each message boundary costs a forward on every turn."""
     family, model = any_family
-    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints)
+    # Settling's forwards run between turns, off their path (test_settling.py).
+    mgr = SessionManager(model, tokenizer, checkpoints=checkpoints, settle=False)
     messages = [LONG_SYSTEM]
     counter = ForwardCounter(model)
     extra = []
@@ -260,8 +265,9 @@ def test_text_mode_keeps_the_whole_cache_when_retokenization_differs(any_family,
     assert fresh_differs > 0, "no turn exercised a re-tokenization difference"
 
 
+@pytest.mark.parametrize("settle", [False, True])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "falcon_h1"])
-def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer):
+def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer, settle):
     model = _model(family)
     # One checkpoint's bytes, measured on a throwaway session.
     probe = SessionManager(model, tokenizer, max_checkpoints=1)
@@ -269,11 +275,14 @@ def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer):
     one = probe.info("p").checkpoint_bytes
     assert one > 0
     bound = int(2.5 * one)
-    mgr = SessionManager(model, tokenizer, max_checkpoints=4, max_checkpoint_bytes=bound)
+    mgr = SessionManager(
+        model, tokenizer, max_checkpoints=4, max_checkpoint_bytes=bound, settle=settle
+    )
     messages = [SYSTEM]
     for turn in range(30):
         messages.append(user_message(turn))
         reply, t = chat_turn(mgr, model, tokenizer, messages)
+        mgr.wait_settled()
         info, stats = mgr.info("s"), mgr.stats()
         assert 1 <= info.checkpoints <= 2, (turn, info)  # 2.5 checkpoints' bytes hold 2
         assert info.checkpoint_bytes <= bound, (turn, info)
@@ -282,8 +291,10 @@ def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer):
         messages.append({"role": "assistant", "content": reply})
     # At least one per turn (the prompt's end), thinned to the bound of two.
     assert stats.checkpoints_taken >= 30
-    # Random replies re-tokenize differently, so turns restored the newest checkpoint.
-    assert stats.checkpoint_restores > 0
+    if settle:  # every turn extends the settled history
+        assert stats.settles >= 29 and stats.settle_misses == 0
+    else:  # random replies re-tokenize differently: turns restored the newest checkpoint
+        assert stats.checkpoint_restores > 0
 
 
 def test_stats_count_checkpoints_only_where_layers_need_them(tokenizer):

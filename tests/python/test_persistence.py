@@ -28,6 +28,7 @@ def saved_after_two_turns(model, tokenizer, tmp_path):
     """A session of two turns, saved: (its manager, its messages, the file)."""
     stayed = SessionManager(model, tokenizer)
     messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
+    stayed.wait_settled()  # the file and the session here then hold the same
     path = tmp_path / "s.safetensors"
     stayed.save("s", path)
     return stayed, messages, path

@@ -69,9 +69,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _converse(model, tokenizer, history: str) -> tuple[int, int]:
     """Ten turns; kvchat's reply (greedy) against plain generate's every turn,
     and its reuse against the longest common prefix of what the session held
-    and the prompt. ``history``: what the conversation goes on with:
-    "greedy", the reply; "sampled", a sampled reply kvchat never generated
-    (which need not re-tokenize as generated); "regenerate", the turn asked
+    (settled: the history as the template renders it) and the prompt.
+    ``history``: what the conversation goes on with: "greedy", the reply;
+    "sampled", a sampled reply kvchat never generated (which need not
+    re-tokenize as generated); "regenerate", the turn asked
     again, sampled with one seed in both paths, and that reply.
     Returns (tokens reused, prompt tokens) of turns 2+."""
     manager = SessionManager(model, tokenizer)
@@ -80,6 +81,9 @@ def _converse(model, tokenizer, history: str) -> tuple[int, int]:
         messages.append({"role": "user", "content": QUESTIONS[turn]})
         prompt = render_prompt(tokenizer, messages)
         reply = _plain(model, prompt, None)
+        manager.wait_settled()  # the user reads the reply: the session settles
+        if turn:
+            held = list(manager._core.find("s").cached_ids())  # test-only access
         manager.chat("s", messages, max_new_tokens=MAX_NEW)
         report = manager.last_turn("s")
         assert report.output_ids == reply, f"turn {turn + 1}"
@@ -87,7 +91,6 @@ def _converse(model, tokenizer, history: str) -> tuple[int, int]:
             lcp = min(_common_prefix(held, prompt.tolist()), prompt.numel() - 1)
             assert report.reused_tokens == lcp, f"turn {turn + 1}"
             reused, reusable = reused + report.reused_tokens, reusable + prompt.numel()
-        held = prompt.tolist() + list(report.output_ids[:-1])
         if history == "regenerate":
             seed = 1000 + turn
             reply = _plain(model, prompt, seed)
@@ -95,7 +98,6 @@ def _converse(model, tokenizer, history: str) -> tuple[int, int]:
             manager.chat("s", messages, max_new_tokens=MAX_NEW, do_sample=True)
             report = manager.last_turn("s")
             assert report.output_ids == reply, f"turn {turn + 1}, regenerated"
-            held = prompt.tolist() + list(report.output_ids[:-1])
         elif history == "sampled":
             reply = _plain(model, prompt, 2000 + turn)
         text = tokenizer.decode(reply, skip_special_tokens=True)

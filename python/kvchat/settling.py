@@ -1,0 +1,355 @@
+"""Settling between turns: the session is brought to the ids its next prompt
+will start with, while the user reads and types or the agent runs its tool.
+
+After a reply, kvchat knows how the client will send the conversation back:
+the history, then the reply as an assistant message, rendered by the chat
+template. Those ids often depart from what the session cached: a reply that
+re-tokenizes differently, a tool call re-rendered from JSON, a reasoning
+block the template drops, a generation prompt whose last token merges with
+the reply's first. A layer that cannot crop (recurrent, conv, sliding) then
+falls back to a checkpoint before the departure, and the next turn prefills
+the difference on its critical path. Settling prefills it in the free time
+instead, so the next turn prefills only its new messages.
+
+``Settler`` runs settles on one background thread, only while no turn runs
+(turns of every session count: settling never slows one down by more than
+the chunk it is in), in chunks of a few tens of milliseconds. A turn on the
+session being settled takes over: the settle stops at its chunk's end and
+hands what it prefilled to the turn, which commits it when its prompt starts
+with those ids. Until a settle commits, the session keeps the cache it had,
+so a prediction that missed loses nothing; the commit is refused if anything
+changed the cache meanwhile (the core's cache version).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+from .prompting import render_text, tokenize_text
+
+logger = logging.getLogger("kvchat")
+
+# Two different next messages: where their renders part is where the next
+# prompt stops being predictable. Different first characters and classes, so
+# no byte-level merge carries one into the header before it.
+_PROBES = ({"role": "user", "content": "Alpha"}, {"role": "user", "content": "7"})
+# What follows an assistant message that calls tools: the tool's result.
+_TOOL_PROBE = {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "7"}
+# A chunk of the settling prefill aims at this long: a turn that starts
+# meanwhile waits at most about this for the model to be free.
+_CHUNK_SECONDS = 0.02
+_MIN_CHUNK, _MAX_CHUNK = 8, 512
+
+
+def predicted_prefix(tokenizer, history: list[dict], tools=None, template_kwargs=None):
+    """The ids the next prompt is predicted to start with, once ``history``
+    (ending with the reply as the client will send it back) is followed by
+    any next message: the common prefix of renders with different next
+    messages. None when the template refuses every probe."""
+    probes = [*_PROBES]
+    last = history[-1] if history else {}
+    if last.get("role") == "assistant" and last.get("tool_calls"):
+        call_id = (last["tool_calls"][0] or {}).get("id") or "call_0"
+        probes.append(dict(_TOOL_PROBE, tool_call_id=call_id))
+    rendered = []
+    for probe in probes:
+        try:
+            text = render_text(tokenizer, [*history, probe], tools, template_kwargs)
+        except ValueError as error:  # the template refuses this continuation
+            logger.debug("kvchat: settle probe %r refused: %s", probe["role"], error)
+            continue
+        rendered.append(tokenize_text(tokenizer, text))
+    if len(rendered) < 2:
+        return None
+    n = min(ids.numel() for ids in rendered)
+    for other in rendered[1:]:
+        n = min(n, _C.common_prefix_length(rendered[0], other))
+    return rendered[0][:n].clone() if n > 0 else None
+
+
+@dataclass
+class _Job:
+    session_id: str
+    # 1-D int64 ids, or a function that renders them (on the settle thread,
+    # off the turn's path; None: nothing to predict)
+    target: torch.Tensor | Callable[[], torch.Tensor | None]
+    version: int  # the session's cache version it was predicted from
+    stop: bool = False  # a turn on the session takes over
+    in_lease: bool = False  # planning or committing: users of the session wait
+    handover: tuple | None = None  # (plan, cache, settled tokens, checkpoints) for the turn
+
+
+# Settlers with a live thread: stopped at exit, since a thread still inside
+# the model when the interpreter finalizes aborts the process.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for settler in list(_LIVE):
+        settler.close()
+
+
+class Settler:
+    """Settles sessions on one background thread (see the module docstring).
+
+    ``hold`` wraps every call that leases a session: a turn takes over that
+    session's settle and counts toward "a turn is running", any other call
+    only waits out the settle's short leased sections."""
+
+    def __init__(self, core, bridge, prefill, device):
+        self._core, self._bridge, self._prefill, self._device = core, bridge, prefill, device
+        self._cond = threading.Condition()
+        self._jobs: dict[str, _Job] = {}  # waiting, oldest first
+        self._running: _Job | None = None
+        self._users: Counter[str] = Counter()  # sessions leased by calls, not by settles
+        self._turns = 0  # turns running (any session)
+        self._predicted: dict[str, torch.Tensor] = {}  # the last prediction per session
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._chunk = 32
+        # Counted here, the rest (settles, settled tokens) by the core.
+        self._misses = 0  # turns whose prompt did not start with the prediction
+        self._taken_over = 0  # settles a turn took over part way and committed
+        self._settle_ms = 0.0  # time spent prefilling in settles
+
+    # ---------------------------------------------------------- scheduling
+    def schedule(self, session_id: str, target, version: int) -> None:
+        """Settles ``session_id`` to ``target`` (ids, or a function that
+        renders them) once no turn runs, if its cache is still ``version``
+        then. Replaces any settle waiting for it."""
+        with self._cond:
+            if self._closed:
+                return
+            self._predicted.pop(session_id, None)
+            if isinstance(target, torch.Tensor):
+                self._predicted[session_id] = target
+            if self._running is not None and self._running.session_id == session_id:
+                self._running.stop = True  # outdated: its handover is dropped
+            self._jobs.pop(session_id, None)
+            self._jobs[session_id] = _Job(session_id, target, version)
+            if self._thread is None:  # it ends when nothing is left to do
+                self._thread = threading.Thread(
+                    target=self._work, name="kvchat-settle", daemon=True
+                )
+                self._thread.start()
+                _LIVE.add(self)
+            self._cond.notify_all()
+
+    def forget(self, session_id: str) -> None:
+        with self._cond:
+            self._jobs.pop(session_id, None)
+            self._predicted.pop(session_id, None)
+            if self._running is not None and self._running.session_id == session_id:
+                self._running.stop = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until no settle is waiting or running; False if ``timeout`` ran out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._running is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Drops waiting settles, stops a running one at its chunk's end and
+        waits for the thread to end."""
+        with self._cond:
+            self._closed = True
+            self._jobs.clear()
+            if self._running is not None:
+                self._running.stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        _LIVE.discard(self)
+
+    def counters(self) -> dict:
+        with self._cond:
+            return {
+                "settle_misses": self._misses,
+                "settles_taken_over": self._taken_over,
+                "settle_ms": self._settle_ms,
+                "settles_pending": len(self._jobs) + (self._running is not None),
+            }
+
+    # --------------------------------------------------------- the callers
+    @contextlib.contextmanager
+    def hold(self, session_id: str, prompt: torch.Tensor | None = None):
+        """While a call leases ``session_id``. With ``prompt`` it is a turn:
+        it counts as running (settling pauses), a waiting settle of this
+        session is dropped and a running one stops at its chunk's end. Yields
+        what that settle prefilled (for ``take_over``), or None."""
+        turn = prompt is not None
+        with self._cond:
+            self._users[session_id] += 1
+            if turn:
+                self._turns += 1
+                self._jobs.pop(session_id, None)
+                predicted = self._predicted.pop(session_id, None)
+                if predicted is not None and not _starts_with(prompt, predicted):
+                    self._misses += 1
+            job = self._running
+            if job is not None and job.session_id == session_id:
+                if turn:
+                    job.stop = True
+                    self._cond.notify_all()
+                # A leased section is short; a turn also waits out the chunk in progress.
+                while self._running is job and (job.in_lease or turn):
+                    self._cond.wait()
+            else:
+                job = None
+        try:
+            yield job.handover if (turn and job is not None) else None
+        finally:
+            with self._cond:
+                self._users[session_id] -= 1
+                if not self._users[session_id]:
+                    del self._users[session_id]
+                if turn:
+                    self._turns -= 1
+                self._cond.notify_all()
+
+    def take_over(self, session, prompt: torch.Tensor, handover) -> None:
+        """Under the turn's lease: commits what an interrupted settle prefilled
+        when the turn's prompt starts with those ids (else it is dropped and
+        the session keeps the cache it had)."""
+        plan, cache, settled, checkpoints = handover
+        if settled <= plan.kept_tokens or not _starts_with(prompt, plan.target[:settled]):
+            return
+        layers = self._bridge.from_cache(cache, settled)
+        result = _C.SettleResult(settled_tokens=settled, layers=layers, checkpoints=checkpoints)
+        if self._core.finish_settle(session, plan, result):
+            with self._cond:
+                self._taken_over += 1
+
+    # --------------------------------------------------------- the worker
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                job = None
+                while not self._closed and self._jobs:
+                    if self._turns == 0:
+                        free = (j for j in self._jobs.values() if j.session_id not in self._users)
+                        job = next(free, None)
+                    if job is not None:
+                        break
+                    self._cond.wait()
+                if job is None:  # closed, or nothing left: a new job starts a new thread
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                del self._jobs[job.session_id]
+                self._running = job
+            try:
+                self._settle(job)
+            except Exception:  # settling is an optimization: never fatal
+                logger.exception(
+                    "kvchat: settling %r failed; its next turn matches as usual", job.session_id
+                )
+            finally:
+                with self._cond:
+                    self._running = None
+                    job.in_lease = False
+                    self._cond.notify_all()
+
+    def _leased(self, job: _Job, work):
+        """Runs ``work(session)`` with the job's session leased (marked
+        ``in_lease`` by the caller, under the lock); None when the session is
+        gone or in use."""
+        try:
+            try:
+                lease = self._core.acquire(job.session_id, wait=False, create=False, touch=False)
+            except (KeyError, _C.SessionBusy):
+                return None
+            with lease as session:
+                return work(session)
+        finally:
+            with self._cond:
+                job.in_lease = False
+                self._cond.notify_all()
+
+    def _settle(self, job: _Job) -> None:
+        if not isinstance(job.target, torch.Tensor):
+            job.target = job.target()
+            if job.target is None:
+                return
+            with self._cond:
+                if job.stop:
+                    return
+                self._predicted[job.session_id] = job.target
+
+        def begin(session):
+            if session.version != job.version:
+                return None
+            return self._core.begin_settle(session, job.target)
+
+        with self._cond:
+            if job.stop:
+                return
+            job.in_lease = True
+        plan = self._leased(job, begin)
+        if plan is None or not plan.needed:
+            return
+        started = time.perf_counter()
+        cache = self._bridge.to_cache(plan.take_layers(), reserve=plan.target_tokens)
+        ids = plan.target.unsqueeze(0).to(self._device)
+        positions = set(plan.checkpoint_positions)
+        checkpoints, done, end = [], plan.kept_tokens, plan.target_tokens
+        while done < end:
+            stop = min([end, done + self._chunk, *(p for p in positions if p > done)])
+            began = time.perf_counter()
+            self._prefill.forward(ids, cache, done, stop)
+            self._adapt(stop - done, time.perf_counter() - began)
+            done = stop
+            if done in positions:
+                checkpoints.append(_C.Checkpoint(done, self._bridge.snapshot(cache, done)))
+            if done < end and not self._pause(job):
+                break
+        with self._cond:
+            self._settle_ms += (time.perf_counter() - started) * 1e3
+            if job.stop:  # a turn on this session waits for what was done
+                job.handover = (plan, cache, done, checkpoints)
+                return
+            job.in_lease = True  # from here the turn waits for the commit
+
+        def commit(session):
+            layers = self._bridge.from_cache(cache, done)
+            result = _C.SettleResult(settled_tokens=done, layers=layers, checkpoints=checkpoints)
+            return self._core.finish_settle(session, plan, result)
+
+        self._leased(job, commit)
+
+    def _pause(self, job: _Job) -> bool:
+        """Between chunks: waits while any turn runs. False when a turn on
+        this session (or a newer prediction) stops the settle."""
+        with self._cond:
+            while self._turns > 0 and not job.stop and not self._closed:
+                self._cond.wait()
+            return not (job.stop or self._closed)
+
+    def _adapt(self, tokens: int, seconds: float) -> None:
+        """Sizes the next chunk to take about _CHUNK_SECONDS."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self._chunk = int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * _CHUNK_SECONDS)))
+
+
+def _starts_with(ids: torch.Tensor, prefix: torch.Tensor) -> bool:
+    n = prefix.numel()
+    return ids.numel() >= n and _C.common_prefix_length(ids[:n], prefix) == n

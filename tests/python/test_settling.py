@@ -1,0 +1,340 @@
+"""Settling between turns (docs/settling.md): after a reply the session is
+brought, in the background, to the ids its next prompt starts with, so that
+turn prefills only its new messages, whatever the reply re-tokenizes to.
+
+Replies here are raw (a random model's output, which mostly does not
+re-tokenize as generated), every turn is checked token for token against
+plain ``generate`` on the full conversation (float64), and the hard timings
+are forced: a turn that arrives while its session settles, a turn of another
+session while a settle waits, a settle that fails, a client that sends back
+something else than predicted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import CHECKPOINT_FAMILIES, _model
+from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.prompting import render_prompt
+from kvchat.tiny import THINK_OPENING_TEMPLATE, tiny_tokenizer
+
+
+def _lcp(a, b) -> int:
+    a, b = list(a), list(b)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _history_ids(tokenizer, history, prompt) -> int:
+    """How many of ``prompt``'s ids its history fixes: where it parts from
+    the same history followed by other user messages."""
+    others = (
+        render_prompt(tokenizer, [*history, {"role": "user", "content": text}])
+        for text in ("Zebra crossing", "42")
+    )
+    return min(_lcp(prompt.tolist(), other.tolist()) for other in others)
+
+
+def _checked(mgr, model, tokenizer, messages, session="s"):
+    """One turn checked against plain generate; (reply, report)."""
+    _, _, expected = reference_turn(model, tokenizer, messages)
+    reply = mgr.chat(session, messages, max_new_tokens=MAX_NEW)
+    report = mgr.last_turn(session)
+    assert report.output_ids == expected
+    return reply, report
+
+
+def test_every_family_prefills_only_the_new_message_once_settled(any_family, tokenizer):
+    family, model = any_family
+    mgr = SessionManager(model, tokenizer)
+    messages, retokenized = [LONG_SYSTEM], 0
+    for turn in range(6):
+        messages.append(user_message(turn))
+        prompt = render_prompt(tokenizer, messages)
+        held = mgr._core.find("s").cached_ids() if turn else []  # test-only access
+        reply, t = _checked(mgr, model, tokenizer, messages)
+        if turn:
+            fixed = _history_ids(tokenizer, messages[:-1], prompt)
+            assert t.reused_tokens == _lcp(held, prompt) == fixed, (family, turn, t, fixed)
+            assert t.reason == "extend", (family, turn, t)
+        ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": reply}])
+        retokenized += _lcp(ids[prompt.numel() :].tolist(), t.output_ids) < len(t.output_ids) - 1
+        messages.append({"role": "assistant", "content": reply})
+        assert mgr.wait_settled(timeout=60)
+    assert retokenized, "every reply re-tokenized as generated: the hard case was not run"
+    stats = mgr.stats()
+    assert stats.settles >= 5 and stats.settled_tokens > 0 and stats.settle_misses == 0
+
+
+def test_without_settling_hybrids_fall_back_to_a_checkpoint(tokenizer):
+    """The same conversation with settle=False: the next prompt departs inside
+    the re-tokenized reply, and a hybrid reuses only up to a checkpoint there."""
+    model = _model("lfm2")
+    mgr = SessionManager(model, tokenizer, settle=False)
+    messages, short = [LONG_SYSTEM], 0
+    for turn in range(4):
+        messages.append(user_message(turn))
+        prompt = render_prompt(tokenizer, messages)
+        reply, t = _checked(mgr, model, tokenizer, messages)
+        if turn:
+            short += t.reused_tokens < _history_ids(tokenizer, messages[:-1], prompt)
+        messages.append({"role": "assistant", "content": reply})
+    assert short > 0
+    assert mgr.stats().settles == 0
+
+
+def _slow_settle(mgr, entered: threading.Event, release: threading.Event):
+    """Makes each settle forward wait for ``release`` (the first sets ``entered``)."""
+    prefill = mgr._settler._prefill
+    forward = prefill.forward
+
+    def waiting(*args, **kwargs):
+        if threading.current_thread().name == "kvchat-settle":
+            entered.set()
+            release.wait(30)
+        return forward(*args, **kwargs)
+
+    prefill.forward = waiting
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
+    """The turn waits for the chunk in progress, takes what was prefilled and
+    prefills the rest itself; output unchanged."""
+    model = _model(family)
+    mgr = SessionManager(model, tokenizer)
+    mgr._settler._chunk = 1  # test-only: one token per chunk, so a turn lands mid-settle
+    messages = [SYSTEM, user_message(0)]
+    reply, _ = _checked(mgr, model, tokenizer, messages)
+    mgr.wait_settled(timeout=60)
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    entered, release = threading.Event(), threading.Event()
+    _slow_settle(mgr, entered, release)
+    reply, _ = _checked(mgr, model, tokenizer, messages)  # schedules the settle
+    assert entered.wait(30)
+    messages += [{"role": "assistant", "content": reply}, user_message(2)]
+    prompt = render_prompt(tokenizer, messages)
+    timer = threading.Timer(0.2, release.set)  # the chunk in progress ends meanwhile
+    timer.start()
+    _, t = _checked(mgr, model, tokenizer, messages)
+    timer.join()
+    stats = mgr.stats()
+    assert stats.settles_taken_over == 1, stats
+    # It started from what the settle prefilled: past the previous prompt's end.
+    previous = t.prompt_tokens - (prompt.numel() - _history_ids(tokenizer, messages[:-1], prompt))
+    assert t.reused_tokens > 0 and t.reused_tokens <= previous
+    assert mgr.wait_settled(timeout=60)
+
+
+def test_settling_waits_while_any_turn_runs(tokenizer):
+    """A settle of one session never runs beside a turn of another."""
+    model = _model("llama")
+    mgr = SessionManager(model, tokenizer)
+    first = [SYSTEM, user_message(0)]
+    reply = mgr.chat("a", first, max_new_tokens=MAX_NEW)
+    mgr.wait_settled(timeout=60)
+    ran = []
+    forward = mgr._settler._prefill.forward
+
+    def recording(*args, **kwargs):
+        ran.append(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    mgr._settler._prefill.forward = recording
+    started, finish = threading.Event(), threading.Event()
+
+    class Hold:  # a logits processor that holds session b's turn open
+        def __call__(self, input_ids, scores):
+            started.set()
+            finish.wait(30)
+            return scores
+
+    other = threading.Thread(
+        target=mgr.chat,
+        args=("b", [SYSTEM, user_message(5)]),
+        kwargs=dict(max_new_tokens=2, logits_processor=[Hold()]),
+    )
+    other.start()
+    assert started.wait(30)
+    mgr.settle("a", [*first, {"role": "assistant", "content": reply + " Edited."}])
+    assert not mgr.wait_settled(timeout=0.5)  # waits for b's turn
+    assert ran == []
+    finish.set()
+    other.join()
+    assert mgr.wait_settled(timeout=60)
+    assert "kvchat-settle" in ran
+
+
+def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_family, tokenizer):
+    family, model = any_family
+    mgr = SessionManager(model, tokenizer)
+    messages = [LONG_SYSTEM, user_message(0)]
+    reply, first = _checked(mgr, model, tokenizer, messages)
+    mgr.wait_settled(timeout=60)
+    # The user edits the reply before going on.
+    messages += [{"role": "assistant", "content": "Edited: " + reply}, user_message(1)]
+    prompt = render_prompt(tokenizer, messages)
+    _, t = _checked(mgr, model, tokenizer, messages)
+    assert mgr.stats().settle_misses == 1
+    # The previous prompt's end (a checkpoint on a hybrid) is reused still.
+    assert t.reused_tokens >= first.prompt_tokens - 1
+    assert t.reused_tokens <= _lcp(render_prompt(tokenizer, messages[:2]).tolist(), prompt.tolist())
+
+
+def test_a_failed_settle_leaves_the_cache_it_started_from(tokenizer):
+    model = _model("lfm2")
+    mgr = SessionManager(model, tokenizer)
+    messages = [LONG_SYSTEM, user_message(0)]
+    reply, first = _checked(mgr, model, tokenizer, messages)
+    mgr.wait_settled(timeout=60)
+    held = mgr._core.find("s").cached_ids()
+    forward = mgr._settler._prefill.forward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    mgr._settler._prefill.forward = failing
+    mgr.settle("s", [*messages, {"role": "assistant", "content": reply + " (edited)"}])
+    assert mgr.wait_settled(timeout=60)
+    assert mgr._core.find("s").cached_ids() == held
+    mgr._settler._prefill.forward = forward
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    _, t = _checked(mgr, model, tokenizer, messages)
+    assert t.reused_tokens >= first.prompt_tokens - 1
+
+
+def test_settle_names_bad_arguments(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer)
+    with pytest.raises(KeyError):
+        mgr.settle("nobody", [SYSTEM, user_message(0)])
+    mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]"):
+        mgr.settle("s", [{"role": "user", "content": 3}])
+    with pytest.raises(TypeError, match="settle must be a bool"):
+        mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=2, settle="no")
+    with pytest.raises(TypeError, match="settle must be a bool"):
+        SessionManager(llama, tokenizer, settle=1)
+    with pytest.raises(TypeError, match="tools must be a list"):
+        mgr.settle("s", [SYSTEM, user_message(0)], tools="get_weather")
+
+
+class _BlockingCore:
+    """The core, with begin_settle held until ``release`` is set."""
+
+    def __init__(self, core, entered, release):
+        self._core, self._entered, self._release = core, entered, release
+
+    def begin_settle(self, *args):
+        self._entered.set()
+        self._release.wait(30)
+        return self._core.begin_settle(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+def test_a_settle_never_makes_a_call_busy(tokenizer):
+    """With busy="error", a call on a session the settler holds for a moment
+    (planning or committing) waits for it instead of raising SessionBusy."""
+    model = _model("llama")
+    mgr = SessionManager(model, tokenizer, busy="error")
+    messages = [SYSTEM, user_message(0)]
+    reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    mgr.wait_settled(timeout=60)
+    entered, release = threading.Event(), threading.Event()
+    mgr._settler._core = _BlockingCore(mgr._settler._core, entered, release)
+    mgr.settle("s", [*messages, {"role": "assistant", "content": reply + " More."}])
+    assert entered.wait(30)
+    timer = threading.Timer(0.2, release.set)
+    timer.start()
+    mgr.clear("s")  # would raise SessionBusy if it did not wait
+    timer.join()
+    assert mgr.info("s").cached_tokens == 0
+    assert mgr.wait_settled(timeout=60)
+
+
+def test_max_checkpoints_one_keeps_the_checkpoint_the_next_turn_needs(tokenizer):
+    """A template that opens <think> in its generation prompt (Qwen3.5) makes
+    the next prompt depart inside it. With max_checkpoints=1, thinning kept
+    the prompt's end, which lies past that: nothing was reused. Now it keeps
+    the one the next turn restores. Settling off, so the turn itself restores it."""
+    model = _model("lfm2")
+    tokenizer = tiny_tokenizer(THINK_OPENING_TEMPLATE)
+    mgr = SessionManager(model, tokenizer, max_checkpoints=1, settle=False)
+    messages = [SYSTEM]
+    for turn in range(3):
+        messages.append(user_message(turn))
+        held = mgr._core.find("s").cached_ids() if turn else []
+        prompt = render_prompt(tokenizer, messages)
+        reply, t = _checked(mgr, model, tokenizer, messages)
+        if turn:
+            assert t.reused_tokens == _lcp(held, prompt) > 0, (turn, t)
+        messages.append({"role": "assistant", "content": f"Let me see.</think>\n\n{reply}"})
+
+
+def test_settled_sessions_save_and_load_exactly(tmp_path, tokenizer):
+    model = _model("bamba")
+    mgr = SessionManager(model, tokenizer)
+    messages = [LONG_SYSTEM, user_message(0)]
+    reply, _ = _checked(mgr, model, tokenizer, messages)
+    mgr.wait_settled(timeout=60)
+    mgr.save("s", tmp_path / "s.safetensors")
+    other = SessionManager(model, tokenizer)
+    other.load(tmp_path / "s.safetensors")
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    prompt = render_prompt(tokenizer, messages)
+    _, t = _checked(other, model, tokenizer, messages)
+    assert t.reused_tokens == _history_ids(tokenizer, messages[:-1], prompt)
+
+
+def test_text_mode_and_generate_do_not_settle(llama, tokenizer):
+    text = SessionManager(llama, tokenizer, match="text")
+    text.chat("s", [SYSTEM, user_message(0)], max_new_tokens=4)
+    ids = render_prompt(tokenizer, [SYSTEM, user_message(0)]).unsqueeze(0)
+    mgr = SessionManager(llama, tokenizer)
+    mgr.generate(ids, session_id="g", max_new_tokens=4, do_sample=False)
+    for manager in (text, mgr):
+        assert manager.wait_settled(timeout=10)
+        assert manager.stats().settles == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+def test_settled_half_precision_turns_keep_clear_first_tokens(family, dtype, tokenizer):
+    """bfloat16 and float16 promise what test_bfloat16.py says (a clear first
+    token is plain generate's); settled, each turn also prefills only its new
+    message."""
+    from kvchat.tiny import tiny_model
+    from test_bfloat16 import MARGIN, _plain
+
+    model = tiny_model(family, dtype=dtype, seed=0)
+    mgr = SessionManager(model, tokenizer)
+    messages, checked = [LONG_SYSTEM], 0
+    for turn in range(5):
+        messages.append(user_message(turn))
+        prompt = render_prompt(tokenizer, messages)
+        expected, margin = _plain(model, prompt)
+        mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+        t = mgr.last_turn("s")
+        if turn:
+            assert t.reused_tokens == _history_ids(tokenizer, messages[:-1], prompt), (turn, t)
+            if margin > MARGIN:
+                assert t.output_ids[0] == expected[0], (turn, margin)
+                checked += 1
+        else:
+            assert t.output_ids == expected
+        # The client sends back kvchat's reply, as a user would.
+        reply = tokenizer.decode(t.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        assert mgr.wait_settled(timeout=60)
+    assert checked >= 2, f"only {checked} turns had a clear first token"
+
+
+def test_checkpoint_families_are_covered():
+    assert "lfm2" in CHECKPOINT_FAMILIES and "bamba" in CHECKPOINT_FAMILIES
