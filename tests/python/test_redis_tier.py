@@ -1088,7 +1088,7 @@ def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
         server.stop()
 
 
-def test_a_refused_turn_is_settled_off_the_event_loop(server):
+def test_a_refused_turn_is_released_off_the_event_loop(server):
     """A turn refused after its claim (over the context) puts its route back
     in the store: that write, held up here as a hung store would hold it,
     never stalls the event loop (/health answers meanwhile)."""
@@ -1359,7 +1359,7 @@ def test_a_deleted_session_leaves_no_route_generation_behind(llama, tokenizer, s
 def test_a_route_is_put_back_outside_the_routers_lock(server):
     """A turn on another replica's session refused here puts its route back
     in the store; that store call is never made holding the router's lock
-    (every claim and settle of every session takes it)."""
+    (every claim and release of every session takes it)."""
     replicas = _Replicas(server.redis_url, max_context_length=256)
     tier, router = replicas.managers[1].tier, replicas.apps[1].state.router
     seen, original = [], tier.remember_route

@@ -61,6 +61,13 @@ class Server(ServerProcess):
         assert response.status_code == 200, response.text
         return response.json()
 
+    def settled(self, timeout: float = 60) -> None:
+        """Waits until no session settles (docs/settling.md), as /metrics says."""
+        deadline = time.monotonic() + timeout
+        while "kvchat_settles_pending 0.0" not in self.get("/metrics").text:
+            assert time.monotonic() < deadline, "settling never ended"
+            time.sleep(0.05)
+
 
 def _auth(key: str | None) -> dict:
     return {} if key is None else {"Authorization": f"Bearer {key}"}
@@ -511,6 +518,7 @@ def _send(server: Server, request: dict) -> httpx.Response:
 @pytest.mark.parametrize("row", list(SERVE_ERROR_CASES))
 def test_bad_requests_get_openai_errors_and_touch_nothing(row, llama_server):
     _ask(_client(llama_server), [user_message(7)], "witness", stream=False)
+    llama_server.settled()
     witness = llama_server.session("witness")
     sessions = llama_server.get("/v1/sessions").json()["data"]
     for request, status, code, param in SERVE_ERROR_CASES[row]:

@@ -304,9 +304,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         except BaseException as error:
             pending.release()
             expiry.end(session)
-            settled = settle_failed(ns, session)
+            released = release_failed(ns, session)
             if not isinstance(error, asyncio.CancelledError):
-                await settled  # before the error reaches the client, who may retry at once
+                await released  # before the error reaches the client, who may retry at once
             raise
         cid = protocol.completion_id()
         turn = _Turn(stream, first, chat, max_tokens, session, ns, explicit is None)
@@ -329,7 +329,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     async def claim(ns: str, explicit: str | None, messages: list[dict]) -> str:
         """router.claim, off the event loop when it asks the shared store (a
         network call). If the request is cancelled meanwhile (its client
-        left), the claim is settled as a failed turn once it is made: never
+        left), the claim is released as a failed turn once it is made: never
         a session held out of the map for ever."""
         if not manager.tier.shared:
             return router.claim(ns, explicit, messages)
@@ -339,23 +339,23 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             return await asyncio.shield(claimed)
         except asyncio.CancelledError:
 
-            def settle(done) -> None:
+            def release(done) -> None:
                 if not done.cancelled() and done.exception() is None:
-                    settle_failed(ns, done.result())
+                    release_failed(ns, done.result())
 
-            claimed.add_done_callback(settle)
+            claimed.add_done_callback(release)
             raise
 
-    def settle_failed(ns: str, session: str) -> asyncio.Future:
-        """router.settle for a turn that never ran, off the event loop when it
+    def release_failed(ns: str, session: str) -> asyncio.Future:
+        """router.release for a turn that never ran, off the event loop when it
         writes to the shared store (a network call that a hung store stalls)."""
         loop = asyncio.get_running_loop()
         if not manager.tier.shared:
-            router.settle(ns, session, None)
+            router.release(ns, session, None)
             done = loop.create_future()
             done.set_result(None)
             return done
-        return asyncio.shield(loop.run_in_executor(None, router.settle, ns, session, None))
+        return asyncio.shield(loop.run_in_executor(None, router.release, ns, session, None))
 
     async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int):
         """Starts the turn and waits for its first piece, so what is refused
@@ -373,6 +373,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 max_new_tokens=max_tokens,
                 tools=chat.tools,
                 chat_template_kwargs=chat.template_kwargs,
+                settle=False,  # finish() settles on the reply as it was sent
                 **kwargs,
             )
             return stream, next(stream, _DONE)
@@ -408,8 +409,23 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             history = None
             if report is not None:
                 history = [*turn.chat.messages, {"role": "assistant", "content": turn.text}]
-            router.settle(turn.ns, turn.session, history)
+            router.release(turn.ns, turn.session, history)
             expiry.end(turn.session)
+        if history is not None:
+            settle(turn, history)
+
+    def settle(turn: _Turn, history: list[dict]) -> None:
+        """Settles the session on the conversation the client received (the
+        text a stop string cut short, say), for its next turn."""
+        try:
+            manager.settle(
+                turn.session,
+                history,
+                tools=turn.chat.tools,
+                chat_template_kwargs=turn.chat.template_kwargs,
+            )
+        except (KeyError, ValueError, TypeError) as error:  # removed meanwhile, say
+            logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
 
     def abandon(turn: _Turn) -> None:
         """A streamed response ended: if its turn was not finished (the client
@@ -429,7 +445,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                     break
                 if piece:
                     yield _sse(protocol.chunk(cid, model, {"content": piece}))
-            # Committed and settled before [DONE], so the client's next turn finds it.
+            # Committed and released before [DONE], so the client's next turn finds it.
             await run_in_threadpool(finish, turn)
             finished = True
             yield _sse(protocol.chunk(cid, model, {}, turn.finish_reason(stop_ids)))

@@ -48,6 +48,20 @@ class _ManagerCollector:
         for reason, count in sorted(stats.store_miss_reasons.items()):
             misses.add_metric([reason], count)
         yield misses
+        settling = {
+            "settles": "Sessions settled between turns for the next prompt",
+            "settled_tokens": "Tokens settles prefilled off the turns' critical path",
+            "settle_misses": "Turns whose prompt did not start with the settled prediction",
+            "settles_taken_over": "Settles a turn on the session took over part way",
+        }
+        for name, text in settling.items():
+            yield CounterMetricFamily(f"kvchat_{name}", text, value=getattr(stats, name))
+        yield CounterMetricFamily(
+            "kvchat_settle_seconds", "Time settles spent prefilling", value=stats.settle_ms / 1e3
+        )
+        yield GaugeMetricFamily(
+            "kvchat_settles_pending", "Settles waiting or running", value=stats.settles_pending
+        )
 
 
 class _TablesCollector:

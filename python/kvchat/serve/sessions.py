@@ -110,7 +110,7 @@ class SessionRouter:
 
     def claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
         """The session (internal id) this request's turn runs on. Every claim
-        is followed by one settle() for it, whatever becomes of the request.
+        is followed by one release() for it, whatever becomes of the request.
         It may ask the shared store: call it off the event loop."""
         if explicit is not None:
             return self._claim_by_id(ns, self.internal(ns, explicit))
@@ -148,7 +148,7 @@ class SessionRouter:
         if self._shared is not None:
             routed, held = self._shared.take_session_route(session)
         with self._lock:
-            if routed:  # routed by the store: settle() writes its new route
+            if routed:  # routed by the store: release() writes its new route
                 self._auto.add(session)
                 self._start(session, None if held is None else (ns, held))
             elif session in self._auto:
@@ -173,7 +173,7 @@ class SessionRouter:
             self._start(session)
         return session
 
-    def settle(self, ns: str, session: str, conversation: list[dict] | None) -> None:
+    def release(self, ns: str, session: str, conversation: list[dict] | None) -> None:
         """After a turn: ``conversation`` (its messages and the reply) is what the
         session now holds; None when the turn failed, and it holds what it held."""
         with self._lock:
