@@ -1,0 +1,138 @@
+"""Settling through ``kvchat serve`` (docs/settling.md): the server settles a
+session on the reply as its client received it (cut at a stop string, say),
+so an agent loop's next turn prefills only its new messages; where the client
+sends back something else (tool calls it parsed from the reply), the turn
+still reuses the longest common prefix, on a hybrid model too.
+
+One ``kvchat serve tiny:lfm2`` process, the ``openai`` client, raw replies
+(the random model's own tokens, which mostly do not re-tokenize), each reply
+checked against plain ``generate`` on the full conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers import LONG_SYSTEM, MAX_NEW
+from kvchat.prompting import render_prompt
+from test_serve import KEY_A, Server, _reference
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def lfm2_server():
+    server = Server("tiny:lfm2", "--api-key", KEY_A)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _history_ids(tokenizer, history, tools):
+    """The ids any next prompt after ``history`` starts with: where renders
+    with two different next user messages part."""
+    a, b = (
+        render_prompt(tokenizer, [*history, {"role": "user", "content": text}], tools=tools)
+        for text in ("Zebra crossing", "42")
+    )
+    return a[: _lcp(a.tolist(), b.tolist())].tolist()
+
+
+def _turn(server, client, messages, key, **extra):
+    """One request with the tools: (reply text, usage)."""
+    response = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        prompt_cache_key=key,
+        tools=TOOLS,
+        **extra,
+    )
+    return response.choices[0].message.content, response.usage
+
+
+def _plain(model, tokenizer, messages, stop=None):
+    """Plain generate's reply, cut at ``stop`` as the server cuts it; (text, prompt ids)."""
+    prompt = render_prompt(tokenizer, messages, tools=TOOLS)
+    out = model.generate(prompt[None], max_new_tokens=MAX_NEW, do_sample=False)
+    text = tokenizer.decode(out[0, prompt.numel() :], skip_special_tokens=True)
+    if stop is not None and stop in text:
+        text = text[: text.index(stop)]
+    return text, prompt
+
+
+def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
+    server, model = lfm2_server, _reference("lfm2")
+    client = server.client(KEY_A)
+    messages = [LONG_SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
+
+    # Turn 1: the client parses the reply as a tool call and sends that back.
+    reply, usage = _turn(server, client, messages, "agent")
+    assert reply == _plain(model, tokenizer, messages)[0]
+    server.settled()
+    predicted = _history_ids(tokenizer, [*messages, {"role": "assistant", "content": reply}], TOOLS)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    # Turn 2: a prediction that missed; the common prefix is reused still.
+    reply, usage = _turn(server, client, messages, "agent")
+    want, prompt = _plain(model, tokenizer, messages)
+    assert reply == want
+    lcp = _lcp(predicted, prompt.tolist())
+    assert usage.prompt_tokens_details.cached_tokens >= 0.99 * lcp, (usage, lcp)
+    server.settled()
+
+    # Turns 3 and 4: the reply sent back as received, the first cut at a stop
+    # string that matches (taken from the reply it would give), then one
+    # that never does: each turn prefills only its new message.
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Thanks!"}]
+    full, _ = _plain(model, tokenizer, messages)
+    words = re.findall(r"[A-Za-z]{3,}", full[len(full) // 3 :])
+    assert words, f"no stop string to take from {full!r}"
+    for stop in (words[0], "never-in-a-reply"):
+        reply, _ = _turn(server, client, messages, "agent", stop=[stop])
+        assert reply == _plain(model, tokenizer, messages, stop)[0], stop
+        assert (len(reply) < len(full)) == (stop == words[0])  # cut where it matched
+        server.settled()
+        history = [*messages, {"role": "assistant", "content": reply}]
+        messages = [*history, {"role": "user", "content": f"And after {stop}?"}]
+        reply, usage = _turn(server, client, messages, "agent")
+        assert reply == _plain(model, tokenizer, messages)[0], stop
+        fixed = len(_history_ids(tokenizer, history, TOOLS))
+        assert usage.prompt_tokens_details.cached_tokens == fixed, (stop, usage, fixed)
+        assert usage.prompt_tokens - fixed < 30  # the new message and the generation prompt
+        server.settled()
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+
+    metrics = server.get("/metrics").text
+    settles = float(re.search(r"^kvchat_settles_total (\S+)", metrics, re.M).group(1))
+    assert settles >= 3, metrics
+    assert float(re.search(r"^kvchat_settle_misses_total (\S+)", metrics, re.M).group(1)) >= 1
