@@ -120,7 +120,8 @@ def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
     for stop in (words[0], "never-in-a-reply"):
         reply, _ = _turn(server, client, messages, "agent", stop=[stop])
         assert reply == _plain(model, tokenizer, messages, stop)[0], stop
-        assert (len(reply) < len(full)) == (stop == words[0])  # cut where it matched
+        if stop == words[0]:
+            assert len(reply) < len(full)  # cut where it matched
         server.settled()
         history = [*messages, {"role": "assistant", "content": reply}]
         messages = [*history, {"role": "user", "content": f"And after {stop}?"}]
