@@ -20,10 +20,11 @@ from pathlib import Path
 import multiturn
 
 DEFAULT_MODELS = ["smollm2-135m", "lfm2-350m", "qwen3.5-0.8b", "falcon-h1-0.5b"]
-# What kvchat must reach on a hybrid model (issue 14), printed beside the ratios.
+# What kvchat must reach (issue 24, with settling; issue 14 asked 1.10 and
+# 1.15), printed beside the ratios.
 TARGETS = {
-    "turn 1: kvchat / plain generate": ("<=", 1.10),
-    "later turns: kvchat / limit": ("<=", 1.15),
+    "turn 1: kvchat / plain generate": ("<=", 1.05),
+    "later turns: kvchat / limit": ("<=", 1.10),
     "last turn: baseline / kvchat": (">=", 5.0),
 }
 
@@ -36,6 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoints", choices=["last", "every"], default="last")
+    parser.add_argument("--replies", choices=multiturn.REPLIES, default="words")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
@@ -52,9 +54,11 @@ def ratios(result: dict, turns: int) -> dict:
         "later turns: kvchat / hf-reuse": r[f"turns 2-{turns} TTFT kvchat / hf-reuse"],
         "last turn: baseline / kvchat": r["last-turn TTFT baseline / kvchat"],
     }
-    modes = {k: v for k, v in result["summary"].items() if k != "ratios"}
-    row["same tokens"] = all(m["same_tokens_all"] for m in modes.values())
+    # kvchat's tokens against plain generate's (hf-reuse continues from the
+    # wrong ids when a reply does not re-tokenize, and so differs there).
+    row["same tokens"] = result["summary"]["kvchat"]["same_tokens_all"]
     row["hit rate"] = result["summary"]["kvchat"]["hit_rate"]
+    row["settle ms"] = result["summary"]["kvchat"]["settle_ms_mean"]
     return row
 
 
@@ -67,15 +71,16 @@ def meets(name: str, value: float) -> str:
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    names = [k for k in next(iter(rows.values())) if k not in ("same tokens", "hit rate")]
+    extra = ("same tokens", "hit rate", "settle ms")
+    names = [k for k in next(iter(rows.values())) if k not in extra]
     lines = [
-        f"| model | {' | '.join(names)} | kvchat hit rate | same tokens |",
-        "|---|" + "---:|" * (len(names) + 1) + ":---:|",
+        f"| model | {' | '.join(names)} | kvchat hit rate | settle ms / turn | same tokens |",
+        "|---|" + "---:|" * (len(names) + 2) + ":---:|",
     ]
     for model, row in rows.items():
         cells = [f"{row[n]:.2f}×{meets(n, row[n])}" for n in names]
         lines.append(
-            f"| {model} | {' | '.join(cells)} | {row['hit rate']:.0%} | "
+            f"| {model} | {' | '.join(cells)} | {row['hit rate']:.0%} | {row['settle ms']:.0f} | "
             f"{'yes' if row['same tokens'] else 'NO'} |"
         )
     lines.append("")
@@ -122,6 +127,7 @@ def main(argv=None) -> dict:
                 f"--device={args.device}",
                 f"--checkpoints={args.checkpoints}",
                 f"--seed={args.seed}",
+                f"--replies={args.replies}",
                 f"--out={args.out}",
                 "--no-plot",
             ]
@@ -130,7 +136,8 @@ def main(argv=None) -> dict:
     table = format_table(rows)
     print(f"\n{table}")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"hybrid-{args.device}"
+    replies = "" if args.replies == "words" else f"-{args.replies}"
+    stem = args.out / f"hybrid{replies}-{args.device}"
     command = "python " + " ".join([sys.argv[0], *sys.argv[1:]])
     summary = dict(command=command, config=vars(args) | {"out": str(args.out)}, ratios=rows)
     Path(f"{stem}.json").write_text(json.dumps(summary, indent=2))

@@ -35,6 +35,7 @@ class Measured:
     output_ids: tuple[int, ...]
     held_bytes: int  # cache storage the mode keeps between turns, all sessions
     peak_bytes: int  # held before the call plus the most the call added
+    settle_ms: float = 0.0  # kvchat: time settling took after the turn, off its path
 
 
 def _cache_tensors(cache: DynamicCache):
@@ -64,6 +65,10 @@ class Mode:
 
     def turn(self, session, messages, prompt, generate_kwargs, reference=None) -> Measured:
         raise NotImplementedError
+
+    def sent_back(self, session, history) -> None:
+        """The client sends the conversation back as ``history`` (not the
+        reply as generated: a tool call it parsed, say)."""
 
     def _generate(self, prompt, generate_kwargs, **extra):
         """generate with TTFT and total time; returns (new ids, ttft ms, total ms, peak)."""
@@ -156,7 +161,19 @@ class Kvchat(Mode):
             t.output_ids,
             self.held_bytes(),
             held + peak.extra_bytes,
+            self.settled(),
         )
+
+    def sent_back(self, session, history) -> None:
+        self.manager.settle(session, history)  # replaces the settle on the reply
+
+    def settled(self) -> float:
+        """Waits for settling (the user reads, or the agent runs its tool);
+        the time it spent prefilling since the last call, in ms."""
+        self.manager.wait_settled()
+        total = self.manager.stats().settle_ms
+        spent, self._settle_ms = total - getattr(self, "_settle_ms", 0.0), total
+        return spent
 
 
 class Limit(Mode):

@@ -26,6 +26,20 @@ from tqdm import tqdm
 from workload import PRESETS, TINY, load_model, make_conversation
 
 MODES = ("baseline", "hf-reuse", "kvchat", "limit")
+# What the client sends back after each reply (--replies): "words", replies
+# kept to whole-word tokens, so they re-tokenize as generated; "raw", the
+# model's own tokens, which mostly do not; "agent", raw replies in an agent
+# loop: every third reply is read as a tool call (sent back as tool_calls, then
+# the tool's result), every third carries a reasoning block the template drops
+# from history, the rest go back as they came.
+REPLIES = ("words", "raw", "agent")
+# ChatML with tool calls (kvchat.tiny's), dropping <think> blocks from history
+# as Qwen3's template does.
+_THINK = (
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+)
 SHAPES = {
     # (system, user, reply) token ranges
     "chat": ((300, 1000), (20, 200), (50, 300)),
@@ -49,6 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="chat")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replies", choices=REPLIES, default="words")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument(
@@ -68,6 +83,8 @@ def parse_args(argv=None):
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype, args.device, args.seed)
+    if args.replies == "agent":
+        tokenizer.chat_template = _agent_template(tokenizer.chat_template)
     if "hf-reuse" in args.modes and recurrent_only(model):
         # transformers' recipe hands a cache back to generate, which cannot
         # count or crop a cache of recurrent layers alone.
@@ -96,31 +113,36 @@ def run(args) -> dict:
         "limit": Limit(model, tokenizer),
     }
     modes = {name: modes[name] for name in args.modes}
-    suppress = words_only(tokenizer, model.config.get_text_config().vocab_size)
+    suppress = None
+    if args.replies == "words":
+        suppress = words_only(tokenizer, model.config.get_text_config().vocab_size)
     # Warm up kernels and allocators outside the measurement.
     warm = render_prompt(tokenizer, [system, {"role": "user", "content": "hello"}])
     model.generate(warm[None].to(model.device), max_new_tokens=4, do_sample=False)
 
     histories = {f"s{s}": [system] for s in range(args.sessions)}
+    following = {session: "user" for session in histories}  # the role of each next message
     rows = []
     steps = tqdm(total=args.turns * args.sessions, desc="turns", unit="turn")
     for turn in range(args.turns):
         for s, session in enumerate(histories):
             conversation = conversations[s]
-            messages = histories[session] + [
-                {"role": "user", "content": conversation.user_turns[turn]}
-            ]
+            new = {"role": following[session], "content": conversation.user_turns[turn]}
+            if new["role"] == "tool":
+                new["tool_call_id"] = f"call_{turn - 1}"
+            messages = histories[session] + [new]
             prompt = render_prompt(tokenizer, messages)
             reply_len = conversation.reply_tokens[turn]
             generate_kwargs = dict(
                 max_new_tokens=reply_len,
                 min_new_tokens=reply_len,
                 do_sample=False,
-                suppress_tokens=suppress,
                 # A random model loops, which a trained one rarely does; a loop
                 # would trip kvchat's repetition check and re-prefill the reply.
                 no_repeat_ngram_size=3,
             )
+            if suppress is not None:
+                generate_kwargs["suppress_tokens"] = suppress
             reference = None
             for name, mode in modes.items():
                 m = mode.turn(session, messages, prompt, generate_kwargs, reference)
@@ -140,13 +162,43 @@ def run(args) -> dict:
                         held_mib=round(m.held_bytes / 2**20, 2),
                         peak_mib=round(m.peak_bytes / 2**20, 2),
                         same_tokens=same,
+                        settle_ms=round(m.settle_ms, 3),
                     )
                 )
             reply = tokenizer.decode(reference, skip_special_tokens=True)
-            histories[session] = messages + [{"role": "assistant", "content": reply}]
+            sent, following[session] = _sent_back(args.replies, turn, reply)
+            histories[session] = messages + [sent]
+            if sent != {"role": "assistant", "content": reply}:
+                for mode in modes.values():
+                    mode.sent_back(session, histories[session])
+                if "kvchat" in modes:  # settled again, on what was sent
+                    rows[-len(modes) + list(modes).index("kvchat")]["settle_ms"] += round(
+                        modes["kvchat"].settled(), 3
+                    )
             steps.update()
     steps.close()
     return dict(config=_config(args, model), rows=rows, summary=summarize(rows, args.turns))
+
+
+def _agent_template(template: str) -> str:
+    """The tokenizer's ChatML template, dropping <think> blocks from history."""
+    plain = "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>"
+    if plain not in template:
+        raise SystemExit("--replies agent needs kvchat.tiny's ChatML template")
+    dropping = "{% else %}" + _THINK + "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>"
+    return template.replace(plain, dropping)
+
+
+def _sent_back(replies: str, turn: int, reply: str) -> tuple[dict, str]:
+    """(the assistant message the client sends back, the next message's role)."""
+    if replies == "agent" and turn % 3 == 0:
+        call = {"name": "search", "arguments": {"query": reply[:40]}}
+        calls = [{"id": f"call_{turn}", "type": "function", "function": call}]
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool"
+    if replies == "agent" and turn % 3 == 1:
+        thought = f"<think>The user asked something; step {turn}.</think>\n"
+        return {"role": "assistant", "content": thought + reply}, "user"
+    return {"role": "assistant", "content": reply}, "user"
 
 
 def _config(args, model) -> dict:
@@ -180,6 +232,8 @@ def summarize(rows: list[dict], turns: int) -> dict:
             peak_mib_max=max(r["peak_mib"] for r in mine),
             held_mib_last=max(r["held_mib"] for r in last),
             same_tokens_all=all(r["same_tokens"] for r in mine),
+            # kvchat: prefill time settling spent between turns, off their path
+            settle_ms_mean=sum(r["settle_ms"] for r in mine) / len(mine),
         )
     if "kvchat" in out:
         k = out["kvchat"]["ttft_last_turn_ms"]
@@ -224,14 +278,17 @@ def format_table(result: dict) -> str:
     for t in turns:
         lines.append(f"{t:>5} " + "".join(f"{per_turn[m][t]:>18.1f}" for m in modes))
     lines.append("")
-    header = f"{'mode':<10}{'hit rate':>9}{'decode tok/s':>14}{'peak MiB':>10}{'same':>6}"
+    header = (
+        f"{'mode':<10}{'hit rate':>9}{'decode tok/s':>14}{'peak MiB':>10}{'same':>6}"
+        f"{'settle ms/turn':>16}"
+    )
     lines.append(header)
     for m in modes:
         s = summary[m]
         tps = "-" if s["decode_tps_mean"] is None else f"{s['decode_tps_mean']:.1f}"
         lines.append(
             f"{m:<10}{s['hit_rate']:>9.0%}{tps:>14}{s['peak_mib_max']:>10.1f}"
-            f"{'yes' if s['same_tokens_all'] else 'NO':>6}"
+            f"{'yes' if s['same_tokens_all'] else 'NO':>6}{s['settle_ms_mean']:>16.1f}"
         )
     lines.append("")
     for name, value in summary.get("ratios", {}).items():
@@ -267,7 +324,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"multiturn-{Path(args.model).name}-{args.device}"
+    replies = "" if args.replies == "words" else f"-{args.replies}"
+    stem = args.out / f"multiturn-{Path(args.model).name}{replies}-{args.device}"
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
         writer.writeheader()
