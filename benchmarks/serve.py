@@ -31,7 +31,9 @@ from tqdm import tqdm
 from workload import PRESETS, load_model, make_conversation
 
 OUT = Path(__file__).parent / "out"
-SERVERS = ("kvchat", "transformers", "transformers-cb")
+# kvchat-no-settle: kvchat serve --no-settle, for what settling between turns
+# costs the other conversations' turns on a busy server.
+SERVERS = ("kvchat", "kvchat-no-settle", "transformers", "transformers-cb")
 
 
 def parse_args(argv=None):
@@ -76,8 +78,9 @@ class Server(ServerProcess):
         self.kind, self.model = kind, str(path)
 
         def command(port: int) -> list[str]:
-            if kind == "kvchat":
+            if kind.startswith("kvchat"):
                 argv = [sys.executable, "-m", "kvchat.serve", str(path), "--dtype", dtype]
+                argv += ["--no-settle"] if kind == "kvchat-no-settle" else []
                 return argv + ["--device", device, "--port", str(port), "--max-sessions", "64"]
             argv = [shutil.which("transformers") or "transformers", "serve", str(path)]
             argv += ["--port", str(port), "--host", "127.0.0.1", "--device", device]
@@ -123,7 +126,7 @@ def converse(server: Server, conversation, key: str, rows: list, lock) -> None:
         first, pieces, usage, error = None, [], None, None
         try:
             # Only kvchat keys sessions; the others get the plain request.
-            extra = {"prompt_cache_key": key} if server.kind == "kvchat" else None
+            extra = {"prompt_cache_key": key} if server.kind.startswith("kvchat") else None
             first, pieces, usage, _ = stream_turn(
                 client, server.model, messages, reply_tokens, extra
             )

@@ -32,3 +32,17 @@ def test_a_bad_checkpoints_value_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         _args("--checkpoints", "all")
     assert "--checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "settle"), [((), True), (("--no-settle",), False)])
+def test_no_settle_flag_reaches_the_manager(monkeypatch, flags, settle):
+    seen = {}
+    real = cli.SessionManager
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "SessionManager", capture)
+    cli.build_app(_args(*flags))
+    assert seen["settle"] is settle

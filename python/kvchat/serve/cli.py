@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
     limits.add_argument("--no-share-prefixes", action="store_true")
+    limits.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="do not settle sessions between turns (see docs/settling.md)",
+    )
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
     store.add_argument(
         "--store",
@@ -145,6 +150,7 @@ def build_app(args: argparse.Namespace):
         checkpoints=args.checkpoints,
         spill_dir=args.spill_dir,
         share_prefixes=not args.no_share_prefixes,
+        settle=not args.no_settle,
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     config = ServeConfig(
