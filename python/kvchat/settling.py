@@ -311,7 +311,7 @@ class Settler:
         ids = plan.target.unsqueeze(0).to(self._device)
         positions = set(plan.checkpoint_positions)
         checkpoints, done, end = [], plan.kept_tokens, plan.target_tokens
-        while done < end:
+        while done < end and not job.stop:
             stop = min([end, done + self._chunk, *(p for p in positions if p > done)])
             began = time.perf_counter()
             self._prefill.forward(ids, cache, done, stop)
@@ -323,7 +323,10 @@ class Settler:
                 break
         with self._cond:
             self._settle_ms += (time.perf_counter() - started) * 1e3
-            if job.stop:  # a turn on this session waits for what was done
+            # A call that holds the session (a save, say) goes first.
+            while job.session_id in self._users and not (job.stop or self._closed):
+                self._cond.wait()
+            if job.stop or self._closed:  # a turn on this session waits for what was done
                 job.handover = (plan, cache, done, checkpoints)
                 return
             job.in_lease = True  # from here the turn waits for the commit
