@@ -24,6 +24,27 @@ def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW):
     )
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two id sequences (lists or 1-D tensors)."""
+    a, b = (x.tolist() if hasattr(x, "tolist") else list(x) for x in (a, b))
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def history_ids(tokenizer, history: list[dict], tools=None) -> list[int]:
+    """The ids every next prompt after ``history`` starts with, whatever the
+    next user message: where renders with two different ones part. Written
+    apart from kvchat's own prediction, with other messages, for the settling
+    tests to check it against."""
+    a, b = (
+        render_prompt(tokenizer, [*history, {"role": "user", "content": text}], tools=tools)
+        for text in ("Zebra crossing", "42")
+    )
+    return a[: common_prefix(a, b)].tolist()
+
+
 def user_message(turn: int) -> dict:
     topics = [
         "the weather",

@@ -30,7 +30,7 @@ import functools
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import user_message
+from helpers import common_prefix, history_ids, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model, words_only
@@ -105,14 +105,6 @@ def _model(family: str, vocab: str):
     return tiny_model(family, dtype=torch.float64, tokenizer=tokenizer).to(DEVICE)
 
 
-def _common_prefix(a: list[int], b: torch.Tensor) -> int:
-    b = b.tolist()
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _sent_back(template, messages, turn, reply):
     """(the history after ``reply`` as an app sends it back, what comes next),
     or the history None when the app sends back the reply as it came."""
@@ -127,17 +119,6 @@ def _sent_back(template, messages, turn, reply):
         thought = f"<think>The user asks about turn {turn}.</think>\n\n{reply}"
         return [*messages, {"role": "assistant", "content": thought}], [user_message(turn + 1)]
     return None, [user_message(turn + 1)]
-
-
-def _history_ids(tokenizer, history, tools, prompt) -> int:
-    """How many of ``prompt``'s ids its history fixes: where it parts from
-    the same history followed by other user messages (written apart from
-    kvchat's own prediction, with other messages)."""
-    others = (
-        render_prompt(tokenizer, [*history, {"role": "user", "content": text}], tools=tools)
-        for text in ("Zebra crossing", "42")
-    )
-    return min(_common_prefix(prompt.tolist(), other) for other in others)
 
 
 @pytest.mark.parametrize("replies", ["raw", "words"])
@@ -173,11 +154,11 @@ def test_real_template_replay_is_exact_and_reuses_the_common_prefix(template, re
         )
         assert t.prompt_tokens == prompt.numel(), (template, turn)
         assert t.output_ids == tuple(want[0, prompt.numel() :].tolist()), (template, turn)
-        lcp = min(_common_prefix(held, prompt), prompt.numel() - 1)
+        lcp = min(common_prefix(held, prompt), prompt.numel() - 1)
         if turn:
             # Settled: the whole history is held, so every family reuses the
             # LCP and prefills only the new messages and the generation prompt.
-            fixed = _history_ids(tokenizer, history, tools, prompt)
+            fixed = common_prefix(history_ids(tokenizer, history, tools), prompt)
             assert t.reused_tokens == lcp == fixed, (template, turn, t, lcp, fixed)
         history, following = _sent_back(template, messages, turn, reply)
         if history is None:

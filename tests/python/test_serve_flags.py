@@ -12,10 +12,8 @@ def _args(*flags: str) -> argparse.Namespace:
     return cli.add_arguments(argparse.ArgumentParser()).parse_args(["tiny:lfm2", *flags])
 
 
-@pytest.mark.parametrize(
-    ("flags", "placement"), [((), "last"), (("--checkpoints", "every"), "every")]
-)
-def test_checkpoints_flag_reaches_the_manager(monkeypatch, flags, placement):
+def _manager_arguments(monkeypatch, *flags: str) -> dict:
+    """The keyword arguments kvchat serve builds its SessionManager with."""
     seen = {}
     real = cli.SessionManager
 
@@ -25,7 +23,14 @@ def test_checkpoints_flag_reaches_the_manager(monkeypatch, flags, placement):
 
     monkeypatch.setattr(cli, "SessionManager", capture)
     cli.build_app(_args(*flags))
-    assert seen["checkpoints"] == placement
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("flags", "placement"), [((), "last"), (("--checkpoints", "every"), "every")]
+)
+def test_checkpoints_flag_reaches_the_manager(monkeypatch, flags, placement):
+    assert _manager_arguments(monkeypatch, *flags)["checkpoints"] == placement
 
 
 def test_a_bad_checkpoints_value_is_refused_by_name(capsys):
@@ -36,13 +41,4 @@ def test_a_bad_checkpoints_value_is_refused_by_name(capsys):
 
 @pytest.mark.parametrize(("flags", "settle"), [((), True), (("--no-settle",), False)])
 def test_no_settle_flag_reaches_the_manager(monkeypatch, flags, settle):
-    seen = {}
-    real = cli.SessionManager
-
-    def capture(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cli, "SessionManager", capture)
-    cli.build_app(_args(*flags))
-    assert seen["settle"] is settle
+    assert _manager_arguments(monkeypatch, *flags)["settle"] is settle

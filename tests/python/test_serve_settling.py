@@ -15,7 +15,7 @@ import json
 import re
 
 import pytest
-from helpers import LONG_SYSTEM, MAX_NEW
+from helpers import LONG_SYSTEM, MAX_NEW, common_prefix, history_ids
 from kvchat.prompting import render_prompt
 from test_serve import KEY_A, Server, _reference
 
@@ -38,25 +38,6 @@ def lfm2_server():
         yield server
     finally:
         server.stop()
-
-
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _history_ids(tokenizer, history, tools):
-    """The ids any next prompt after ``history`` starts with: where renders
-    with two different next user messages part."""
-    a, b = (
-        render_prompt(tokenizer, [*history, {"role": "user", "content": text}], tools=tools)
-        for text in ("Zebra crossing", "42")
-    )
-    return a[: _lcp(a.tolist(), b.tolist())].tolist()
 
 
 def _turn(server, client, messages, key, **extra):
@@ -92,7 +73,7 @@ def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
     reply, usage = _turn(server, client, messages, "agent")
     assert reply == _plain(model, tokenizer, messages)[0]
     server.settled()
-    predicted = _history_ids(tokenizer, [*messages, {"role": "assistant", "content": reply}], TOOLS)
+    predicted = history_ids(tokenizer, [*messages, {"role": "assistant", "content": reply}], TOOLS)
     call = {
         "id": "call_1",
         "type": "function",
@@ -106,7 +87,7 @@ def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
     reply, usage = _turn(server, client, messages, "agent")
     want, prompt = _plain(model, tokenizer, messages)
     assert reply == want
-    lcp = _lcp(predicted, prompt.tolist())
+    lcp = common_prefix(predicted, prompt)
     assert usage.prompt_tokens_details.cached_tokens >= 0.99 * lcp, (usage, lcp)
     server.settled()
 
@@ -127,7 +108,7 @@ def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
         messages = [*history, {"role": "user", "content": f"And after {stop}?"}]
         reply, usage = _turn(server, client, messages, "agent")
         assert reply == _plain(model, tokenizer, messages)[0], stop
-        fixed = len(_history_ids(tokenizer, history, TOOLS))
+        fixed = len(history_ids(tokenizer, history, TOOLS))
         assert usage.prompt_tokens_details.cached_tokens == fixed, (stop, usage, fixed)
         assert usage.prompt_tokens - fixed < 30  # the new message and the generation prompt
         server.settled()

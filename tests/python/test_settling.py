@@ -17,28 +17,23 @@ import threading
 import pytest
 import torch
 from conftest import CHECKPOINT_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    MAX_NEW,
+    SYSTEM,
+    common_prefix,
+    history_ids,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import THINK_OPENING_TEMPLATE, tiny_tokenizer
 
 
-def _lcp(a, b) -> int:
-    a, b = list(a), list(b)
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _history_ids(tokenizer, history, prompt) -> int:
-    """How many of ``prompt``'s ids its history fixes: where it parts from
-    the same history followed by other user messages."""
-    others = (
-        render_prompt(tokenizer, [*history, {"role": "user", "content": text}])
-        for text in ("Zebra crossing", "42")
-    )
-    return min(_lcp(prompt.tolist(), other.tolist()) for other in others)
+def _fixed(tokenizer, history, prompt) -> int:
+    """How many of ``prompt``'s ids its history fixes."""
+    return common_prefix(history_ids(tokenizer, history), prompt)
 
 
 def _checked(mgr, model, tokenizer, messages, session="s"):
@@ -60,11 +55,12 @@ def test_every_family_prefills_only_the_new_message_once_settled(any_family, tok
         held = mgr._core.find("s").cached_ids() if turn else []  # test-only access
         reply, t = _checked(mgr, model, tokenizer, messages)
         if turn:
-            fixed = _history_ids(tokenizer, messages[:-1], prompt)
-            assert t.reused_tokens == _lcp(held, prompt) == fixed, (family, turn, t, fixed)
+            fixed = _fixed(tokenizer, messages[:-1], prompt)
+            assert t.reused_tokens == common_prefix(held, prompt) == fixed, (family, turn, t, fixed)
             assert t.reason == "extend", (family, turn, t)
         ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": reply}])
-        retokenized += _lcp(ids[prompt.numel() :].tolist(), t.output_ids) < len(t.output_ids) - 1
+        as_sent = ids[prompt.numel() :]
+        retokenized += common_prefix(as_sent, t.output_ids) < len(t.output_ids) - 1
         messages.append({"role": "assistant", "content": reply})
         assert mgr.wait_settled(timeout=60)
     assert retokenized, "every reply re-tokenized as generated: the hard case was not run"
@@ -83,7 +79,7 @@ def test_without_settling_hybrids_fall_back_to_a_checkpoint(tokenizer):
         prompt = render_prompt(tokenizer, messages)
         reply, t = _checked(mgr, model, tokenizer, messages)
         if turn:
-            short += t.reused_tokens < _history_ids(tokenizer, messages[:-1], prompt)
+            short += t.reused_tokens < _fixed(tokenizer, messages[:-1], prompt)
         messages.append({"role": "assistant", "content": reply})
     assert short > 0
     assert mgr.stats().settles == 0
@@ -127,7 +123,7 @@ def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
     stats = mgr.stats()
     assert stats.settles_taken_over == 1, stats
     # It started from what the settle prefilled: past the previous prompt's end.
-    previous = t.prompt_tokens - (prompt.numel() - _history_ids(tokenizer, messages[:-1], prompt))
+    previous = t.prompt_tokens - (prompt.numel() - _fixed(tokenizer, messages[:-1], prompt))
     assert t.reused_tokens > 0 and t.reused_tokens <= previous
     assert mgr.wait_settled(timeout=60)
 
@@ -184,7 +180,7 @@ def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_fami
     assert mgr.stats().settle_misses == 1
     # The previous prompt's end (a checkpoint on a hybrid) is reused still.
     assert t.reused_tokens >= first.prompt_tokens - 1
-    assert t.reused_tokens <= _lcp(render_prompt(tokenizer, messages[:2]).tolist(), prompt.tolist())
+    assert t.reused_tokens <= common_prefix(render_prompt(tokenizer, messages[:2]), prompt)
 
 
 def test_a_failed_settle_leaves_the_cache_it_started_from(tokenizer):
@@ -274,7 +270,7 @@ def test_max_checkpoints_one_keeps_the_checkpoint_the_next_turn_needs(tokenizer)
         prompt = render_prompt(tokenizer, messages)
         reply, t = _checked(mgr, model, tokenizer, messages)
         if turn:
-            assert t.reused_tokens == _lcp(held, prompt) > 0, (turn, t)
+            assert t.reused_tokens == common_prefix(held, prompt) > 0, (turn, t)
         messages.append({"role": "assistant", "content": f"Let me see.</think>\n\n{reply}"})
 
 
@@ -290,7 +286,7 @@ def test_settled_sessions_save_and_load_exactly(tmp_path, tokenizer):
     messages += [{"role": "assistant", "content": reply}, user_message(1)]
     prompt = render_prompt(tokenizer, messages)
     _, t = _checked(other, model, tokenizer, messages)
-    assert t.reused_tokens == _history_ids(tokenizer, messages[:-1], prompt)
+    assert t.reused_tokens == _fixed(tokenizer, messages[:-1], prompt)
 
 
 def test_text_mode_and_generate_do_not_settle(llama, tokenizer):
@@ -323,7 +319,7 @@ def test_settled_half_precision_turns_keep_clear_first_tokens(family, dtype, tok
         mgr.chat("s", messages, max_new_tokens=MAX_NEW)
         t = mgr.last_turn("s")
         if turn:
-            assert t.reused_tokens == _history_ids(tokenizer, messages[:-1], prompt), (turn, t)
+            assert t.reused_tokens == _fixed(tokenizer, messages[:-1], prompt), (turn, t)
             if margin > MARGIN:
                 assert t.output_ids[0] == expected[0], (turn, margin)
                 checked += 1
