@@ -4,11 +4,14 @@
 - hf-reuse: what the transformers docs recommend: one ``DynamicCache`` kept per
   conversation and passed back with the full conversation each turn, and a
   ``copy.deepcopy`` of a system-prompt cache to start each conversation.
-- kvchat: ``SessionManager.chat``.
-- limit: one forward over only the turn's new tokens on a cache already in
-  place, then argmax: the floor no cache manager can beat. It does not decode.
-  (A cache of recurrent layers alone cannot crop: its state at the common
-  prefix is rebuilt, untimed.)
+- kvchat: ``SessionManager.chat``, waiting for the session to settle after
+  each turn (the user reads the reply); the settle's time is reported apart.
+- limit: one forward over the turn's prompt past the longest common prefix
+  with the ids the cache holds (the prompt and reply as generated), on a cache
+  already in place, then argmax: the floor for a cache that keeps what the
+  model ran. It does not decode. (Layers that cannot crop are rebuilt at the
+  common prefix, untimed.) A settled kvchat turn can go under it, since
+  settling prefilled the re-rendered history between the turns.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvchat.cache_bridge import ForwardArguments
 from kvchat.timing import FirstTokenTimer
 from memory import PeakMemory, tensor_bytes
 from transformers import DynamicCache, NoRepeatNGramLogitsProcessor
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 
 @dataclass
@@ -182,10 +185,12 @@ class Limit(Mode):
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
         self.caches: dict[str, tuple[DynamicCache, torch.Tensor]] = {}
-        # A cache of recurrent layers alone (Mamba) cannot crop: the state at
-        # the common prefix is rebuilt. The cache goes by the name the forward
-        # declares (``cache`` from transformers 5.24).
-        self.recurrent_only = recurrent_only(model)
+        # Only attention layers crop: for any other (conv, recurrent, a
+        # sliding window) the state at the common prefix is rebuilt, untimed.
+        # The cache goes by the name the forward declares (``cache`` from
+        # transformers 5.24).
+        layers = DynamicCache(config=model.config).layers
+        self.rebuilds = any(type(layer) is not DynamicLayer for layer in layers)
         self.cache_argument = ForwardArguments(model).cache_name
 
     def held_bytes(self):
@@ -202,7 +207,7 @@ class Limit(Mode):
         # The cache is "already in place": keep the common prefix (untimed).
         common = int((ids[: prompt.numel()] == prompt[: ids.numel()]).cumprod(0).sum())
         common = min(common, prompt.numel() - 1)
-        if common < ids.numel() and self.recurrent_only:
+        if common < ids.numel() and self.rebuilds:
             cache = DynamicCache(config=self.model.config)
             if common:
                 self._forward(prompt[:common], cache)
