@@ -77,7 +77,7 @@ class ManagerStats:
     settled_tokens: int = 0  # tokens those settles prefilled, off the turns' path
     settle_ms: float = 0.0  # time settles spent prefilling
     settle_misses: int = 0  # turns whose prompt did not start with the prediction
-    settles_taken_over: int = 0  # settles a turn took over part way
+    settles_taken_over: int = 0  # settles a turn on the session took over (and committed)
     settles_pending: int = 0  # waiting or running now
 
     @classmethod

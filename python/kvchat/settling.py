@@ -118,10 +118,10 @@ class Settler:
         self._predicted: dict[str, torch.Tensor] = {}  # the last prediction per session
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._chunk = 32
+        self._chunk = _MIN_CHUNK  # grows to _CHUNK_SECONDS' worth once measured
         # Counted here, the rest (settles, settled tokens) by the core.
         self._misses = 0  # turns whose prompt did not start with the prediction
-        self._taken_over = 0  # settles a turn took over part way and committed
+        self._taken_over = 0  # settles a turn on the session took over and committed
         self._settle_ms = 0.0  # time spent prefilling in settles
 
     # ---------------------------------------------------------- scheduling
@@ -232,9 +232,14 @@ class Settler:
         plan, cache, settled, checkpoints = handover
         if settled <= plan.kept_tokens or not _starts_with(prompt, plan.target[:settled]):
             return
-        layers = self._bridge.from_cache(cache, settled)
-        result = _C.SettleResult(settled_tokens=settled, layers=layers, checkpoints=checkpoints)
-        if self._core.finish_settle(session, plan, result):
+        try:
+            layers = self._bridge.from_cache(cache, settled)
+            result = _C.SettleResult(settled_tokens=settled, layers=layers, checkpoints=checkpoints)
+            taken = self._core.finish_settle(session, plan, result)
+        except Exception:  # settling is an optimization: the turn goes on without it
+            logger.exception("kvchat: taking over %r's settle failed", session.id)
+            return
+        if taken:
             with self._cond:
                 self._taken_over += 1
 
@@ -315,6 +320,8 @@ class Settler:
             stop = min([end, done + self._chunk, *(p for p in positions if p > done)])
             began = time.perf_counter()
             self._prefill.forward(ids, cache, done, stop)
+            if ids.device.type == "cuda":  # time the work, not its launch
+                torch.cuda.synchronize(ids.device)
             self._adapt(stop - done, time.perf_counter() - began)
             done = stop
             if done in positions:

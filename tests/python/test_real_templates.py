@@ -68,9 +68,19 @@ CASES = {
     "openai-gpt-oss-120b": ("gpt-2", "llama", "drops earlier analysis"),
     "LFM2.5-Instruct": ("gpt-2", "lfm2", "LFM2's own turns"),
     "ibm-granite-granite-4.0": ("gpt-2", "bamba", "a default system prompt"),
+    # "template@case": the same template with another vocabulary or family:
+    # the two raw-reply cases issue 24 measured losing reuse (0% and 68.7%),
+    # and tool calls sent back on a hybrid.
+    "LFM2.5-Instruct@qwen2": ("qwen2", "lfm2", "LFM2's own turns"),
+    "ibm-granite-granite-4.0@llama-bpe": ("llama-bpe", "falcon_h1", "a default system prompt"),
+    "Qwen-Qwen2.5-7B-Instruct@lfm2": ("qwen2", "lfm2", "tool calls and tool messages"),
 }
 NO_SYSTEM = {"google-gemma-2-2b-it"}
-WITH_TOOLS = {"Qwen-Qwen2.5-7B-Instruct", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"}
+WITH_TOOLS = {
+    "Qwen-Qwen2.5-7B-Instruct",
+    "Qwen-Qwen2.5-7B-Instruct@lfm2",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+}
 TURNS = 4
 MAX_NEW = 10
 
@@ -88,7 +98,8 @@ def _tokenizer(template: str):
     """The template's vocabulary with the template: a copy, since several
     templates share a vocabulary."""
     tokenizer = copy.deepcopy(_vocabulary(CASES[template][0]))
-    tokenizer.chat_template = (fetch() / "templates" / f"{template}.jinja").read_text("utf-8")
+    name = template.partition("@")[0]
+    tokenizer.chat_template = (fetch() / "templates" / f"{name}.jinja").read_text("utf-8")
     return tokenizer
 
 

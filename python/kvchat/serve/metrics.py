@@ -52,7 +52,7 @@ class _ManagerCollector:
             "settles": "Sessions settled between turns for the next prompt",
             "settled_tokens": "Tokens settles prefilled off the turns' critical path",
             "settle_misses": "Turns whose prompt did not start with the settled prediction",
-            "settles_taken_over": "Settles a turn on the session took over part way",
+            "settles_taken_over": "Settles a turn on the session arrived during and took over",
         }
         for name, text in settling.items():
             yield CounterMetricFamily(f"kvchat_{name}", text, value=getattr(stats, name))
