@@ -91,8 +91,11 @@ bench: build
 
 # Hybrid models (conv, DeltaNet, Mamba2 layers) beside the attention preset;
 # agent-shaped turns (long prompts, short replies) keep the run to minutes.
+# The second replays an agent loop whose replies do not re-tokenize as generated
+# (raw replies, tool calls sent back, reasoning the template drops): settling's case.
 bench-hybrid: build
 	$(PY) benchmarks/hybrid.py --turns 10
+	$(PY) benchmarks/hybrid.py --turns 10 --replies agent
 
 bench-decode: build
 	$(PY) benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192
@@ -100,8 +103,13 @@ bench-decode: build
 # transformers serve, the peer, needs its serving extra's accelerate and rich.
 bench-serve: build
 	$(PY) -m pip install -q "accelerate>=1.1.0" rich
-	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4
-	$(PY) benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1
+	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 1 4 \
+		--servers kvchat transformers transformers-cb
+	$(PY) benchmarks/serve.py --model tiny:lfm2 --turns 10 --concurrency 1 \
+		--servers kvchat transformers transformers-cb
+	@# What settling between turns costs the other conversations' turns on a busy server.
+	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 4 \
+		--servers kvchat kvchat-no-settle --think 1
 
 # Client-side time to the first streamed piece against the server's prefill time.
 bench-first-piece: build

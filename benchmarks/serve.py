@@ -43,6 +43,12 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--reply-tokens", type=int, nargs=2, default=(20, 60))
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="seconds between a reply and the next request of its conversation",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="what the servers run on: cpu, cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -115,7 +121,9 @@ def stream_turn(client, model: str, messages, max_tokens: int, extra_body=None):
     return first, pieces, usage, timings
 
 
-def converse(server: Server, conversation, key: str, rows: list, lock) -> None:
+def converse(server: Server, conversation, key: str, rows: list, lock, think=0.0) -> None:
+    """One conversation, turn after turn; ``think`` seconds between a reply and
+    the next request (a user reading, an agent running its tool)."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
     messages = [{"role": "system", "content": conversation.system}]
     for turn, (text, reply_tokens) in enumerate(
@@ -150,6 +158,7 @@ def converse(server: Server, conversation, key: str, rows: list, lock) -> None:
         if error:
             return
         messages.append({"role": "assistant", "content": "".join(pieces)})
+        time.sleep(think)
 
 
 def run(args) -> dict:
@@ -182,7 +191,7 @@ def run(args) -> dict:
                 threads = [
                     threading.Thread(
                         target=converse,
-                        args=(server, c, f"{kind}-{concurrency}-{i}", rows, lock),
+                        args=(server, c, f"{kind}-{concurrency}-{i}", rows, lock, args.think),
                     )
                     for i, c in enumerate(conversations)
                 ]
