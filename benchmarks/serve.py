@@ -282,6 +282,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
     name = f"serve-{args.model.replace(':', '-')}"
+    if "kvchat-no-settle" in args.servers:  # the settling comparison: its own file
+        name += "-settle"
     (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(format_table(result))
     print(f"\nwrote {OUT / name}.json")
