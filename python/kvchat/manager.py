@@ -285,7 +285,9 @@ class SessionManager:
             isolate_namespaces=isolate_namespaces,
         )
         self._settles = settle and match == "tokens" and self._bridge.supported
-        self._settler = Settler(self._core, self._bridge, self._prefill, model.device)
+        self._settler = Settler(
+            self._core, self._bridge, self._prefill, model.device, self._flush_evicted
+        )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
         self._tier.isolate_namespaces = isolate_namespaces  # stored data stays in its namespace
         self._tier.bind(self._fingerprint, self._bridge, model.device)
@@ -402,10 +404,12 @@ class SessionManager:
         """Settles the session for a next turn whose conversation starts with
         ``messages`` (what the caller will send back: the history and the
         reply as it returns it, with parsed ``tool_calls``, say), rendered with
-        ``tools`` and ``chat_template_kwargs``. Returns at once: the prefill
-        runs in the background while no turn runs, and replaces any settle
-        waiting for this session. Does nothing with ``settle=False`` or
-        ``match="text"``. Bad messages raise here, as in chat()."""
+        ``tools`` and ``chat_template_kwargs``. Returns once that is rendered:
+        the prefill runs in the background while no turn runs, and replaces
+        any settle waiting for this session. Does nothing with ``settle=False``
+        or ``match="text"``, or for a session evicted since its turn. Bad
+        messages raise here, as in chat() (a history the template refuses, or
+        one that leaves no room within ``max_context_length``)."""
         _check_session_id(session_id)
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
@@ -415,8 +419,21 @@ class SessionManager:
         if not self._settles:
             return
         version = session.version  # read first: a turn meanwhile makes the settle moot
-        predict = functools.partial(self._predict, messages, tools, chat_template_kwargs)
-        self._settler.schedule(session_id, predict, version)
+        limit = None
+        if self._max_context is not None:
+            limit = max_prompt_chars(self._tokenizer, self._max_context)
+        # Rendered here, so a history the template refuses raises here.
+        target = predicted_prefix(self._tokenizer, messages, tools, chat_template_kwargs, limit)
+        if target is None:
+            return
+        if self._max_context is not None and target.numel() >= self._max_context:
+            raise ValueError(
+                f"messages: the history is {target.numel()} tokens, which leaves no room "
+                f"for a next turn within max_context_length={self._max_context}"
+            )
+        if not session.resident:  # evicted since its turn: nothing to settle from
+            return
+        self._settler.schedule(session_id, target, version)
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Waits until no settle is waiting or running (a turn meanwhile pauses
@@ -726,9 +743,7 @@ class SessionManager:
                 prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
                 prompt = prompt.to("cpu", torch.long).contiguous()
                 self._check_context(prompt.numel(), args.max_new_tokens)
-                if handover is not None:
-                    self._settler.take_over(session, prompt, handover)
-                    handover = None  # its tensors are the session's now, or go here
+                self._settler.take_over(session, prompt, handover)  # empties it
                 reloaded = self._from_tier(session, prompt) if plain is None else None
                 plan = self._core.begin_turn(
                     session,

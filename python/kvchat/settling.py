@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -44,33 +45,48 @@ logger = logging.getLogger("kvchat")
 # prompt stops being predictable. Different first characters and classes, so
 # no byte-level merge carries one into the header before it.
 _PROBES = ({"role": "user", "content": "Alpha"}, {"role": "user", "content": "7"})
-# What follows an assistant message that calls tools: the tool's result.
-_TOOL_PROBE = {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "7"}
+# What follows an assistant message that calls tools: the tool's result (two,
+# for templates that take nothing else there).
+_TOOL_PROBES = (
+    {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "Alpha"},
+    {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "7"},
+)
 # A chunk of the settling prefill aims at this long: a turn that starts
 # meanwhile waits at most about this for the model to be free.
 _CHUNK_SECONDS = 0.02
 _MIN_CHUNK, _MAX_CHUNK = 8, 512
 
 
-def predicted_prefix(tokenizer, history: list[dict], tools=None, template_kwargs=None):
+def predicted_prefix(
+    tokenizer, history: list[dict], tools=None, template_kwargs=None, max_chars=None
+):
     """The ids the next prompt is predicted to start with, once ``history``
     (ending with the reply as the client will send it back) is followed by
     any next message: the common prefix of renders with different next
-    messages. None when the template refuses every probe."""
+    messages. None when the template refuses every probe; ValueError (naming
+    ``messages``) when it refuses the history itself, or a render is longer
+    than ``max_chars``, before tokenizing it."""
     probes = [*_PROBES]
     last = history[-1] if history else {}
     if last.get("role") == "assistant" and last.get("tool_calls"):
         call_id = (last["tool_calls"][0] or {}).get("id") or "call_0"
-        probes.append(dict(_TOOL_PROBE, tool_call_id=call_id))
-    rendered = []
+        probes += [dict(probe, tool_call_id=call_id) for probe in _TOOL_PROBES]
+    rendered, refusals = [], []
     for probe in probes:
         try:
             text = render_text(tokenizer, [*history, probe], tools, template_kwargs)
         except ValueError as error:  # the template refuses this continuation
-            logger.debug("kvchat: settle probe %r refused: %s", probe["role"], error)
+            refusals.append(error)
             continue
+        if max_chars is not None and len(text) > max_chars:
+            raise ValueError(
+                f"messages: the history renders to {len(text)} characters, more than the "
+                f"context ({max_chars} characters at most) can hold"
+            )
         rendered.append(tokenize_text(tokenizer, text))
     if len(rendered) < 2:
+        if refusals and len(refusals) == len(probes):
+            raise refusals[0]  # the history itself, not a probe
         return None
     n = min(ids.numel() for ids in rendered)
     for other in rendered[1:]:
@@ -108,15 +124,21 @@ class Settler:
     session's settle and counts toward "a turn is running", any other call
     only waits out the settle's short leased sections."""
 
-    def __init__(self, core, bridge, prefill, device):
+    def __init__(self, core, bridge, prefill, device, flush_evicted=lambda: None):
+        """``flush_evicted``: called after each lease the settle thread takes,
+        whose release may have evicted sessions (to hand them to the tier)."""
         self._core, self._bridge, self._prefill, self._device = core, bridge, prefill, device
+        self._flush_evicted = flush_evicted
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}  # waiting, oldest first
         self._running: _Job | None = None
         self._users: Counter[str] = Counter()  # sessions leased by calls, not by settles
         self._turns = 0  # turns running (any session)
-        self._predicted: dict[str, torch.Tensor] = {}  # the last prediction per session
+        # The last prediction per session, as (length, hash): a turn that does
+        # not start with it is a miss.
+        self._predicted: dict[str, tuple[int, bytes]] = {}
         self._thread: threading.Thread | None = None
+        self._retired: threading.Thread | None = None  # the last thread that ended
         self._closed = False
         self._chunk = _MIN_CHUNK  # grows to _CHUNK_SECONDS' worth once measured
         # Counted here, the rest (settles, settled tokens) by the core.
@@ -134,7 +156,7 @@ class Settler:
                 return
             self._predicted.pop(session_id, None)
             if isinstance(target, torch.Tensor):
-                self._predicted[session_id] = target
+                self._predicted[session_id] = _digest(target)
             if self._running is not None and self._running.session_id == session_id:
                 self._running.stop = True  # outdated: its handover is dropped
             self._jobs.pop(session_id, None)
@@ -174,9 +196,10 @@ class Settler:
             if self._running is not None:
                 self._running.stop = True
             self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            threads = (self._thread, self._retired)
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
         _LIVE.discard(self)
 
     def counters(self) -> dict:
@@ -191,31 +214,37 @@ class Settler:
     # --------------------------------------------------------- the callers
     @contextlib.contextmanager
     def hold(self, session_id: str, prompt: torch.Tensor | None = None):
-        """While a call leases ``session_id``. With ``prompt`` it is a turn:
-        it counts as running (settling pauses), a waiting settle of this
-        session is dropped and a running one stops at its chunk's end. Yields
-        what that settle prefilled (for ``take_over``), or None."""
+        """While a call leases ``session_id``: the settle thread takes no lease
+        on it meanwhile. With ``prompt`` it is a turn: it counts as running
+        (settling pauses), a waiting settle of this session is dropped and a
+        running one stops at its chunk's end. Yields a list holding what that
+        settle prefilled (for ``take_over``, which empties it), or an empty one."""
         turn = prompt is not None
+        box = []
         with self._cond:
             self._users[session_id] += 1
             if turn:
                 self._turns += 1
-                self._jobs.pop(session_id, None)
-                predicted = self._predicted.pop(session_id, None)
-                if predicted is not None and not _starts_with(prompt, predicted):
-                    self._misses += 1
-            job = self._running
-            if job is not None and job.session_id == session_id:
-                if turn:
-                    job.stop = True
-                    self._cond.notify_all()
-                # A leased section is short; a turn also waits out the chunk in progress.
-                while self._running is job and (job.in_lease or turn):
-                    self._cond.wait()
-            else:
-                job = None
         try:
-            yield job.handover if (turn and job is not None) else None
+            with self._cond:
+                if turn:
+                    self._jobs.pop(session_id, None)
+                    predicted = self._predicted.pop(session_id, None)
+                    if predicted is not None and not _matches(prompt, predicted):
+                        self._misses += 1
+                job = self._running
+                if job is not None and job.session_id == session_id:
+                    if turn:
+                        job.stop = True
+                        self._cond.notify_all()
+                    # A leased section is short; a turn also waits out the chunk in progress.
+                    while self._running is job and (job.in_lease or turn):
+                        self._cond.wait()
+                    if turn and job.handover is not None:
+                        box.append(job.handover)
+                        job.handover = None  # the turn's alone: it dies with the turn's use
+            del job
+            yield box
         finally:
             with self._cond:
                 self._users[session_id] -= 1
@@ -225,11 +254,13 @@ class Settler:
                     self._turns -= 1
                 self._cond.notify_all()
 
-    def take_over(self, session, prompt: torch.Tensor, handover) -> None:
+    def take_over(self, session, prompt: torch.Tensor, box: list) -> None:
         """Under the turn's lease: commits what an interrupted settle prefilled
-        when the turn's prompt starts with those ids (else it is dropped and
-        the session keeps the cache it had)."""
-        plan, cache, settled, checkpoints = handover
+        (``box``, from ``hold``, emptied here) when the turn's prompt starts
+        with those ids; else it is dropped and the session keeps the cache it had."""
+        if not box:
+            return
+        plan, cache, settled, checkpoints = box.pop()
         if settled <= plan.kept_tokens or not _starts_with(prompt, plan.target[:settled]):
             return
         try:
@@ -257,6 +288,7 @@ class Settler:
                     self._cond.wait()
                 if job is None:  # closed, or nothing left: a new job starts a new thread
                     self._thread = None
+                    self._retired = threading.current_thread()  # close() joins it still
                     self._cond.notify_all()
                     return
                 del self._jobs[job.session_id]
@@ -288,6 +320,7 @@ class Settler:
             with self._cond:
                 job.in_lease = False
                 self._cond.notify_all()
+            self._flush_evicted()
 
     def _settle(self, job: _Job) -> None:
         if not isinstance(job.target, torch.Tensor):
@@ -297,7 +330,7 @@ class Settler:
             with self._cond:
                 if job.stop:
                     return
-                self._predicted[job.session_id] = job.target
+                self._predicted[job.session_id] = _digest(job.target)
 
         def begin(session):
             if session.version != job.version:
@@ -305,7 +338,10 @@ class Settler:
             return self._core.begin_settle(session, job.target)
 
         with self._cond:
-            if job.stop:
+            # A call that holds the session (a save, say) goes first.
+            while job.session_id in self._users and not (job.stop or self._closed):
+                self._cond.wait()
+            if job.stop or self._closed:
                 return
             job.in_lease = True
         plan = self._leased(job, begin)
@@ -358,6 +394,16 @@ class Settler:
         if tokens > 0 and seconds > 0:
             rate = tokens / seconds
             self._chunk = int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * _CHUNK_SECONDS)))
+
+
+def _digest(ids: torch.Tensor) -> tuple[int, bytes]:
+    """(length, hash) of a prediction: all a later turn needs to tell a miss."""
+    return ids.numel(), hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
+
+
+def _matches(prompt: torch.Tensor, predicted: tuple[int, bytes]) -> bool:
+    n = predicted[0]
+    return prompt.numel() >= n and _digest(prompt[:n].contiguous()) == predicted
 
 
 def _starts_with(ids: torch.Tensor, prefix: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ something else than predicted.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -349,3 +350,90 @@ def test_settled_half_precision_turns_keep_clear_first_tokens(family, dtype, tok
 
 def test_checkpoint_families_are_covered():
     assert "lfm2" in CHECKPOINT_FAMILIES and "bamba" in CHECKPOINT_FAMILIES
+
+
+def test_a_session_evicted_since_its_turn_is_not_settled(tokenizer):
+    """kvchat serve settles after the turn's lease is gone; if another turn
+    evicted the session meanwhile, settling would prefill it all from nothing
+    (and evict it again)."""
+    model = _model("llama")
+    mgr = SessionManager(model, tokenizer, max_sessions=1)
+    messages = [LONG_SYSTEM, user_message(0)]
+    reply = mgr.chat("a", messages, max_new_tokens=MAX_NEW, settle=False)
+    mgr.chat("b", [SYSTEM, user_message(1)], max_new_tokens=MAX_NEW)  # evicts a
+    mgr.wait_settled(timeout=60)
+    before = mgr.stats().settled_tokens
+    mgr.settle("a", [*messages, {"role": "assistant", "content": reply}])
+    assert mgr.wait_settled(timeout=60)
+    assert mgr.stats().settled_tokens == before
+    assert not mgr.info("a").resident
+
+
+def test_settle_refuses_what_chat_would(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, max_context_length=300)
+    messages = [SYSTEM, user_message(0)]
+    reply = mgr.chat("s", messages, max_new_tokens=4, settle=False)
+    history = [*messages, {"role": "assistant", "content": reply}]
+    with pytest.raises(ValueError, match="messages.*max_context_length=300"):
+        mgr.settle("s", [*history, {"role": "user", "content": "word " * 400}, history[-1]])
+    alternating = tiny_tokenizer(
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == "
+        "messages[loop.index0 - 1]['role'] %}{{ raise_exception('roles must alternate') }}"
+        "{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    strict = SessionManager(llama, alternating)
+    strict.chat("s", messages, max_new_tokens=4, settle=False)
+    with pytest.raises(ValueError, match="messages: the chat template refused them"):
+        strict.settle("s", [*history, history[-1]])
+    for manager in (mgr, strict):
+        assert manager.wait_settled(timeout=60) and manager.stats().settles == 0
+
+
+def test_an_interrupted_turn_does_not_stop_settling(tokenizer):
+    """Ctrl-C while a turn waits for its session's settle: settling goes on
+    for every session afterwards."""
+    import _thread
+
+    model = _model("llama")
+    mgr = SessionManager(model, tokenizer)
+    entered, release = threading.Event(), threading.Event()
+    _slow_settle(mgr, entered, release)
+    messages = [LONG_SYSTEM, user_message(0)]
+    reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert entered.wait(30)
+    interrupt = threading.Timer(0.3, _thread.interrupt_main)
+    interrupt.start()
+    threading.Timer(0.6, release.set).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.chat("s", [*messages, {"role": "assistant", "content": reply}, user_message(1)])
+        time.sleep(5)  # the interrupt lands here if the turn was quicker
+    mgr.chat("b", [SYSTEM, user_message(3)], max_new_tokens=MAX_NEW)
+    assert mgr.wait_settled(timeout=30)
+    assert mgr.stats().settles_pending == 0
+
+
+def test_an_eviction_a_settle_causes_reaches_the_spill(tmp_path, tokenizer):
+    model = _model("llama")
+    a = [LONG_SYSTEM, user_message(0)]
+    b = [LONG_SYSTEM, {"role": "user", "content": "Something else entirely, about cats."}]
+
+    def run(**options):
+        mgr = SessionManager(model, tokenizer, share_prefixes=False, **options)
+        reply = mgr.chat("a", a, max_new_tokens=MAX_NEW)
+        mgr.wait_settled(timeout=60)
+        answer = mgr.chat("b", b, max_new_tokens=MAX_NEW, settle=False)
+        before = mgr.stats()
+        mgr.settle("b", [*b, {"role": "assistant", "content": answer}])
+        assert mgr.wait_settled(timeout=60)
+        return mgr, reply, before
+
+    probe, _, before = run()
+    # A budget both sessions fit before b settles, and not after.
+    budget = (before.resident_bytes + probe.stats().resident_bytes) // 2
+    mgr, reply, before = run(spill_dir=tmp_path, max_cache_bytes=budget)
+    assert before.evictions == 0 and mgr.stats().evictions == 1
+    assert not mgr.info("a").resident
+    # Written at once, not when some later turn happens to flush the queue.
+    assert mgr.stats().spill_writes == 1 and len(list(tmp_path.iterdir())) == 1
+    messages = [*a, {"role": "assistant", "content": reply}, user_message(1)]
+    _checked(mgr, model, tokenizer, messages)
