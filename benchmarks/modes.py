@@ -246,4 +246,6 @@ def recurrent_only(model) -> bool:
     """Whether the model's cache holds recurrent layers alone (Mamba): it can
     neither count nor crop its tokens, so transformers' reuse recipe fails."""
     layers = DynamicCache(config=model.config).layers
-    return all(isinstance(layer, LinearAttentionLayer) for layer in layers)
+    # Exactly the linear-attention class: FalconH1's layer subclasses it and
+    # holds attention beside it.
+    return all(type(layer) is LinearAttentionLayer for layer in layers)
