@@ -109,7 +109,7 @@ bench-serve: build
 		--servers kvchat transformers transformers-cb
 	@# What settling between turns costs the other conversations' turns on a busy server.
 	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 4 \
-		--servers kvchat kvchat-no-settle --think 1
+		--servers kvchat kvchat-no-settle --think 3
 
 # Client-side time to the first streamed piece against the server's prefill time.
 bench-first-piece: build

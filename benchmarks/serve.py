@@ -161,6 +161,18 @@ def converse(server: Server, conversation, key: str, rows: list, lock, think=0.0
         time.sleep(think)
 
 
+def _settling(server: Server) -> dict[str, float]:
+    """kvchat's settling counters so far, from /metrics (cumulative per server)."""
+    import httpx
+
+    found = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("kvchat_settle") and not name.endswith("_created"):
+            found[name.removeprefix("kvchat_").removesuffix("_total")] = float(value)
+    return found
+
+
 def run(args) -> dict:
     OUT.mkdir(exist_ok=True)
     path = checkpoint(args.model)
@@ -217,6 +229,7 @@ def run(args) -> dict:
                         "generated": generated,
                         "tokens_per_s": generated / wall,
                         "errors": sorted({r["error"] for r in mine if r["error"]}),
+                        "settling": _settling(server) if kind.startswith("kvchat") else None,
                     }
                 )
         finally:
@@ -275,6 +288,9 @@ def format_table(result: dict) -> str:
             f"{run['server']:<17} {run['concurrency']:>11} {run['tokens_per_s']:>9.2f} "
             f"{run['wall_s']:>8.1f}   {errors}"
         )
+        if run.get("settling"):
+            counts = ", ".join(f"{k} {v:g}" for k, v in run["settling"].items())
+            lines.append(f"  settling so far: {counts}")
     return "\n".join(lines)
 
 
