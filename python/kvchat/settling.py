@@ -51,8 +51,10 @@ _TOOL_PROBES = (
     {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "Alpha"},
     {"role": "tool", "tool_call_id": "call_0", "name": "probe", "content": "7"},
 )
-# A chunk of the settling prefill aims at this long: a turn that starts
-# meanwhile waits at most about this for the model to be free.
+# A chunk of the settling prefill aims at this long, or at twice a forward's
+# fixed cost where that is more (a large model on a CPU reads every weight
+# again per forward, so 8-token chunks cost several times their tokens): a
+# turn that starts meanwhile waits at most about one chunk for the model.
 _CHUNK_SECONDS = 0.02
 _MIN_CHUNK, _MAX_CHUNK = 8, 512
 
@@ -140,7 +142,8 @@ class Settler:
         self._thread: threading.Thread | None = None
         self._retired: threading.Thread | None = None  # the last thread that ended
         self._closed = False
-        self._chunk = _MIN_CHUNK  # grows to _CHUNK_SECONDS' worth once measured
+        self._chunk = _MIN_CHUNK  # sized by _adapt once measured
+        self._quickest = float("inf")  # the quickest settle forward seen, in seconds
         # Counted here, the rest (settles, settled tokens) by the core.
         self._misses = 0  # turns whose prompt did not start with the prediction
         self._taken_over = 0  # settles a turn on the session took over and committed
@@ -390,10 +393,14 @@ class Settler:
             return not (job.stop or self._closed)
 
     def _adapt(self, tokens: int, seconds: float) -> None:
-        """Sizes the next chunk to take about _CHUNK_SECONDS."""
+        """Sizes the next chunk: about _CHUNK_SECONDS, or twice the quickest
+        forward seen (about a forward's fixed cost) where that is longer, so
+        at most half of a chunk's time goes to its fixed cost."""
         if tokens > 0 and seconds > 0:
+            self._quickest = min(self._quickest, seconds)
+            target = max(_CHUNK_SECONDS, 2 * self._quickest)
             rate = tokens / seconds
-            self._chunk = int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * _CHUNK_SECONDS)))
+            self._chunk = int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * target)))
 
 
 def _digest(ids: torch.Tensor) -> tuple[int, bytes]:
