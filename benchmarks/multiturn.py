@@ -233,7 +233,7 @@ def summarize(rows: list[dict], turns: int) -> dict:
             held_mib_last=max(r["held_mib"] for r in last),
             same_tokens_all=all(r["same_tokens"] for r in mine),
             # kvchat: prefill time settling spent between turns, off their path
-            settle_ms_mean=sum(r["settle_ms"] for r in mine) / len(mine),
+            settle_ms_mean=sum(r.get("settle_ms", 0.0) for r in mine) / len(mine),
         )
     if "kvchat" in out:
         k = out["kvchat"]["ttft_last_turn_ms"]
@@ -286,9 +286,12 @@ def format_table(result: dict) -> str:
     for m in modes:
         s = summary[m]
         tps = "-" if s["decode_tps_mean"] is None else f"{s['decode_tps_mean']:.1f}"
+        # Runs recorded before settling have no settle time.
+        settle = s.get("settle_ms_mean")
         lines.append(
             f"{m:<10}{s['hit_rate']:>9.0%}{tps:>14}{s['peak_mib_max']:>10.1f}"
-            f"{'yes' if s['same_tokens_all'] else 'NO':>6}{s['settle_ms_mean']:>16.1f}"
+            f"{'yes' if s['same_tokens_all'] else 'NO':>6}"
+            f"{'-' if settle is None else f'{settle:.1f}':>16}"
         )
     lines.append("")
     for name, value in summary.get("ratios", {}).items():
