@@ -200,7 +200,10 @@ def test_core_positions_out_of_range():
 # docs/errors.md table row (its first cell) -> the tests that cover it.
 README_ROWS = {
     "`store` not a `redis://` URL": ["test_redis_tier.py::test_store_argument_errors"],
-    "unknown `session_id`": ["test_unknown_session_id"],
+    "unknown `session_id`": [
+        "test_unknown_session_id",
+        "test_settling.py::test_settle_names_bad_arguments",
+    ],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
     "`messages` not a list": ["test_malformed_messages"],
     "a content part that is not text": [
@@ -220,7 +223,11 @@ README_ROWS = {
     "`input_ids` not a 2-D": ["test_bad_input_ids"],
     "`past_key_values` or `cache_params` passed": ["test_past_key_values_is_refused"],
     "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
-    "`match`, `busy`, `overflow` or `checkpoints`": ["test_bad_constructor_arguments"],
+    "`match`, `busy`, `overflow` or `checkpoints`": [
+        "test_bad_constructor_arguments",
+        "test_settling.py::test_settle_names_bad_arguments",
+    ],
+    "`settle()` with a history": ["test_settling.py::test_settle_refuses_what_chat_would"],
     "a call on a session in use": ["test_busy_session"],
     "`remove`/`clear` with a shared store": [
         "test_redis_tier.py::test_a_delete_that_cannot_reach_redis_says_so_and_a_retry_deletes"
