@@ -242,8 +242,7 @@ class SessionManager:
             raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
         if not isinstance(isolate_namespaces, bool):
             raise TypeError(f"isolate_namespaces must be a bool, got {isolate_namespaces!r}")
-        if not isinstance(settle, bool):
-            raise TypeError(f"settle must be a bool, got {settle!r}")
+        _check_bool(settle, "settle")
         _positive_int(min_shared_tokens, "min_shared_tokens")
         if tier is not None and not isinstance(tier, Tier):
             raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
@@ -775,8 +774,8 @@ class SessionManager:
                 if self._tier.writes_turns and not plan.plain and record.cache_stored:
                     # References, not copies: stored states are never written in place.
                     snapshot = (session.cached_state(), _as_dicts(session.messages()))
-                if target is not None and record.cache_stored and sendback.settle:
-                    settle_to = (target, session.version) if self._settles else None
+                if self._settles and sendback.settle and record.cache_stored and target is not None:
+                    settle_to = (target, session.version)
             if snapshot is not None:
                 self._tier.turn_finished(session_id, *snapshot)
             if settle_to is not None:

@@ -247,7 +247,7 @@ std::vector<int64_t> settle_target() {
   return target;
 }
 
-SettleResult settled(const SettlePlan& /*plan*/, int64_t tokens) {
+SettleResult settled(int64_t tokens) {
   return SettleResult{tokens, attention_layers(2, tokens), {}};
 }
 
@@ -265,7 +265,7 @@ TEST(Turn, SettlingKeepsTheSessionsCacheUntilItCommits) {
   EXPECT_EQ(plan.layers[0]->num_tokens(), 10);
   // The session still holds its own cache: a turn could run on it meanwhile.
   EXPECT_EQ(session.cached_ids().size(), 12u);
-  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(plan, 14)));
+  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(14)));
   EXPECT_EQ(session.cached_ids(), target);
   EXPECT_NE(session.version(), plan.version);
   EXPECT_EQ(session.counters().settles, 1);
@@ -290,7 +290,7 @@ TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   const auto held = session.cached_ids();
-  EXPECT_FALSE(mgr->finish_settle(session, plan, settled(plan, 14)));
+  EXPECT_FALSE(mgr->finish_settle(session, plan, settled(14)));
   EXPECT_EQ(session.cached_ids(), held);
   EXPECT_EQ(session.counters().settles, 0);
   // Nor onto a session of the same id made anew.
@@ -298,7 +298,7 @@ TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
   mgr->remove("a");
   run_turn(*mgr, "a", iota_ids(10));
   lease = mgr->acquire("a");
-  EXPECT_FALSE(mgr->finish_settle(*lease->session(), plan, settled(plan, 14)));
+  EXPECT_FALSE(mgr->finish_settle(*lease->session(), plan, settled(14)));
 }
 
 TEST(Turn, APartialSettleCommitsWhatItPrefilled) {
@@ -308,9 +308,9 @@ TEST(Turn, APartialSettleCommitsWhatItPrefilled) {
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   auto plan = mgr->begin_settle(session, target.data(), target.size());
-  EXPECT_THROW(mgr->finish_settle(session, plan, settled(plan, 10)), c10::ValueError);
-  EXPECT_THROW(mgr->finish_settle(session, plan, settled(plan, 15)), c10::ValueError);
-  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(plan, 12)));
+  EXPECT_THROW(mgr->finish_settle(session, plan, settled(10)), c10::ValueError);
+  EXPECT_THROW(mgr->finish_settle(session, plan, settled(15)), c10::ValueError);
+  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(12)));
   EXPECT_EQ(session.cached_ids(), std::vector<int64_t>(target.begin(), target.begin() + 12));
 }
 
