@@ -774,7 +774,7 @@ class SessionManager:
                 if self._tier.writes_turns and not plan.plain and record.cache_stored:
                     # References, not copies: stored states are never written in place.
                     snapshot = (session.cached_state(), _as_dicts(session.messages()))
-                if self._settles and sendback.settle and record.cache_stored and target is not None:
+                if target is not None and self._settles and sendback.settle and record.cache_stored:
                     settle_to = (target, session.version)
             if snapshot is not None:
                 self._tier.turn_finished(session_id, *snapshot)
