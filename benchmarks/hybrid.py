@@ -39,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoints", choices=["last", "every"], default="last")
     parser.add_argument("--replies", choices=multiturn.REPLIES, default="words")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="sets of new conversations per model (multiturn.py)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     if args.turns < 2:
@@ -59,6 +62,7 @@ def ratios(result: dict, turns: int) -> dict:
     row["same tokens"] = result["summary"]["kvchat"]["same_tokens_all"]
     row["hit rate"] = result["summary"]["kvchat"]["hit_rate"]
     row["settle ms"] = result["summary"]["kvchat"]["settle_ms_mean"]
+    row["turn 1 each repeat"] = result["summary"]["kvchat"].get("turn1_vs_baseline_each_repeat")
     return row
 
 
@@ -71,7 +75,7 @@ def meets(name: str, value: float) -> str:
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    extra = ("same tokens", "hit rate", "settle ms")
+    extra = ("same tokens", "hit rate", "settle ms", "turn 1 each repeat")
     names = [k for k in next(iter(rows.values())) if k not in extra]
     lines = [
         f"| model | {' | '.join(names)} | kvchat hit rate | settle ms / turn | same tokens |",
@@ -84,6 +88,10 @@ def format_table(rows: dict[str, dict]) -> str:
             f"{'yes' if row['same tokens'] else 'NO'} |"
         )
     lines.append("")
+    for model, row in rows.items():
+        if row.get("turn 1 each repeat"):
+            each = ", ".join(f"{v:.2f}" for v in row["turn 1 each repeat"])
+            lines.append(f"{model}, turn 1 kvchat / plain generate in each repeat: {each}")
     lines.append(
         "targets: " + ", ".join(f"{name} {op} {bound}" for name, (op, bound) in TARGETS.items())
     )
@@ -127,6 +135,7 @@ def main(argv=None) -> dict:
                 f"--device={args.device}",
                 f"--checkpoints={args.checkpoints}",
                 f"--seed={args.seed}",
+                f"--repeats={args.repeats}",
                 f"--replies={args.replies}",
                 f"--out={args.out}",
                 "--no-plot",
