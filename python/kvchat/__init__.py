@@ -31,10 +31,9 @@ _check_torch_matches_build()
 
 from . import _C  # noqa: E402
 from .manager import SessionManager  # noqa: E402
-from .persist import SessionFileError  # noqa: E402
-from .redis_tier import RedisTier  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
-from .tier import StoreUnavailable, Tier  # noqa: E402
+from .tiers import SessionFileError, StoreUnavailable, Tier  # noqa: E402
+from .tiers.redis import RedisTier  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
 SessionBusy = _C.SessionBusy

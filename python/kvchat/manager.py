@@ -17,7 +17,6 @@ from . import _C
 from .cache_bridge import CacheBridge
 from .fingerprint import model_fingerprint
 from .generate_args import GenerateArgs, resolve_generate_args
-from .persist import SessionFileError, read_session, write_session
 from .prefill import ChunkedPrefill, FeedOnlyTail, PromptEndSnapshot
 from .prompting import (
     check_template_kwargs,
@@ -32,9 +31,10 @@ from .prompting import (
 )
 from .report import ManagerStats, SessionInfo, TurnReport
 from .settling import Settler, predicted_prefix
-from .spill import Spill
 from .streaming import ReplyStream
-from .tier import StoreUnavailable, Tier
+from .tiers.base import StoreUnavailable, Tier
+from .tiers.disk import Spill
+from .tiers.session_file import SessionFileError, read_session, write_session
 from .timing import FirstTokenTimer
 from .units import parse_bytes
 
@@ -253,7 +253,7 @@ class SessionManager:
                 raise TypeError(f"store must be a redis:// URL string, got {store!r}")
             if tier is not None or spill_dir is not None:
                 raise ValueError("give one of store, spill_dir or tier (one tier per manager)")
-            from .redis_tier import RedisTier
+            from .tiers.redis import RedisTier
 
             tier = RedisTier(store)
         if tier is None:

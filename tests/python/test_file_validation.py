@@ -12,7 +12,6 @@ import pytest
 from conftest import _model
 from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
 from kvchat import SessionFileError, SessionManager
-from kvchat.prompting import render_prompt
 
 
 def header_bounds(data: bytes) -> tuple[int, int]:
@@ -84,7 +83,7 @@ def test_recurrent_slots_changed_in_the_metadata_are_refused(tokenizer, tmp_path
 def test_a_file_signed_anew_is_still_checked_against_the_model(tokenizer, tmp_path):
     # Even with a valid checksum, a state that does not fit the model is refused:
     # the file is rewritten with the slots swapped and its digest recomputed.
-    from kvchat import persist
+    from kvchat.tiers import session_file as persist
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -134,6 +133,8 @@ def test_every_one_byte_header_change_is_refused_or_harmless(tokenizer, tmp_path
     assert "s" not in mgr.sessions()
     assert (mgr.info("other"), mgr.messages("other")) == other
     assert outcomes["refused"] >= end - 16, outcomes  # at most the padding is harmless
-    # And the manager still works.
-    prompt = render_prompt(tokenizer, messages + [user_message(4)])
-    assert mgr.generate(prompt.unsqueeze(0), session_id="after", max_new_tokens=2) is not None
+    # And the manager still works: a new turn is plain generate's, token for token.
+    turn = messages + [user_message(4)]
+    reply = mgr.chat("after", turn, max_new_tokens=MAX_NEW, do_sample=False)
+    text, _, ids = reference_turn(model, tokenizer, turn)
+    assert (reply, tuple(mgr.last_turn("after").output_ids)) == (text, ids)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REUSE_FAMILIES, _model
 from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
-from kvchat import SessionManager
-from kvchat.persist import SessionFileError
+from kvchat import SessionFileError, SessionManager
 
 
 def run_turns(mgr, sid, messages, turns, start=0):

@@ -33,6 +33,8 @@ from kvchat.serve.process import redis_server
 from kvchat.serve.sessions import _digests
 from kvchat.tiny import tiny_tokenizer
 
+pytestmark = pytest.mark.store
+
 HERE = Path(__file__).parent
 
 
@@ -74,7 +76,7 @@ def _turns(manager, session, messages, model, tokenizer, turns, start=0):
 
 def _manifest(server, manager, session):
     client = redis.Redis.from_url(server.redis_url)
-    key = manager._tier.manifest_key(session)
+    key = manager._tier.keys.manifest(session)
     return client, key, json.loads(client.get(key))
 
 
@@ -172,7 +174,7 @@ def test_a_flipped_byte_in_a_chunk_is_a_miss(llama, tokenizer, server, caplog):
     def flip():
         client, _, manifest = _manifest(server, a, "s")
         digest = next(iter(manifest["tensors"].values()))["chunks"][0]
-        key = a._tier.chunk_key(digest, "s")
+        key = a._tier.keys.chunk(digest, "s")
         byte = client.getrange(key, 100, 100)
         client.setrange(key, 100, bytes([byte[0] ^ 0x01]))
 
@@ -185,7 +187,7 @@ def test_a_deleted_chunk_is_a_miss(llama, tokenizer, server, caplog):
     def delete():
         client, _, manifest = _manifest(server, a, "s")
         entries = list(manifest["tensors"].values())
-        assert client.delete(a._tier.chunk_key(entries[-1]["chunks"][-1], "s")) == 1
+        assert client.delete(a._tier.keys.chunk(entries[-1]["chunks"][-1], "s")) == 1
 
     _miss_on_b(a, b, llama, tokenizer, caplog, "chunk_missing", delete)
 
@@ -207,11 +209,11 @@ def test_another_models_snapshot_is_never_used(llama, tokenizer, server, caplog)
     other = SessionManager(_model("llama", seed=1), tokenizer, store=server.redis_url)
     a, b = _two_managers(server.redis_url, llama, tokenizer)
     _turns(other, "s", [LONG_SYSTEM], _model("llama", seed=1), tokenizer, 1)
-    assert other._tier.manifest_key("s") != a._tier.manifest_key("s")
+    assert other._tier.keys.manifest("s") != a._tier.keys.manifest("s")
 
     def copy_over():
         client, _, manifest = _manifest(server, other, "s")
-        client.set(a._tier.manifest_key("s"), json.dumps(manifest))
+        client.set(a._tier.keys.manifest("s"), json.dumps(manifest))
 
     # No turn on A first: B's first turn finds only the other model's snapshot.
     with caplog.at_level(logging.INFO, logger="kvchat"):
@@ -227,7 +229,7 @@ def test_an_expired_snapshot_is_a_miss(llama, tokenizer, server, caplog):
     client = redis.Redis.from_url(server.redis_url)
 
     def expire():
-        key = a._tier.manifest_key("s")
+        key = a._tier.keys.manifest("s")
         assert 0 < client.ttl(key) <= 1
         deadline = time.monotonic() + 10
         while client.exists(key) and time.monotonic() < deadline:
@@ -359,11 +361,11 @@ def test_remove_deletes_the_snapshot_and_local_only_keeps_it(llama, tokenizer, s
     _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     a.remove("s", local_only=True)
     a.flush()
-    assert client.exists(a._tier.manifest_key("s"))
+    assert client.exists(a._tier.keys.manifest("s"))
     _turns(b, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     b.remove("s")
     b.flush()
-    assert not client.exists(a._tier.manifest_key("s"))
+    assert not client.exists(a._tier.keys.manifest("s"))
 
 
 def test_store_argument_errors(llama, tokenizer, tmp_path):
@@ -388,9 +390,9 @@ def test_chunks_are_shared_across_turns(llama, tokenizer, server):
     prefix are the same bytes, under the same names, as the last turn's."""
     a = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, block_tokens=64))
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-    first = a._tier.chunks_written
+    first = a._tier.writer.chunks_written
     _turns(a, "s", messages, llama, tokenizer, 1, start=1)
-    second = a._tier.chunks_written - first
+    second = a._tier.writer.chunks_written - first
     assert 0 < second < first / 2, (first, second)
 
 
@@ -532,9 +534,9 @@ def test_a_closed_store_is_not_used(llama, tokenizer, server):
 def _upload(manager, session, system, model, tokenizer):
     """(chunks, bytes) the tier uploads for one turn of ``session``."""
     tier = manager.tier
-    chunks, nbytes = tier.chunks_written, tier.bytes_written
+    chunks, nbytes = tier.writer.chunks_written, tier.writer.bytes_written
     _turns(manager, session, [system], model, tokenizer, 1)
-    return tier.chunks_written - chunks, tier.bytes_written - nbytes
+    return tier.writer.chunks_written - chunks, tier.writer.bytes_written - nbytes
 
 
 def test_chunks_are_not_shared_across_namespaces(llama, tokenizer, server):
@@ -657,14 +659,14 @@ def test_a_write_queued_before_a_delete_does_not_bring_it_back(llama, tokenizer,
     client = redis.Redis.from_url(server.redis_url)
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     go, writing = threading.Event(), threading.Event()
-    original = b.tier._write
+    original = b.tier.writer.write
 
     def held_write(*args):
         writing.set()
         assert go.wait(60)
         return original(*args)
 
-    b.tier._write = held_write
+    b.tier.writer.write = held_write
     messages.append(user_message(1))
     messages.append({"role": "assistant", "content": b.chat("s", messages, max_new_tokens=MAX_NEW)})
     assert b.last_turn("s").reason == "store_reload"
@@ -716,7 +718,7 @@ SECRET, SECOND = "s3cr3t", "Pa55w0rd"  # a password's two halves: neither may sh
     ],
 )
 def test_a_malformed_store_url_never_shows_its_credentials(url, caplog):
-    from kvchat.redis_tier import redact_url
+    from kvchat.tiers.redis import redact_url
 
     with caplog.at_level(logging.DEBUG), pytest.raises(ValueError) as raised:
         RedisTier(url)
@@ -727,7 +729,7 @@ def test_a_malformed_store_url_never_shows_its_credentials(url, caplog):
 
 
 def test_a_good_store_url_is_shown_without_its_password():
-    from kvchat.redis_tier import redact_url
+    from kvchat.tiers.redis import redact_url
 
     assert redact_url(f"redis://u:{SECRET}@cache.local:6380/2") == "redis://***@cache.local:6380/2"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
@@ -832,7 +834,7 @@ def test_deletes_of_what_exists_nowhere_leave_nothing_behind(llama, tokenizer, s
         with pytest.raises(KeyError):
             b.remove(f"junk-{i}")
     assert set(client.keys()) == keys
-    assert set(b.tier._epochs) == {"s"}
+    assert set(b.tier.copies.epochs) == {"s"}
     a.remove("s")
     _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=2)
     assert reports[0].reused_tokens == 0, reports
@@ -960,7 +962,10 @@ def test_a_session_continued_by_its_id_on_another_replica_leaves_the_map_and_kee
             report = replicas.managers[0].last_turn(f"open/{again}")
             # B's snapshot, not A's older copy: all of B's prompt (and B's reply,
             # as far as its raw text re-tokenizes to what B generated).
-            assert report.reason == "store_reload", (report, replicas.managers[0].tier.misses)
+            assert report.reason == "store_reload", (
+                report,
+                replicas.managers[0].tier.reader.misses,
+            )
             assert cached >= usage["prompt_tokens"], (cached, usage, forker, report)
     finally:
         replicas.close()
@@ -978,13 +983,13 @@ def test_a_delete_on_a_replica_holding_nothing_reaches_the_one_that_does(
     a, b = _two_managers(server.redis_url, llama, tokenizer, **tier_args)
     go = threading.Event()
     if written == "not yet":
-        original = a.tier._write
+        original = a.tier.writer.write
 
         def held_write(*args):
             assert go.wait(60)
             return original(*args)
 
-        a.tier._write = held_write
+        a.tier.writer.write = held_write
     try:
         messages = [LONG_SYSTEM, user_message(0)]
         messages.append(
@@ -1046,7 +1051,7 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
                 same, history, _ = replicas.ask(0, [*first, user_message(1)])
             assert same == session
             client = redis.Redis.from_url(server.redis_url)
-            route = replicas.managers[0].tier.route_key("open", _digests(history)[-1])
+            route = replicas.managers[0].tier.keys.route("open", _digests(history)[-1])
             deadline = time.monotonic() + 30
             while not client.exists(route) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -1134,7 +1139,7 @@ def test_a_copy_let_go_here_is_no_longer_found_by_a_delete(llama, tokenizer, ser
     _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     a.remove("s", local_only=True)
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: not client.exists(a.tier.held_key("s")), "A let its mark go")
+    _wait_until(lambda: not client.exists(a.tier.keys.held("s")), "A let its mark go")
     keys = set(client.keys())
     with pytest.raises(KeyError):
         b.remove("s")
@@ -1248,7 +1253,7 @@ def test_a_copy_idle_while_its_delete_expires_is_still_dropped(llama, tokenizer,
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     b.remove("s")
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: not client.exists(a.tier.tombstone_key("s")), "the tombstone expired")
+    _wait_until(lambda: not client.exists(a.tier.keys.tombstone("s")), "the tombstone expired")
     _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
     assert reports[0].reused_tokens == 0, reports
 
@@ -1256,15 +1261,15 @@ def test_a_copy_idle_while_its_delete_expires_is_still_dropped(llama, tokenizer,
 def _before(tier, name: str, hook) -> None:
     """Runs ``hook()`` once, on the writer thread, just before the tier's Lua
     script ``name`` runs there: the moment another thread could act."""
-    script, done = getattr(tier, name), threading.Event()
+    script, done = getattr(tier.conn, name), threading.Event()
 
     def wrapped(*args, **kwargs):
-        if threading.current_thread() is tier._writer and not done.is_set():
+        if threading.current_thread() is tier.writer.thread and not done.is_set():
             done.set()
             hook()
         return script(*args, **kwargs)
 
-    setattr(tier, name, wrapped)
+    setattr(tier.conn, name, wrapped)
 
 
 def test_a_mark_let_go_during_a_refresh_stays_gone(llama, tokenizer, server):
@@ -1275,11 +1280,11 @@ def test_a_mark_let_go_during_a_refresh_stays_gone(llama, tokenizer, server):
     for session in ("s", "t"):
         _turns(a, session, [LONG_SYSTEM], llama, tokenizer, 1)
     let_go = threading.Event()
-    _before(a.tier, "_refresh", lambda: (a.remove("s", local_only=True), let_go.set()))
+    _before(a.tier, "refresh", lambda: (a.remove("s", local_only=True), let_go.set()))
     assert let_go.wait(30)
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: not a.tier._releasing, "the release was made")
-    assert not client.exists(a.tier.held_key("s")), "the refresh brought the mark back"
+    _wait_until(lambda: not a.tier.copies.releasing, "the release was made")
+    assert not client.exists(a.tier.keys.held("s")), "the refresh brought the mark back"
     with pytest.raises(KeyError):
         b.remove("s")
 
@@ -1296,7 +1301,7 @@ def _a_delete_on_b_reaches_a(a, b, server, messages, model, tokenizer) -> None:
     """A holds a copy of "s" (its third turn comes next): its mark is in Redis,
     B's delete reaches it, and A's next turn starts the session anew."""
     client = redis.Redis.from_url(server.redis_url)
-    assert client.exists(a.tier.held_key("s")), "the new copy's mark was removed"
+    assert client.exists(a.tier.keys.held("s")), "the new copy's mark was removed"
     b.remove("s")
     _, reports = _turns(a, "s", messages, model, tokenizer, 1, start=2)
     assert reports[0].reused_tokens == 0, reports
@@ -1309,9 +1314,11 @@ def test_a_copy_begun_again_keeps_its_mark_when_the_last_copy_is_let_go(llama, t
     a, b = _two_managers(server.redis_url, llama, tokenizer, write="evict")
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     begin_again = lambda: _turns(a, "s", messages, llama, tokenizer, 1, 1)  # noqa: E731
-    _before(a.tier, "_release", lambda: _on_a_thread(begin_again))
+    _before(a.tier, "release", lambda: _on_a_thread(begin_again))
     a.remove("s", local_only=True)
-    _wait_until(lambda: not a.tier._releasing and "s" in a.sessions(), "began again, released")
+    _wait_until(
+        lambda: not a.tier.copies.releasing and "s" in a.sessions(), "began again, released"
+    )
     _a_delete_on_b_reaches_a(a, b, server, messages, llama, tokenizer)
 
 
@@ -1333,14 +1340,14 @@ def test_idle_expiry_never_waits_on_the_store_under_its_lock(llama, tokenizer, s
                 under_lock.append((name, expiry._lock.locked()))
             return getattr(real, name)
 
-    real, tier._redis = tier._redis, Watched()
+    real, tier.conn.client = tier.conn.client, Watched()
     with expiry._lock:
         expiry._last["s"] = time.monotonic() - 120
     assert expiry.sweep() == 1
     assert manager.sessions() == []
     assert not [call for call in under_lock if call[1]], under_lock
-    tier._redis = real
-    _wait_until(lambda: not real.exists(tier.held_key("s")), "the mark went (off that thread)")
+    tier.conn.client = real
+    _wait_until(lambda: not real.exists(tier.keys.held("s")), "the mark went (off that thread)")
 
 
 def test_a_deleted_session_leaves_no_route_generation_behind(llama, tokenizer, server):
@@ -1350,10 +1357,10 @@ def test_a_deleted_session_leaves_no_route_generation_behind(llama, tokenizer, s
     for session in ("s", "t"):
         _turns(a, session, [LONG_SYSTEM], llama, tokenizer, 1)
         a.tier.remember_route("open", f"conversation of {session}", session)
-    assert {"s", "t"} <= set(a.tier._gens)
+    assert {"s", "t"} <= set(a.tier.routes.gens)
     a.remove("s")
     a.remove("t", local_only=True)
-    assert not {"s", "t"} & set(a.tier._gens), a.tier._gens
+    assert not {"s", "t"} & set(a.tier.routes.gens), a.tier.routes.gens
 
 
 def test_a_route_is_put_back_outside_the_routers_lock(server):
@@ -1391,7 +1398,7 @@ def test_a_route_owed_at_close_is_made_before_the_writer_stops(llama, tokenizer)
         assert tier.owed_routes() == 1
         tier.close()
         client = redis.Redis.from_url(server.redis_url)
-        assert client.get(tier.route_key("open", "a conversation")) == b"open/s"
+        assert client.get(tier.keys.route("open", "a conversation")) == b"open/s"
     finally:
         server.stop()
 
@@ -1401,17 +1408,19 @@ def test_held_marks_are_kept_alive_while_snapshots_keep_coming(llama, tokenizer,
     held marks: a copy held here stays marked past the store's ttl."""
     manager = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, ttl=1))
     _turns(manager, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-    tier, original = manager.tier, manager.tier._write
-    tier._write = lambda *args: time.sleep(0.2)  # a slow write (what it writes does not matter)
+    tier, original = manager.tier, manager.tier.writer.write
+    tier.writer.write = lambda *args: time.sleep(
+        0.2
+    )  # a slow write (what it writes does not matter)
     client = redis.Redis.from_url(server.redis_url)
     try:
         for i in range(30):  # 3 s of snapshots, always one queued
-            tier._enqueue(f"other-{i % 3}", ({"layers": []}, {}, [], None))
+            tier.writer.enqueue(f"other-{i % 3}", ({"layers": []}, {}, [], None))
             time.sleep(0.1)
-            assert client.exists(tier.held_key("s")), f"the mark expired after {i / 10:.1f} s"
+            assert client.exists(tier.keys.held("s")), f"the mark expired after {i / 10:.1f} s"
     finally:
         assert manager.flush(timeout=60)
-        tier._write = original
+        tier.writer.write = original
 
 
 def test_a_session_used_again_after_a_delete_outlives_that_tombstone(llama, tokenizer, server):
@@ -1423,9 +1432,9 @@ def test_a_session_used_again_after_a_delete_outlives_that_tombstone(llama, toke
     a.clear("s")
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: not client.exists(a.tier.tombstone_key("s")), "the tombstone expired")
-    refreshed = a.tier._next_refresh
-    _wait_until(lambda: a.tier._next_refresh > refreshed + 0.1, "a refresh after it")
+    _wait_until(lambda: not client.exists(a.tier.keys.tombstone("s")), "the tombstone expired")
+    refreshed = a.tier.copies.next_refresh
+    _wait_until(lambda: a.tier.copies.next_refresh > refreshed + 0.1, "a refresh after it")
     assert not a.drop_if_deleted("s")
     assert a.sessions() == ["s"]
     _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
@@ -1470,8 +1479,8 @@ def test_a_copy_known_deleted_is_dropped_though_redis_hangs_as_its_turn_begins(
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     b.remove("s")
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: a.tier._deleted("s", None), "A's refresh saw the tombstone")
-    _wait_until(lambda: not client.exists(a.tier.tombstone_key("s")), "the tombstone expired")
+    _wait_until(lambda: a.tier.copies.deleted("s", None), "A's refresh saw the tombstone")
+    _wait_until(lambda: not client.exists(a.tier.keys.tombstone("s")), "the tombstone expired")
     with _hung(server):
         a.chat("s", [*messages, user_message(1)], max_new_tokens=MAX_NEW)
     assert a.last_turn("s").reused_tokens == 0, a.last_turn("s")
@@ -1494,7 +1503,7 @@ def test_close_keeps_to_its_timeout_with_redis_hung(llama, tokenizer):
             manager.tier.close(timeout=2)
             took = time.monotonic() - started
         assert took < 2.7, f"close(timeout=2) took {took:.2f} s"
-        _wait_until(lambda: not manager.tier._writer.is_alive(), "the writer ended", 5)
+        _wait_until(lambda: not manager.tier.writer.thread.is_alive(), "the writer ended", 5)
     finally:
         server.stop()
 
@@ -1532,7 +1541,7 @@ def test_a_delete_reaches_a_copy_begun_while_redis_could_not_answer(
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     client = redis.Redis.from_url(server.redis_url)
     _wait_until(
-        lambda: client.exists(a.tier.held_key("s")), "A marked its copy once Redis was back"
+        lambda: client.exists(a.tier.keys.held("s")), "A marked its copy once Redis was back"
     )
     b.remove("s")
     _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
@@ -1545,10 +1554,10 @@ def _during_a_refresh(manager, work) -> None:
     the writer waits for it. Returns once that refresh has begun and
     ``work`` is done."""
     done = threading.Event()
-    _before(manager.tier, "_refresh", lambda: (_on_a_thread(work), done.set()))
-    with manager.tier._cond:
-        manager.tier._next_refresh = 0
-        manager.tier._cond.notify_all()
+    _before(manager.tier, "refresh", lambda: (_on_a_thread(work), done.set()))
+    with manager.tier.cond:
+        manager.tier.copies.next_refresh = 0
+        manager.tier.cond.notify_all()
     assert done.wait(60)
 
 
@@ -1560,9 +1569,9 @@ def test_a_mark_is_removed_when_its_copy_is_let_go_after_a_racing_refresh(llama,
     messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     _during_a_refresh(a, lambda: _turns(a, "s", messages, llama, tokenizer, 1, 1))
     a.remove("s", local_only=True)
-    _wait_until(lambda: not a.tier._releasing, "the release was made")
+    _wait_until(lambda: not a.tier.copies.releasing, "the release was made")
     client = redis.Redis.from_url(server.redis_url)
-    assert not client.exists(a.tier.held_key("s")), client.get(a.tier.held_key("s"))
+    assert not client.exists(a.tier.keys.held("s")), client.get(a.tier.keys.held("s"))
     with pytest.raises(KeyError):
         b.remove("s")
 
@@ -1579,7 +1588,7 @@ def test_a_copy_begun_again_during_a_refresh_keeps_its_mark(llama, tokenizer, se
         _turns(a, "s", messages, llama, tokenizer, 1, 1)
 
     _during_a_refresh(a, let_go_and_begin_again)
-    _wait_until(lambda: not a.tier._releasing, "the release was made")
+    _wait_until(lambda: not a.tier.copies.releasing, "the release was made")
     _a_delete_on_b_reaches_a(a, b, server, messages, llama, tokenizer)
 
 
@@ -1589,7 +1598,7 @@ def test_a_copy_known_deleted_is_dropped_by_get_though_redis_hangs(llama, tokeni
     a, b = _two_managers(server.redis_url, llama, tokenizer, ttl=1, timeout=0.3)
     _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
     b.remove("s")
-    _wait_until(lambda: a.tier._deleted("s", None), "A's refresh saw the delete")
+    _wait_until(lambda: a.tier.copies.deleted("s", None), "A's refresh saw the delete")
     with _hung(server):
         dropped = a.drop_if_deleted("s")
     assert dropped and "s" not in a.sessions(), "a copy known deleted is still served"
@@ -1611,7 +1620,7 @@ def test_a_copy_begun_in_a_long_outage_is_marked_soon_after_it(llama, tokenizer,
         messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
         time.sleep(2.0)  # the writer's try, at the end of the rest, fails
     client = redis.Redis.from_url(server.redis_url)
-    _wait_until(lambda: client.exists(a.tier.held_key("s")), "A marked its copy", 10)
+    _wait_until(lambda: client.exists(a.tier.keys.held("s")), "A marked its copy", 10)
     b.remove("s")
     _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=1)
     assert reports[0].reused_tokens == 0, reports
@@ -1629,7 +1638,7 @@ def test_a_route_change_counts_as_owed_until_it_is_made(llama, tokenizer):
             tier.take_session_route("open/s")
         assert tier.owed_routes() == 1
         seen = []
-        _before(tier, "_take_session", lambda: seen.append(tier.owed_routes()))
+        _before(tier, "take_session", lambda: seen.append(tier.owed_routes()))
         _wait_until(lambda: seen and tier.owed_routes() == 0, "the writer made the change")
         assert seen == [1], seen
         tier.close()

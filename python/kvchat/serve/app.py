@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._C import SessionBusy
 from ..manager import SessionManager
-from ..tier import StoreUnavailable
+from ..tiers import StoreUnavailable
 from . import protocol
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry

@@ -132,7 +132,7 @@ def build_app(args: argparse.Namespace):
     keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
     tier = None
     if args.store is not None:
-        from ..redis_tier import RedisTier
+        from ..tiers.redis import RedisTier
 
         if args.spill_dir is not None:
             raise ValueError("give --store or --spill-dir, not both")

@@ -32,7 +32,7 @@ import json
 import threading
 import uuid
 
-from ..tier import StoreUnavailable
+from ..tiers import StoreUnavailable
 
 _KEPT = ("role", "content", "tool_calls", "tool_call_id", "name")
 

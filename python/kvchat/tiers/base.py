@@ -5,21 +5,25 @@ A tier is one object behind three calls, so a new one (disk, Redis, ...) plugs
 in without touching the turn code:
 
 - ``put(session_id, state)``: eviction dropped this session's cache from memory;
-- ``find_if_cheaper(session_id, prompt)``: the session holds nothing in memory
-  and starts a turn on ``prompt``; return a cache (a ``CachedState``) when
-  loading it beats prefilling what it shares with the prompt, else None;
+- ``find_if_cheaper(session_id, prompt, have, local)``: a turn on ``prompt``
+  begins; return a cache (a ``CachedState``) when loading it beats prefilling
+  what it adds to the ``have`` tokens the session holds here (``local``, its
+  resident ``CachedState``, or None), else None. ``self.cost`` (a
+  ``ReloadCost``) answers that from rates the manager reports;
 - ``forget(session_id)``: the session was cleared or removed (True if the
   tier held it); a shared tier that cannot reach its store raises
   ``StoreUnavailable``, so a delete is never reported done when it was not.
 
-A tier that other processes share (``shared``, the Redis one) is also asked
-when the session is resident here, with ``have`` the tokens held here, and may
-take every turn's result (``writes_turns``, ``turn_finished``). It is asked at
-each turn's start, under the session's lease, whether the session was deleted
-on another process since its copy here began (``deleted_since``): the manager
-then drops the copy here. ``isolate_namespaces`` (set by the manager) says
-whether sessions ``"namespace/name"`` may share stored data only within their
-namespace.
+A tier that is not ``shared`` is asked only for sessions that hold nothing
+here (``have`` 0, ``local`` None). A tier that other processes share (the
+Redis one) is asked at every turn, and may take every turn's result
+(``writes_turns``, ``turn_finished``). It is asked at each turn's start,
+under the session's lease, whether the session was deleted on another process
+since its copy here began (``deleted_since``): the manager then drops the copy
+here. The ``*_route`` calls keep ``kvchat serve``'s map from conversations to
+sessions where every replica sees it. ``isolate_namespaces`` (set by the
+manager) says whether sessions ``"namespace/name"`` may share stored data only
+within their namespace.
 
 The manager restores what ``find_if_cheaper`` returns through the core, which
 checks it whole, and the turn then reuses only what is a true token prefix of
@@ -32,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .. import _C
+from .cost import ReloadCost
 
 
 class StoreUnavailable(RuntimeError):
@@ -53,10 +58,13 @@ class Tier:
     reload_reason = "spill_reload"
     # Set by the manager: sessions share stored data only within their namespace.
     isolate_namespaces = False
+    # What a load is assumed to cost until one is measured.
+    default_ms_per_byte = 1e-6
 
     def __init__(self):
         self.writes = 0  # caches put
         self.loads = 0  # caches found and handed back
+        self.cost = ReloadCost(self.default_ms_per_byte)
 
     def bind(self, fingerprint: dict, bridge, device: torch.device) -> None:
         """The model this tier serves: what a stored cache must match."""
@@ -69,9 +77,10 @@ class Tier:
         """A turn left the session holding ``state`` (only if ``writes_turns``)."""
 
     def find_if_cheaper(
-        self, session_id: str, prompt: torch.Tensor, have: int = 0
+        self, session_id: str, prompt: torch.Tensor, have: int = 0, local=None
     ) -> _C.CachedState | None:
-        """``have``: prompt tokens the session already holds here (0 unless ``shared``)."""
+        """``have``: prompt tokens the session already holds here, in ``local``
+        (its ``CachedState``); 0 and None unless ``shared``."""
         return None
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:
@@ -100,6 +109,7 @@ class Tier:
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""
+        self.cost.observe_prefill(tokens, ms)
 
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
         """A shared tier may keep ``kvchat serve``'s map from a conversation (a

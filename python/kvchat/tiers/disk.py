@@ -1,10 +1,9 @@
 """Disk spill: evicted sessions' caches go to files, and come back when reading
-them is cheaper than prefilling again.
+them is cheaper than prefilling again (``ReloadCost``, from measured rates).
 
-The choice uses two measured rates, updated as the manager runs: prefill time
-per token (from turns) and load time per byte (from loads). A file is read only
-for the tokens it shares with the new prompt, and is never deleted by reading:
-it stays until the session is evicted again (replaced), cleared or removed.
+A file is read only for the tokens it shares with the new prompt, and is never
+deleted by reading: it stays until the session is evicted again (replaced),
+cleared or removed.
 """
 
 from __future__ import annotations
@@ -18,43 +17,30 @@ from pathlib import Path
 
 import torch
 
-from . import _C
-from .persist import SessionFileError, read_metadata, read_session, write_session
-from .tier import Tier
+from .. import _C
+from .base import Tier
+from .session_file import SessionFileError, read_metadata, read_session, write_session
 
 logger = logging.getLogger("kvchat")
-
-# Before any load is measured: 1 GB/s, a conservative disk read.
-_DEFAULT_MS_PER_BYTE = 1e-6
-_SMOOTHING = 0.3  # weight of the newest measurement in each running rate
-
-
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * new
 
 
 class Spill(Tier):
     """The disk tier: one safetensors session file per evicted session."""
 
     keeps_evicted = True
+    default_ms_per_byte = 1e-6  # before any load is measured: 1 GB/s, a cautious disk read
 
     def __init__(self, directory):
         super().__init__()
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # one reader or writer of the folder at a time
-        self._prefill_ms_per_token: float | None = None
-        self._load_ms_per_byte = _DEFAULT_MS_PER_BYTE
 
     def path_for(self, session_id: str) -> Path:
         # Any string is a valid session id; a digest is always a valid file name.
         return self.directory / (
             hashlib.sha256(session_id.encode()).hexdigest()[:32] + ".safetensors"
         )
-
-    def observe_prefill(self, tokens: int, ms: float) -> None:
-        if tokens >= 16:  # shorter prefills are dominated by fixed costs
-            self._prefill_ms_per_token = _blend(self._prefill_ms_per_token, ms / tokens)
 
     def put(self, session_id: str, state: _C.CachedState) -> None:
         try:
@@ -73,7 +59,7 @@ class Spill(Tier):
             return held
 
     def find_if_cheaper(
-        self, session_id: str, prompt: torch.Tensor, have: int = 0
+        self, session_id: str, prompt: torch.Tensor, have: int = 0, local=None
     ) -> _C.CachedState | None:
         """The session's spilled cache, when reading it beats prefilling what it
         shares with ``prompt``; None otherwise."""
@@ -88,9 +74,7 @@ class Spill(Tier):
                 ids = torch.tensor(layout["ids"], dtype=torch.long)
                 shared = _C.common_prefix_length(ids, prompt)
                 nbytes = path.stat().st_size
-                if self._prefill_ms_per_token is not None and (
-                    nbytes * self._load_ms_per_byte >= shared * self._prefill_ms_per_token
-                ):
+                if not self.cost.worth_loading(nbytes, shared):
                     return None
                 started = time.perf_counter()
                 saved = read_session(path, self.fingerprint, self.device, self.bridge)
@@ -98,7 +82,6 @@ class Spill(Tier):
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)
                 return None
-            ms = (time.perf_counter() - started) * 1e3
-            self._load_ms_per_byte = _blend(self._load_ms_per_byte, ms / max(nbytes, 1))
+            self.cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
             self.loads += 1
             return saved.state

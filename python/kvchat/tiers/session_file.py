@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from . import _C
+from .. import _C
 
 # 2: the checksum covers the metadata and tensor headers, not only tensor bytes.
 # 3: each layer state is stored as its own description (LayerState.meta).

@@ -1,0 +1,13 @@
+"""Storage tiers: where a session's cache goes when memory lets it go, and
+where its next turn finds it again. ``base`` is the interface (and the tier
+that keeps nothing), ``cost`` the load-versus-prefill model they share,
+``disk`` the spill folder, ``redis`` the store replicas share, and
+``session_file`` the file format ``save()``/``load()`` and the disk tier use.
+"""
+
+from .base import StoreUnavailable, Tier
+from .cost import ReloadCost
+from .disk import Spill
+from .session_file import SessionFileError
+
+__all__ = ["ReloadCost", "SessionFileError", "Spill", "StoreUnavailable", "Tier"]

@@ -1,0 +1,157 @@
+"""The Lua scripts the Redis tier runs: each one change the store makes whole,
+so no reader sees half of it. What each takes and returns is written above it.
+"""
+
+# KEYS: manifest, tombstone, index, the session's chunk set, chunks...; ARGV:
+# manifest, ttl, the tombstone the snapshot's copy began under ('' for none),
+# written_at. Publishes nothing (returns -1) if the session was deleted since;
+# else refreshes every chunk's TTL and publishes only if all are there, adding
+# them to the set of every chunk the session's snapshots listed (what deleting
+# it deletes). Returns the (1-based) positions of missing chunks, empty when
+# published.
+PUBLISH = """
+local deleted = redis.call('GET', KEYS[2])
+if deleted and deleted ~= ARGV[3] then return -1 end
+local missing = {}
+for i = 5, #KEYS do
+  if redis.call('EXPIRE', KEYS[i], ARGV[2]) == 0 then missing[#missing + 1] = i - 4 end
+end
+if #missing == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  redis.call('HSET', KEYS[3], KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  for i = 5, #KEYS, 1000 do
+    redis.call('SADD', KEYS[4], unpack(KEYS, i, math.min(i + 999, #KEYS)))
+  end
+  redis.call('EXPIRE', KEYS[4], ARGV[2])
+end
+return missing
+"""
+
+# KEYS: manifest, tombstone, index, the session's routes, its chunk set, the
+# set of processes that marked it held; ARGV: tombstone, ttl, session id, '1'
+# if the deleting process holds it, the prefix of its held markers. Returns
+# whether the store knew the session (a snapshot, a route, or a live held
+# marker), and the chunk keys its snapshots listed (to delete those unused).
+# Of a session that exists nowhere it leaves no tombstone: deletes of junk
+# ids cost the store nothing.
+DELETE = """
+local known = redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5])
+for _, holder in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+  known = known + redis.call('DEL', ARGV[5] .. ':' .. holder)
+end
+redis.call('DEL', KEYS[6])
+if ARGV[4] ~= '1' and known == 0 then
+  return {0, {}}
+end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[3], KEYS[1])
+for _, route in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if route ~= '~gen' and redis.call('GET', route) == ARGV[3] then redis.call('DEL', route) end
+end
+redis.call('DEL', KEYS[4])
+local chunks = redis.call('SMEMBERS', KEYS[5])
+redis.call('DEL', KEYS[5])
+return {known, chunks}
+"""
+
+# The session's routes (a hash: route key -> conversation) also count its
+# route changes ('~gen'), so a change made late (owed while Redis was down)
+# is made only if no other process changed the session's routes since.
+
+# KEYS: route, the session's routes, tombstone; ARGV: session id, ttl, the
+# tombstone the session's copy here began under ('' for none), the
+# conversation, the generation it must find ('' for any). The session's older
+# routes go: it holds only its latest conversation, and a fork of an older one
+# must start a session of its own, never take this one over. Returns the new
+# generation, or -1 if refused.
+ROUTE = """
+local deleted = redis.call('GET', KEYS[3])
+if deleted and deleted ~= ARGV[3] then return -1 end
+local gen = tonumber(redis.call('HGET', KEYS[2], '~gen') or '0')
+if ARGV[5] ~= '' and gen ~= tonumber(ARGV[5]) then return -1 end
+for _, route in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if route ~= '~gen' and route ~= KEYS[1] and redis.call('GET', route) == ARGV[1] then
+    redis.call('DEL', route)
+  end
+end
+redis.call('DEL', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('HSET', KEYS[2], KEYS[1], ARGV[4], '~gen', gen + 1)
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return gen + 1
+"""
+
+# KEYS: the session's routes; ARGV: session id, the generation it must find
+# ('' for any). Takes every route of the session out of the map (a turn on it
+# by its id begins). Returns {the new generation (-1: refused), the
+# conversation of the route it held ('' for none), 1 if the session ever had
+# a route (it is an automatic session) else 0}.
+TAKE_SESSION = """
+local gen = tonumber(redis.call('HGET', KEYS[1], '~gen') or '0')
+if ARGV[2] ~= '' and gen ~= tonumber(ARGV[2]) then return {-1, '', 0} end
+local held = ''
+local routes = redis.call('HGETALL', KEYS[1])
+for i = 1, #routes, 2 do
+  if routes[i] ~= '~gen' and redis.call('GET', routes[i]) == ARGV[1] then
+    redis.call('DEL', routes[i])
+    held = routes[i + 1]
+  end
+end
+if #routes > 0 then
+  gen = gen + 1
+  redis.call('HSET', KEYS[1], '~gen', gen)
+end
+return {gen, held, #routes > 0 and 1 or 0}
+"""
+
+# KEYS: per session held here, its held mark, its set of holders and its
+# tombstone; ARGV: ttl, this process's name, then per session the tombstone
+# its copy here began under ('' for none) and the copy's mark token. Keeps the
+# marks of the copies here alive, but not of one deleted since it began (a
+# tombstone other than its own; its own having expired is no delete), nor a
+# mark another copy here set since (a newer token): returns the deleted
+# (1-based).
+REFRESH = """
+local deleted = {}
+for i = 1, #KEYS / 3 do
+  local found = redis.call('GET', KEYS[3 * i]) or ''
+  local mark = redis.call('GET', KEYS[3 * i - 2])
+  if found ~= '' and found ~= ARGV[1 + 2 * i] then
+    deleted[#deleted + 1] = i
+  elseif not mark or mark == ARGV[2 + 2 * i] then
+    redis.call('SET', KEYS[3 * i - 2], ARGV[2 + 2 * i], 'EX', ARGV[1])
+    redis.call('SADD', KEYS[3 * i - 1], ARGV[2])
+    redis.call('EXPIRE', KEYS[3 * i - 1], ARGV[1])
+  end
+end
+return deleted
+"""
+
+# KEYS: per ended copy here, its held mark and its set of holders; ARGV: this
+# process's name, then per copy its mark token. Removes each mark only if it
+# is still that copy's: a copy begun here since has marked it anew.
+RELEASE = """
+for i = 1, #KEYS / 2 do
+  if redis.call('GET', KEYS[2 * i - 1]) == ARGV[1 + i] then
+    redis.call('DEL', KEYS[2 * i - 1])
+    redis.call('SREM', KEYS[2 * i], ARGV[1])
+  end
+end
+return 0
+"""
+
+# KEYS: routes, longest conversation first; ARGV: the namespace's session
+# prefix. Takes the first route of the namespace out of the map and returns
+# {its position (1-based), its session}, or {} if there is none.
+TAKE = """
+for i = 1, #KEYS do
+  local session = redis.call('GET', KEYS[i])
+  if session and string.sub(session, 1, #ARGV[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    return {i, session}
+  end
+end
+return {}
+"""
