@@ -9,11 +9,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from . import _C
+from .arguments import (
+    ManagerOptions,
+    check_bool,
+    check_path,
+    check_session_id,
+    choose_tier,
+    positive_int,
+)
 from .cache_bridge import CacheBridge
 from .fingerprint import model_fingerprint
 from .generate_args import GenerateArgs, resolve_generate_args
@@ -33,28 +40,10 @@ from .report import ManagerStats, SessionInfo, TurnReport
 from .settling import Settler, predicted_prefix
 from .streaming import ReplyStream
 from .tiers.base import StoreUnavailable, Tier
-from .tiers.disk import Spill
 from .tiers.session_file import SessionFileError, read_session, write_session
 from .timing import FirstTokenTimer
-from .units import parse_bytes
 
 logger = logging.getLogger("kvchat")
-
-
-# The core's sizes are signed 64-bit.
-_MAX_INT = 2**63 - 1
-
-
-def _check_session_id(session_id) -> str:
-    if not isinstance(session_id, str) or not session_id:
-        raise TypeError(f"session_id must be a non-empty string, got {session_id!r}")
-    try:
-        session_id.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"session_id must be valid Unicode text, got {session_id!r} ({error.reason})"
-        ) from None
-    return session_id
 
 
 def _core_messages(messages: list[dict]) -> list[_C.Message]:
@@ -76,18 +65,6 @@ def _as_dicts(messages: list[_C.Message]) -> list[dict]:
     ]
 
 
-def _check_path(path) -> Path:
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
-    return Path(path)
-
-
-def _check_bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class _SendBack:
     """How the client will send a chat turn's conversation back: its messages,
@@ -103,23 +80,8 @@ class _SendBack:
         return [*self.messages, {"role": "assistant", "content": reply}]
 
 
-def _positive_int(value, name: str, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_INT:
-        raise ValueError(f"{name} must be a positive int, got {value!r} (at most 2**63 - 1)")
-    return value
-
-
-MATCH_MODES = ("tokens", "text")
-BUSY_MODES = ("wait", "error")
-OVERFLOW_MODES = ("error", "truncate")
 # Template arguments (tools, chat_template_kwargs) whose rewritten tail is remembered.
 _MAX_PROBED_TEMPLATES = 256
-CHECKPOINT_PLACEMENTS = {
-    "last": _C.CheckpointPlacement.last_message,
-    "every": _C.CheckpointPlacement.every_message,
-}
 
 
 def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
@@ -217,47 +179,23 @@ class SessionManager:
                 f"model must be a transformers causal LM with generate() and config, "
                 f"got {type(model).__name__}"
             )
-        _positive_int(max_sessions, "max_sessions")
-        if overflow not in OVERFLOW_MODES:
-            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
-        self._truncate = overflow == "truncate"
-        if busy not in BUSY_MODES:
-            raise ValueError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
-        self._wait = busy == "wait"
-        if match not in MATCH_MODES:
-            raise ValueError(f"match must be one of {MATCH_MODES}, got {match!r}")
-        if not isinstance(checkpoints, str) or checkpoints not in CHECKPOINT_PLACEMENTS:
-            raise ValueError(
-                f"checkpoints must be one of {tuple(CHECKPOINT_PLACEMENTS)}, got {checkpoints!r}"
-            )
-        if (
-            isinstance(max_checkpoints, bool)
-            or not isinstance(max_checkpoints, int)
-            or not 0 <= max_checkpoints <= _MAX_INT
-        ):
-            raise ValueError(
-                f"max_checkpoints must be an int >= 0 and below 2**63, got {max_checkpoints!r}"
-            )
-        if not isinstance(share_prefixes, bool):
-            raise TypeError(f"share_prefixes must be a bool, got {share_prefixes!r}")
-        if not isinstance(isolate_namespaces, bool):
-            raise TypeError(f"isolate_namespaces must be a bool, got {isolate_namespaces!r}")
-        _check_bool(settle, "settle")
-        _positive_int(min_shared_tokens, "min_shared_tokens")
-        if tier is not None and not isinstance(tier, Tier):
-            raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
-        if tier is not None and spill_dir is not None:
-            raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
-        if store is not None:
-            if not isinstance(store, str):
-                raise TypeError(f"store must be a redis:// URL string, got {store!r}")
-            if tier is not None or spill_dir is not None:
-                raise ValueError("give one of store, spill_dir or tier (one tier per manager)")
-            from .tiers.redis import RedisTier
-
-            tier = RedisTier(store)
-        if tier is None:
-            tier = Spill(spill_dir) if spill_dir is not None else Tier()
+        options = ManagerOptions.check(
+            max_sessions=max_sessions,
+            max_cache_bytes=max_cache_bytes,
+            max_context_length=max_context_length,
+            match=match,
+            max_checkpoints=max_checkpoints,
+            max_checkpoint_bytes=max_checkpoint_bytes,
+            checkpoints=checkpoints,
+            busy=busy,
+            overflow=overflow,
+            share_prefixes=share_prefixes,
+            min_shared_tokens=min_shared_tokens,
+            isolate_namespaces=isolate_namespaces,
+            settle=settle,
+        )
+        self._truncate, self._wait, self._match = options.truncate, options.wait, options.match
+        tier = choose_tier(spill_dir, tier, store)
         self._tier = tier
         # Removed here, but the shared store could not be told: a retry must
         # still delete it everywhere, though nothing of it is left here.
@@ -269,31 +207,31 @@ class SessionManager:
         self._prefill = ChunkedPrefill(model, self._bridge)
         self._rewrites: dict[str, int] = {}  # template arguments -> rewritten_tail
         self._core = _C.SessionManager(
-            max_sessions=max_sessions,
-            max_cache_bytes=parse_bytes(max_cache_bytes) or 0,
+            max_sessions=options.max_sessions,
+            max_cache_bytes=options.max_cache_bytes,
             num_layers=self._bridge.num_layers,
-            max_checkpoints=max_checkpoints,
-            max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
-            min_shared_tokens=min_shared_tokens if share_prefixes else 0,
+            max_checkpoints=options.max_checkpoints,
+            max_checkpoint_bytes=options.max_checkpoint_bytes,
+            min_shared_tokens=options.min_shared_tokens,
             keep_evicted=self._tier.keeps_evicted,
             # Given once: the core uses them for every turn's cuts, checkpoints and checks.
             markers=turn_markers(tokenizer, model.generation_config),
             repetition=_C.RepetitionRule(),
             prefill_checkpoints=self._bridge.needs_checkpoints,
-            placement=CHECKPOINT_PLACEMENTS[checkpoints],
-            isolate_namespaces=isolate_namespaces,
+            placement=options.placement,
+            isolate_namespaces=options.isolate_namespaces,
         )
-        self._settles = settle and match == "tokens" and self._bridge.supported
+        self._settles = options.settle and self._match == "tokens" and self._bridge.supported
         self._settler = Settler(
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted
         )
         self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
-        self._tier.isolate_namespaces = isolate_namespaces  # stored data stays in its namespace
+        self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
         self._tier.bind(self._fingerprint, self._bridge, model.device)
         text_config = model.config.get_text_config()
-        self._max_context = _positive_int(
-            max_context_length, "max_context_length", allow_none=True
-        ) or getattr(text_config, "max_position_embeddings", None)
+        self._max_context = options.max_context_length or getattr(
+            text_config, "max_position_embeddings", None
+        )
 
     # ------------------------------------------------------------------ turns
     def chat(
@@ -317,7 +255,7 @@ class SessionManager:
         text, ids, messages = self._chat_text(
             session_id, messages, max_new_tokens, tools, chat_template_kwargs
         )
-        _check_bool(settle, "settle")
+        check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         args = resolve_generate_args(self._model, kwargs, ids.numel())
         tail = self._rewritten_tail(tools, chat_template_kwargs)
@@ -348,7 +286,7 @@ class SessionManager:
         text, ids, messages = self._chat_text(
             session_id, messages, max_new_tokens, tools, chat_template_kwargs
         )
-        _check_bool(settle, "settle")
+        check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         stream = ReplyStream(self._tokenizer, kwargs)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
@@ -365,7 +303,7 @@ class SessionManager:
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
-        _check_session_id(session_id)
+        check_session_id(session_id)
         for name in ("past_key_values", "cache_params", "cache"):
             if name in generate_kwargs:
                 raise ValueError(
@@ -409,7 +347,7 @@ class SessionManager:
         or ``match="text"``, or for a session evicted since its turn. Bad
         messages raise here, as in chat() (a history the template refuses, or
         one that leaves no room within ``max_context_length``)."""
-        _check_session_id(session_id)
+        check_session_id(session_id)
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
         check_tools(tools)
@@ -442,7 +380,7 @@ class SessionManager:
     # ------------------------------------------------------------ inspection
     def last_turn(self, session_id: str) -> TurnReport | None:
         """What the session's last turn reused, prefilled and generated."""
-        record = self._core.find(_check_session_id(session_id)).last_turn()
+        record = self._core.find(check_session_id(session_id)).last_turn()
         return None if record is None else TurnReport.from_core(record, self._tier.reload_reason)
 
     def stats(self) -> ManagerStats:
@@ -450,11 +388,11 @@ class SessionManager:
         return replace(stats, **self._tier.counters(), **self._settler.counters())
 
     def info(self, session_id: str) -> SessionInfo:
-        return SessionInfo.from_core(self._core.find(_check_session_id(session_id)))
+        return SessionInfo.from_core(self._core.find(check_session_id(session_id)))
 
     def messages(self, session_id: str) -> list[dict[str, str]]:
         """The session's conversation so far (system prompt first), as chat() takes it."""
-        session = self._core.find(_check_session_id(session_id))
+        session = self._core.find(check_session_id(session_id))
         return _as_dicts(session.messages())
 
     def sessions(self) -> list[str]:
@@ -465,7 +403,7 @@ class SessionManager:
         """Drops the session's cache and history; keeps its system prompt. With
         a shared store, its snapshot there too (``StoreUnavailable`` if the
         store cannot be reached: cleared here only; call again)."""
-        _check_session_id(session_id)
+        check_session_id(session_id)
         if self._tier.shared and not self._tier.available():
             raise StoreUnavailable(
                 f"session {session_id!r} was not cleared: the shared store is unreachable "
@@ -488,7 +426,7 @@ class SessionManager:
         rather than report a delete that other processes would not see: before
         removing anything when the store is known to be down, else after
         removing the copy here (calling again then deletes it there)."""
-        _check_session_id(session_id)
+        check_session_id(session_id)
         everywhere = self._tier.shared and not local_only
         if everywhere and not self._tier.available():
             raise StoreUnavailable(
@@ -535,7 +473,7 @@ class SessionManager:
         """With a shared store: whether the session was deleted (on any process)
         since its copy here began; if so, removes that copy here (unless a turn
         is running on it, which drops it itself first)."""
-        return session_id in self.drop_deleted([_check_session_id(session_id)])
+        return session_id in self.drop_deleted([check_session_id(session_id)])
 
     def drop_deleted(self, session_ids: list[str]) -> set[str]:
         """``drop_if_deleted`` for many sessions at once (one store round trip):
@@ -572,8 +510,8 @@ class SessionManager:
 
         The file names the model it came from; ``load`` refuses it for another.
         The write is atomic: an existing file at ``path`` is replaced whole."""
-        _check_session_id(session_id)
-        path = _check_path(path)
+        check_session_id(session_id)
+        path = check_path(path)
         # A consistent snapshot under the lease (UnknownSessionError, creating
         # nothing, for an unknown id); stored states are never written in place,
         # so the file is written after it, without blocking the session.
@@ -592,8 +530,8 @@ class SessionManager:
         The whole file is checked first (format, model fingerprint, checksum):
         a bad file raises ``SessionFileError`` and changes nothing."""
         if session_id is not None:
-            _check_session_id(session_id)
-        path = _check_path(path)
+            check_session_id(session_id)
+        path = check_path(path)
         if not path.is_file():
             raise FileNotFoundError(f"path {str(path)!r} is not a file")
         saved = read_session(path, self._fingerprint, self._model.device, self._bridge)
@@ -637,8 +575,8 @@ class SessionManager:
     # -------------------------------------------------------------- internals
     def _chat_text(self, session_id, messages, max_new_tokens, tools=None, template_kwargs=None):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
-        _check_session_id(session_id)
-        _positive_int(max_new_tokens, "max_new_tokens")
+        check_session_id(session_id)
+        positive_int(max_new_tokens, "max_new_tokens")
         require_chat_template(self._tokenizer)
         messages = validate_messages(messages)
         check_tools(tools)

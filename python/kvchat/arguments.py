@@ -1,0 +1,154 @@
+"""SessionManager's arguments, each checked once, with a message that names
+the argument and the value: the constructor's as one ``ManagerOptions``, the
+storage tier chosen from its three exclusive arguments, and the checks every
+call shares (a session id, a path, a bool)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _C
+from .tiers.base import Tier
+from .tiers.disk import Spill
+from .units import parse_bytes
+
+# The core's sizes are signed 64-bit.
+MAX_INT = 2**63 - 1
+MATCH_MODES = ("tokens", "text")
+BUSY_MODES = ("wait", "error")
+OVERFLOW_MODES = ("error", "truncate")
+CHECKPOINT_PLACEMENTS = {
+    "last": _C.CheckpointPlacement.last_message,
+    "every": _C.CheckpointPlacement.every_message,
+}
+
+
+def positive_int(value, name: str, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+        raise ValueError(f"{name} must be a positive int, got {value!r} (at most 2**63 - 1)")
+    return value
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_session_id(session_id) -> str:
+    if not isinstance(session_id, str) or not session_id:
+        raise TypeError(f"session_id must be a non-empty string, got {session_id!r}")
+    try:
+        session_id.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"session_id must be valid Unicode text, got {session_id!r} ({error.reason})"
+        ) from None
+    return session_id
+
+
+def check_path(path) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
+    return Path(path)
+
+
+def _one_of(value, name: str, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """The constructor's arguments as the manager and the core use them
+    (``SessionManager.__init__`` documents each)."""
+
+    max_sessions: int
+    max_cache_bytes: int  # 0: no bound
+    max_context_length: int | None  # None: the model config's
+    match: str
+    max_checkpoints: int
+    max_checkpoint_bytes: int  # 0: no bound
+    placement: _C.CheckpointPlacement
+    wait: bool  # busy="wait"
+    truncate: bool  # overflow="truncate"
+    min_shared_tokens: int  # 0: prefixes are not shared
+    isolate_namespaces: bool
+    settle: bool
+
+    @classmethod
+    def check(
+        cls,
+        *,
+        max_sessions,
+        max_cache_bytes,
+        max_context_length,
+        match,
+        max_checkpoints,
+        max_checkpoint_bytes,
+        checkpoints,
+        busy,
+        overflow,
+        share_prefixes,
+        min_shared_tokens,
+        isolate_namespaces,
+        settle,
+    ) -> ManagerOptions:
+        positive_int(max_sessions, "max_sessions")
+        _one_of(overflow, "overflow", OVERFLOW_MODES)
+        _one_of(busy, "busy", BUSY_MODES)
+        _one_of(match, "match", MATCH_MODES)
+        _one_of(checkpoints, "checkpoints", CHECKPOINT_PLACEMENTS)
+        if (
+            isinstance(max_checkpoints, bool)
+            or not isinstance(max_checkpoints, int)
+            or not 0 <= max_checkpoints <= MAX_INT
+        ):
+            raise ValueError(
+                f"max_checkpoints must be an int >= 0 and below 2**63, got {max_checkpoints!r}"
+            )
+        check_bool(share_prefixes, "share_prefixes")
+        check_bool(isolate_namespaces, "isolate_namespaces")
+        check_bool(settle, "settle")
+        positive_int(min_shared_tokens, "min_shared_tokens")
+        return cls(
+            max_sessions=max_sessions,
+            max_cache_bytes=parse_bytes(max_cache_bytes) or 0,
+            max_context_length=positive_int(
+                max_context_length, "max_context_length", allow_none=True
+            ),
+            match=match,
+            max_checkpoints=max_checkpoints,
+            max_checkpoint_bytes=parse_bytes(max_checkpoint_bytes, "max_checkpoint_bytes") or 0,
+            placement=CHECKPOINT_PLACEMENTS[checkpoints],
+            wait=busy == "wait",
+            truncate=overflow == "truncate",
+            min_shared_tokens=min_shared_tokens if share_prefixes else 0,
+            isolate_namespaces=isolate_namespaces,
+            settle=settle,
+        )
+
+
+def choose_tier(spill_dir, tier, store) -> Tier:
+    """The one storage tier of ``spill_dir`` (disk), ``tier`` (any) and
+    ``store`` (a Redis URL), or the tier that keeps nothing."""
+    if tier is not None and not isinstance(tier, Tier):
+        raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
+    if tier is not None and spill_dir is not None:
+        raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
+    if store is not None:
+        if not isinstance(store, str):
+            raise TypeError(f"store must be a redis:// URL string, got {store!r}")
+        if tier is not None or spill_dir is not None:
+            raise ValueError("give one of store, spill_dir or tier (one tier per manager)")
+        from .tiers.redis import RedisTier  # the redis client is an optional dependency
+
+        return RedisTier(store)
+    if tier is None:
+        return Spill(spill_dir) if spill_dir is not None else Tier()
+    return tier
