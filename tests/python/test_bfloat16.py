@@ -28,6 +28,8 @@ from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
 from test_families import FAMILIES, RECURRENT_ONLY, SHAPE, _tiny
 
+pytestmark = pytest.mark.slow
+
 # Logits of these random models spread by about 0.15; bfloat16 rounding moved
 # them by at most 0.004 between a cached and a full prefill (one bfloat16 step
 # at their size). A lead of five times that is a clear first token.

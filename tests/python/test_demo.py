@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from kvchat import demo
+
+pytestmark = pytest.mark.slow
 
 
 def test_replay_reuses_and_matches_plain_generate():

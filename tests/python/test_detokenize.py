@@ -12,6 +12,8 @@ from kvchat.detokenize import IncrementalText
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import fetch
 
+pytestmark = pytest.mark.slow
+
 TEXT = (
     "Héllo wörld! 你好，世界 🌍🚀 `code_with_a_long_identifier(x)` "
     'https://example.com/a?b=c {"city": "Paris"}\n\n    indented\ttab'

@@ -102,6 +102,7 @@ def test_a_file_signed_anew_is_still_checked_against_the_model(tokenizer, tmp_pa
         SessionManager(model, tokenizer).load(forged)
 
 
+@pytest.mark.slow
 def test_every_one_byte_header_change_is_refused_or_harmless(tokenizer, tmp_path):
     model, messages, path = saved_lfm2(tokenizer, tmp_path, turns=1)
     data = path.read_bytes()

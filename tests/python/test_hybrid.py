@@ -31,6 +31,8 @@ from kvchat.tiny import (
     words_only,
 )
 
+pytestmark = pytest.mark.slow
+
 
 def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
     """One kvchat turn checked against the no-cache reference; returns (reply, report)."""

@@ -14,6 +14,8 @@ from conftest import _model
 from helpers import LONG_SYSTEM, reference_turn
 from kvchat import SessionManager
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 6
 
 

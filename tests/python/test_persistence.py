@@ -89,6 +89,7 @@ RESTART = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "falcon_h1"])
 def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path):
     model = _model(family)

@@ -18,6 +18,8 @@ from kvchat import SessionManager
 from kvchat.pretrained import load_pretrained, smollm2_path
 from kvchat.prompting import render_prompt
 
+pytestmark = pytest.mark.slow
+
 TURNS = 10
 MAX_NEW = 32
 SYSTEM = {
@@ -122,6 +124,7 @@ def test_a_sampled_regenerate_equals_plain_generate_with_the_same_seed(smollm2):
     assert reused >= 0.9 * reusable, (reused, reusable)
 
 
+@pytest.mark.server
 def test_kvchat_serve_answers_from_a_gguf_file_exactly(smollm2):
     import openai
     from test_serve import Server

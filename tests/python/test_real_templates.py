@@ -36,6 +36,8 @@ from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model, words_only
 from llama_cpp_models import fetch
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = {
     "role": "system",
     "content": "You are a travel assistant. Answer in one short paragraph and name your sources.",

@@ -22,6 +22,8 @@ from helpers import LONG_SYSTEM, doc_table_rows, reference_turn, user_message
 from kvchat.serve.process import ServerProcess
 from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
 
+pytestmark = pytest.mark.server
+
 MAX_NEW = 12
 KEY_A, KEY_B = "key-a", "key-b"
 
@@ -328,21 +330,44 @@ def test_api_keys_namespace_sessions(llama_server):
     assert llama_server.get("/v1/sessions/mine", KEY_B).status_code == 200
 
 
+def _metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, parsed as Prometheus text: name{labels} -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(server.get("/metrics").text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
 def test_metrics_are_prometheus_text(llama_server):
-    _ask(_client(llama_server), [user_message(5)], "metrics", stream=False)
-    text = llama_server.get("/metrics").text
-    for name in (
-        "kvchat_requests_total",
-        "kvchat_prompt_tokens_total",
-        "kvchat_reused_tokens_total",
-        "kvchat_prefilled_tokens_total",
-        "kvchat_hit_rate",
-        "kvchat_evictions_total",
-        "kvchat_resident_bytes",
-        "kvchat_ttft_seconds_bucket",
-        "kvchat_tracked_sessions",
-    ):
-        assert name in text, name
+    client = _client(llama_server)
+    _ask(client, [user_message(5)], "metrics", stream=False)
+    before = _metrics(llama_server)
+    _, usage = _ask(
+        client,
+        [user_message(5), {"role": "assistant", "content": "ok"}, user_message(6)],
+        "metrics",
+        stream=False,
+    )
+    after = _metrics(llama_server)
+
+    def grew(name):
+        return after[name] - before.get(name, 0.0)
+
+    # One more request, with the prompt tokens it reported, each either reused or prefilled.
+    assert grew("kvchat_requests_total{status=200}") == 1
+    assert grew("kvchat_prompt_tokens_total") == usage.prompt_tokens
+    reused = usage.prompt_tokens_details.cached_tokens
+    assert grew("kvchat_reused_tokens_total") == reused > 0
+    assert grew("kvchat_prefilled_tokens_total") == usage.prompt_tokens - reused
+    assert grew("kvchat_ttft_seconds_count") == 1
+    assert 0 <= after["kvchat_hit_rate"] <= 1
+    assert after["kvchat_tracked_sessions"] >= 1
+    assert after["kvchat_resident_bytes"] > 0
+    assert "kvchat_evictions_total" in after
     models = llama_server.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny:llama"
 

@@ -15,6 +15,8 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 from test_serve import Server, _reference
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def page_server():

@@ -19,6 +19,8 @@ from helpers import LONG_SYSTEM, MAX_NEW, common_prefix, history_ids
 from kvchat.prompting import render_prompt
 from test_serve import KEY_A, Server, _reference
 
+pytestmark = pytest.mark.server
+
 TOOLS = [
     {
         "type": "function",

@@ -12,6 +12,8 @@ import pytest
 from helpers import reference_turn, user_message
 from test_serve import MAX_NEW, Server, _reference
 
+pytestmark = pytest.mark.server
+
 NEVER = ["Observation:", "Calling tools:", "</code>"]  # what smolagents' CodeAgent sends
 
 

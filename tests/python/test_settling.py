@@ -46,6 +46,7 @@ def _checked(mgr, model, tokenizer, messages, session="s"):
     return reply, report
 
 
+@pytest.mark.slow
 def test_every_family_prefills_only_the_new_message_once_settled(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)

@@ -51,6 +51,7 @@ def run_sessions(mgr, model, tokenizer, system, sessions: int, turns: int):
     return conversations
 
 
+@pytest.mark.slow
 def test_32_sessions_hold_a_1000_token_system_prompt_once(llama, tokenizer):
     system = long_system(tokenizer, 1000)
     mgr = SessionManager(llama, tokenizer, max_sessions=32)
@@ -105,6 +106,7 @@ def test_a_different_system_prompt_shares_nothing(llama, tokenizer):
     assert mgr.stats().prefix_shares == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3", "lfm2", "qwen3_5", "bamba", "falcon_h1"])
 def test_hybrid_sessions_share_their_system_prompt(family, tokenizer):
     """Attention KV is shared; sliding-window, conv and recurrent state at the
