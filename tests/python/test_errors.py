@@ -350,3 +350,20 @@ def test_turn_records_are_read_only(mgr):
     with pytest.raises(AttributeError):
         record.reused_tokens = 10**6
     assert mgr.last_turn("s").reused_tokens == record.reused_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"max_cache_bytes": "lots"}, {"max_sessions": 0}, {"max_context_length": -1}]
+)
+def test_a_refused_argument_starts_no_store_thread(llama, tokenizer, bad):
+    # Every argument is checked before the tier is built: a refused manager
+    # leaves no Redis writer thread behind (nothing is listening on port 1).
+    import threading
+
+    def store_threads():
+        return [t for t in threading.enumerate() if t.name == "kvchat-store" and t.is_alive()]
+
+    before = len(store_threads())
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SessionManager(llama, tokenizer, store="redis://127.0.0.1:1/0", **bad)
+    assert len(store_threads()) == before
