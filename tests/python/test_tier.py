@@ -65,3 +65,33 @@ def test_tier_argument_errors(llama, tokenizer, tmp_path):
         SessionManager(llama, tokenizer, tier=object())
     with pytest.raises(ValueError, match="spill_dir or tier"):
         SessionManager(llama, tokenizer, tier=MemoryTier(), spill_dir=tmp_path)
+
+
+def test_a_tier_that_skips_super_init_or_keeps_a_cost_of_its_own_still_works(llama, tokenizer):
+    # The base class's own state (its reload-cost rates) must not depend on
+    # the subclass calling super().__init__(), nor take a name a subclass uses.
+    class Minimal(Tier):
+        keeps_evicted = True
+
+        def __init__(self):
+            self.caches, self.cost = {}, 0.02  # no super().__init__(); a "cost" of its own
+
+        def put(self, session_id, state):
+            self.caches[session_id] = state
+
+        def find_if_cheaper(self, session_id, prompt):
+            return self.caches.get(session_id)
+
+        def forget(self, session_id):
+            self.caches.pop(session_id, None)
+
+    mgr = SessionManager(llama, tokenizer, max_sessions=1, share_prefixes=False, tier=Minimal())
+    histories = {sid: [LONG_SYSTEM, user_message(0)] for sid in ("a", "b")}
+    for sid, messages in histories.items():
+        messages.append({"role": "assistant", "content": mgr.chat(sid, messages, max_new_tokens=4)})
+        messages.append(user_message(1))
+    for sid, messages in histories.items():
+        _, _, expected = reference_turn(llama, tokenizer, messages)
+        mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
+        assert mgr.last_turn(sid).output_ids == expected
+    assert mgr.last_turn("a").reason == "spill_reload"

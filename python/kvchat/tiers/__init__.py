@@ -2,7 +2,8 @@
 where its next turn finds it again. ``base`` is the interface (and the tier
 that keeps nothing), ``cost`` the load-versus-prefill model they share,
 ``disk`` the spill folder, ``redis`` the store replicas share, and
-``session_file`` the file format ``save()``/``load()`` and the disk tier use.
+``session_file`` the format of session files (``save()``/``load()``, the disk
+tier) and of the state the Redis tier stores.
 """
 
 from .base import StoreUnavailable, Tier

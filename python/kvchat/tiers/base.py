@@ -1,21 +1,22 @@
 """Storage tiers: where an evicted session's cache goes, and where that
 session's next turn may find it again.
 
-A tier is one object behind three calls, so a new one (disk, Redis, ...) plugs
-in without touching the turn code:
+Three calls make a tier (every other has a default that keeps nothing), so a
+new one plugs in without touching the turn code:
 
 - ``put(session_id, state)``: eviction dropped this session's cache from memory;
 - ``find_if_cheaper(session_id, prompt, have, local)``: a turn on ``prompt``
   begins; return a cache (a ``CachedState``) when loading it beats prefilling
   what it adds to the ``have`` tokens the session holds here (``local``, its
-  resident ``CachedState``, or None), else None. ``self.cost`` (a
+  resident ``CachedState``, or None), else None. ``self.reload_cost`` (a
   ``ReloadCost``) answers that from rates the manager reports;
 - ``forget(session_id)``: the session was cleared or removed (True if the
   tier held it); a shared tier that cannot reach its store raises
   ``StoreUnavailable``, so a delete is never reported done when it was not.
 
 A tier that is not ``shared`` is asked only for sessions that hold nothing
-here (``have`` 0, ``local`` None). A tier that other processes share (the
+here, as ``find_if_cheaper(session_id, prompt)``; set ``keeps_evicted`` for
+``put`` to be called at all. A tier that other processes share (the
 Redis one) is asked at every turn, and may take every turn's result
 (``writes_turns``, ``turn_finished``). It is asked at each turn's start,
 under the session's lease, whether the session was deleted on another process
@@ -64,7 +65,16 @@ class Tier:
     def __init__(self):
         self.writes = 0  # caches put
         self.loads = 0  # caches found and handed back
-        self.cost = ReloadCost(self.default_ms_per_byte)
+
+    @property
+    def reload_cost(self) -> ReloadCost:
+        """This tier's load-versus-prefill rates, made on first use: a subclass
+        that skips ``super().__init__()``, or keeps a ``cost`` of its own,
+        still works."""
+        cost = self.__dict__.get("_kvchat_reload_cost")
+        if cost is None:
+            cost = self.__dict__["_kvchat_reload_cost"] = ReloadCost(self.default_ms_per_byte)
+        return cost
 
     def bind(self, fingerprint: dict, bridge, device: torch.device) -> None:
         """The model this tier serves: what a stored cache must match."""
@@ -109,7 +119,7 @@ class Tier:
 
     def observe_prefill(self, tokens: int, ms: float) -> None:
         """A turn prefilled ``tokens`` in ``ms``: the rate a load must beat."""
-        self.cost.observe_prefill(tokens, ms)
+        self.reload_cost.observe_prefill(tokens, ms)
 
     def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
         """A shared tier may keep ``kvchat serve``'s map from a conversation (a

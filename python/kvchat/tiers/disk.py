@@ -74,7 +74,7 @@ class Spill(Tier):
                 ids = torch.tensor(layout["ids"], dtype=torch.long)
                 shared = _C.common_prefix_length(ids, prompt)
                 nbytes = path.stat().st_size
-                if not self.cost.worth_loading(nbytes, shared):
+                if not self.reload_cost.worth_loading(nbytes, shared):
                     return None
                 started = time.perf_counter()
                 saved = read_session(path, self.fingerprint, self.device, self.bridge)
@@ -82,6 +82,6 @@ class Spill(Tier):
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)
                 return None
-            self.cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
+            self.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
             self.loads += 1
             return saved.state

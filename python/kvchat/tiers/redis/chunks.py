@@ -1,5 +1,6 @@
 """The snapshot codec: a session's tensors as content-addressed chunks and a
-manifest that lists them, and back. No Redis and no model here, only bytes.
+manifest that lists them, and back. No Redis and no model here: tensors and
+bytes.
 
 A full-attention layer's keys or values ([1, heads, tokens, dim]) are cut
 along the token axis into blocks of a fixed number of tokens, so the blocks of

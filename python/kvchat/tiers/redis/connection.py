@@ -18,9 +18,13 @@ class Connection:
     is bounded by ``timeout`` seconds. Messages show the URL redacted, and the
     client's error texts with every credential scrubbed."""
 
-    def __init__(self, url: str, timeout: float, retry_after: float):
+    @staticmethod
+    def check_url(url) -> None:
+        """Whether the client is installed and ``url`` is a Redis URL (checked
+        before the tier's other arguments, so a wrong URL is what a message
+        names first)."""
         try:
-            import redis  # the optional dependency, needed only here
+            import redis  # noqa: F401  (the optional dependency, needed only here)
         except ImportError:
             raise ImportError(
                 "the Redis store needs the redis client: pip install 'kvchat[redis]'"
@@ -34,6 +38,11 @@ class Connection:
                 f"store URL {redact_url(url)!r} is not a Redis URL: expected {EXPECTED}, "
                 "with any '@', ':', '/', '?' or '#' in a user name or password percent-encoded"
             )
+
+    def __init__(self, url: str, timeout: float, retry_after: float):
+        self.check_url(url)
+        import redis
+
         try:
             self.client = redis.Redis.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout

@@ -1,6 +1,7 @@
 """Where everything the Redis tier stores lives: one name per kind of key.
 
-Every key is ``<prefix>:<model>:<kind>:<digest of a name>``: the model part
+Every key begins ``<prefix>:<model>:<kind>:<digest of a name>`` (chunks and
+held marks add a last part: the chunk's digest, the process): the model part
 (a digest of the fingerprint) keeps two models' snapshots apart on one Redis,
 the prefix two deployments, and digests keep any session id a valid key.
 """

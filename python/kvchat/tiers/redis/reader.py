@@ -31,7 +31,6 @@ class Reader:
     def __init__(self, tier):
         self._tier, self._conn, self._keys = tier, tier.conn, tier.keys
         self.misses: Counter[str] = Counter()  # reason -> count
-        self.loads = 0
         # Network reads only (never a torch op, which would start an OpenMP team there).
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvchat-store-fetch")
 
@@ -90,7 +89,7 @@ class Reader:
             )
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise StoreMiss("malformed", f"manifest tensors: {error}") from None
-        if not tier.cost.worth_loading(nbytes, shared - have):
+        if not tier.reload_cost.worth_loading(nbytes, shared - have):
             return None  # prefilling the difference is cheaper
         started = time.perf_counter()
         tensors = self._fetch(manifest["tensors"], held, self._keys.chunk("", session_id))
@@ -98,8 +97,8 @@ class Reader:
             state = decode_state(layout, tensors, tier.bridge, tier.device)
         except (KeyError, TypeError, ValueError) as error:
             raise StoreMiss("malformed", f"does not fit this model: {error}") from None
-        tier.cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
-        self.loads += 1
+        tier.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
+        tier.loads += 1
         return state
 
     def _fetch(self, entries: dict, held: dict, scope: str) -> dict[str, torch.Tensor]:

@@ -88,6 +88,7 @@ class RedisTier(Tier):
         chunk_bytes: int = 4 << 20,
     ):
         super().__init__()
+        Connection.check_url(url)
         if write not in WRITE_POLICIES:
             raise ValueError(f"write must be one of {WRITE_POLICIES}, got {write!r}")
         for name, value in (("ttl", ttl), ("timeout", timeout), ("retry_after", retry_after)):
@@ -107,6 +108,7 @@ class RedisTier(Tier):
         self.routes = Routes(self.conn, self.keys, self.copies, self.ttl, self.cond)
         self.reader = Reader(self)
         self.writer = Writer(self, self.cond)
+        self.misses = self.reader.misses  # reason -> count, as counters() reports them
 
     @property
     def isolate_namespaces(self) -> bool:
@@ -231,8 +233,8 @@ class RedisTier(Tier):
     def counters(self) -> dict:
         misses = self.reader.misses
         return {
-            "store_writes": self.writer.writes,
-            "store_loads": self.reader.loads,
+            "store_writes": self.writes,
+            "store_loads": self.loads,
             "store_misses": sum(misses.values()),
             "store_write_errors": self.writer.write_errors,
             "store_miss_reasons": dict(misses),

@@ -27,7 +27,7 @@ from .copies import epoch_arg
 
 logger = logging.getLogger("kvchat")
 
-FETCH_BATCH = 64  # keys per MGET: at most 256 MiB of chunks, usually a few MiB
+FETCH_BATCH = 64  # keys per MGET (and chunk reads): 256 MiB at the default chunk_bytes
 
 
 class Unpublished(Exception):
@@ -43,7 +43,7 @@ class Writer:
         self.pending: OrderedDict[str, tuple] = OrderedDict()
         self.writing: str | None = None  # the session being written now
         self.closed = False
-        self.writes = self.write_errors = self.chunks_written = self.bytes_written = 0
+        self.write_errors = self.chunks_written = self.bytes_written = 0
         self.thread = threading.Thread(target=self._loop, name="kvchat-store", daemon=True)
         self.thread.start()
 
@@ -206,7 +206,7 @@ class Writer:
                 self.collect(session_id, chunks)
                 return
             if not gone:
-                self.writes += 1
+                tier.writes += 1
                 return
             # Evicted between upload and publish (maxmemory): upload those again, once.
             missing = [list(chunks)[int(i) - 1] for i in gone]
