@@ -3,12 +3,10 @@ conversation's KV cache between turns and prefills only what is new."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -22,9 +20,10 @@ from .arguments import (
     positive_int,
 )
 from .cache_bridge import CacheBridge
+from .conversation import SendBack, as_dicts, core_messages, drop_oldest_turn
 from .fingerprint import model_fingerprint
-from .generate_args import GenerateArgs, resolve_generate_args
-from .prefill import ChunkedPrefill, FeedOnlyTail, PromptEndSnapshot
+from .generate_args import resolve_generate_args
+from .prefill import ChunkedPrefill
 from .prompting import (
     check_template_kwargs,
     check_tools,
@@ -41,60 +40,13 @@ from .settling import Settler, predicted_prefix
 from .streaming import ReplyStream
 from .tiers.base import StoreUnavailable, Tier
 from .tiers.session_file import SessionFileError, read_session, write_session
-from .timing import FirstTokenTimer
+from .turn import TurnRequest, Turns
 
 logger = logging.getLogger("kvchat")
 
 
-def _core_messages(messages: list[dict]) -> list[_C.Message]:
-    """The core keeps role and text; anything else (tool calls, a tool call id,
-    content None beside tool calls) rides along as JSON."""
-    out = []
-    for m in messages:
-        extras = {k: v for k, v in m.items() if k not in ("role", "content")}
-        if m["content"] is None:
-            extras["content"] = None
-        out.append(_C.Message(m["role"], m["content"] or "", json.dumps(extras) if extras else ""))
-    return out
-
-
-def _as_dicts(messages: list[_C.Message]) -> list[dict]:
-    return [
-        {"role": m.role, "content": m.content, **(json.loads(m.extras) if m.extras else {})}
-        for m in messages
-    ]
-
-
-@dataclass(frozen=True)
-class _SendBack:
-    """How the client will send a chat turn's conversation back: its messages,
-    then the reply as an assistant message, rendered with the same tools and
-    template arguments. ``settle``: settle the session for that after the turn."""
-
-    messages: list[dict]
-    tools: list | None
-    template_kwargs: dict | None
-    settle: bool
-
-    def history(self, reply: str) -> list[dict]:
-        return [*self.messages, {"role": "assistant", "content": reply}]
-
-
 # Template arguments (tools, chat_template_kwargs) whose rewritten tail is remembered.
 _MAX_PROBED_TEMPLATES = 256
-
-
-def _drop_oldest_turn(messages: list[dict]) -> list[dict] | None:
-    """The conversation without its oldest turn after the system prompt: the
-    first message and any replies up to the next user message. None when only
-    the last user message would be left."""
-    first = 1 if messages[0]["role"] == "system" else 0
-    end = first + 1
-    while end < len(messages) and messages[end]["role"] != "user":
-        end += 1
-    if end >= len(messages):
-        return None
-    return messages[:first] + messages[end:]
 
 
 class SessionManager:
@@ -195,17 +147,24 @@ class SessionManager:
             settle=settle,
         )
         self._truncate, self._wait, self._match = options.truncate, options.wait, options.match
-        tier = choose_tier(spill_dir, tier, store)
-        self._tier = tier
+        self._model = model
+        self._tokenizer = tokenizer
+        # What can fail on a model or tokenizer kvchat cannot read comes before
+        # the tier, which may start a writer thread.
+        self._bridge = CacheBridge(model)
+        self._prefill = ChunkedPrefill(model, self._bridge)
+        self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
+        # Given once: the core uses them for every turn's cuts, checkpoints and checks.
+        markers = turn_markers(tokenizer, model.generation_config)
+        text_config = model.config.get_text_config()
+        self._max_context = options.max_context_length or getattr(
+            text_config, "max_position_embeddings", None
+        )
+        self._rewrites: dict[str, int] = {}  # template arguments -> rewritten_tail
         # Removed here, but the shared store could not be told: a retry must
         # still delete it everywhere, though nothing of it is left here.
         self._owed_deletes: set[str] = set()
-        self._model = model
-        self._tokenizer = tokenizer
-        self._match = match
-        self._bridge = CacheBridge(model)
-        self._prefill = ChunkedPrefill(model, self._bridge)
-        self._rewrites: dict[str, int] = {}  # template arguments -> rewritten_tail
+        self._tier = choose_tier(spill_dir, tier, store)
         self._core = _C.SessionManager(
             max_sessions=options.max_sessions,
             max_cache_bytes=options.max_cache_bytes,
@@ -214,8 +173,7 @@ class SessionManager:
             max_checkpoint_bytes=options.max_checkpoint_bytes,
             min_shared_tokens=options.min_shared_tokens,
             keep_evicted=self._tier.keeps_evicted,
-            # Given once: the core uses them for every turn's cuts, checkpoints and checks.
-            markers=turn_markers(tokenizer, model.generation_config),
+            markers=markers,
             repetition=_C.RepetitionRule(),
             prefill_checkpoints=self._bridge.needs_checkpoints,
             placement=options.placement,
@@ -225,13 +183,9 @@ class SessionManager:
         self._settler = Settler(
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted
         )
-        self._fingerprint = model_fingerprint(model, self._bridge.layer_classes)
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
         self._tier.bind(self._fingerprint, self._bridge, model.device)
-        text_config = model.config.get_text_config()
-        self._max_context = options.max_context_length or getattr(
-            text_config, "max_position_embeddings", None
-        )
+        self._turns = Turns(self)  # the turn's path: turn.py
 
     # ------------------------------------------------------------------ turns
     def chat(
@@ -259,11 +213,9 @@ class SessionManager:
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         args = resolve_generate_args(self._model, kwargs, ids.numel())
         tail = self._rewritten_tail(tools, chat_template_kwargs)
-        sendback = _SendBack(messages, tools, chat_template_kwargs, settle)
-        _, reply, _ = self._turn(
-            session_id, args, ids, text=text, sendback=sendback, rewritten_tail=tail
-        )
-        return reply
+        sendback = SendBack(messages, tools, chat_template_kwargs, settle)
+        request = TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail)
+        return self._turns.run(request)[1]
 
     def stream_chat(
         self,
@@ -291,12 +243,12 @@ class SessionManager:
         stream = ReplyStream(self._tokenizer, kwargs)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
         tail = self._rewritten_tail(tools, chat_template_kwargs)
-        sendback = _SendBack(messages, tools, chat_template_kwargs, settle)
+        sendback = SendBack(messages, tools, chat_template_kwargs, settle)
+
+        request = TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail)
 
         def run() -> TurnReport:
-            _, _, record = self._turn(
-                session_id, args, ids, text=text, sendback=sendback, rewritten_tail=tail
-            )
+            record = self._turns.run(request)[2]
             return TurnReport.from_core(record, self._tier.reload_reason)
 
         return stream.start(run, name=f"kvchat-stream-{session_id}")
@@ -328,8 +280,7 @@ class SessionManager:
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids must hold at least one token")
         args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
-        output, _, _ = self._turn(session_id, args, input_ids[0].long())
-        return output
+        return self._turns.run(TurnRequest(session_id, args, input_ids[0].long()))[0]
 
     def settle(
         self,
@@ -393,7 +344,7 @@ class SessionManager:
     def messages(self, session_id: str) -> list[dict[str, str]]:
         """The session's conversation so far (system prompt first), as chat() takes it."""
         session = self._core.find(check_session_id(session_id))
-        return _as_dicts(session.messages())
+        return as_dicts(session.messages())
 
     def sessions(self) -> list[str]:
         """Session ids, least recently used first."""
@@ -519,7 +470,7 @@ class SessionManager:
             self._settler.hold(session_id),
             self._core.acquire(session_id, wait=self._wait, create=False) as session,
         ):
-            messages = _as_dicts(session.messages())
+            messages = as_dicts(session.messages())
             state = session.cached_state()
         write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
 
@@ -550,7 +501,7 @@ class SessionManager:
                 session.invalidate_cache()
             else:
                 session.restore(saved.state)
-            session.set_messages(_core_messages(messages))
+            session.set_messages(core_messages(messages))
         self._flush_evicted()
         return target
 
@@ -598,7 +549,7 @@ class SessionManager:
 
         text, ids = render(messages)
         if self._truncate and self._max_context is not None:
-            while over(ids) and (shorter := _drop_oldest_turn(messages)):
+            while over(ids) and (shorter := drop_oldest_turn(messages)):
                 messages = shorter
                 text, ids = render(messages)
         if ids is None:
@@ -607,29 +558,6 @@ class SessionManager:
                 f"max_new_tokens={max_new_tokens} exceeds max_context_length={self._max_context}"
             )
         return text, ids, messages
-
-    def _decode_reply(self, sequences: torch.Tensor, prompt_tokens: int) -> str:
-        return self._tokenizer.decode(sequences[0, prompt_tokens:], skip_special_tokens=True)
-
-    def _text_prompt(self, session, text: str, fresh: torch.Tensor) -> torch.Tensor:
-        """In text mode, the cached ids plus the new suffix's when the text extends
-        the cached text; otherwise ``fresh``, the prompt's own tokenization."""
-        if self._match == "text" and text is not None:
-            cached_text = session.cached_text()
-            if cached_text and text.startswith(cached_text):
-                suffix = tokenize_text(self._tokenizer, text[len(cached_text) :])
-                cached = torch.tensor(session.cached_ids(), dtype=torch.long)
-                return torch.cat([cached, suffix])
-        return fresh
-
-    def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        if self._max_context is None:
-            return
-        if prompt_tokens + max_new_tokens > self._max_context:
-            raise ValueError(
-                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
-                f"max_context_length={self._max_context}"
-            )
 
     def _rewritten_tail(self, tools, template_kwargs) -> int:
         """rewritten_tail() for these template arguments, probed once each:
@@ -642,188 +570,3 @@ class SessionManager:
                 self._rewrites.clear()  # a server's clients may send endless tool sets
             self._rewrites[key] = rewritten_tail(self._tokenizer, tools, template_kwargs)
         return self._rewrites[key]
-
-    def _turn(
-        self, session_id, args: GenerateArgs, fresh, *, text=None, sendback=None, rewritten_tail=0
-    ):
-        """One turn: the core's begin_turn, the model, the core's finish_turn.
-
-        ``args``: the generate arguments, resolved (and so validated) by the caller;
-        ``fresh``: the prompt's token ids (1-D), tokenized once by the caller;
-        ``text``, for a chat turn: the prompt text they came from (text mode);
-        ``sendback``: a chat turn's ``_SendBack`` (None for generate()).
-        Returns generate's output, for a chat turn the reply text, and the TurnRecord.
-
-        Everything that can be refused is refused before the session is leased,
-        so bad input leaves nothing behind; a turn that fails after begin_turn
-        leaves the session with its history and no cache (never half a turn).
-        """
-        self._check_context(fresh.numel(), args.max_new_tokens)
-        plain = args.plain_reason
-        if plain is None and not self._bridge.supported:
-            plain = _C.ReuseReason.unsupported_layers
-        if args.plain_reason is not None:
-            logger.info("kvchat: %s runs as plain generate (%s)", session_id, args.why)
-        # TTFT counts kvchat's own planning and cache building, as a user sees it.
-        timer = FirstTokenTimer()
-        kwargs = timer.attach(args.kwargs)
-        fresh = fresh.to("cpu", torch.long).contiguous()
-        settle_to = None
-        try:
-            # The turn takes over a settle of this session (see settling.py).
-            with (
-                self._settler.hold(session_id, fresh) as handover,
-                self._core.acquire(session_id, wait=self._wait) as session,
-            ):
-                self._drop_if_deleted(session)
-                # Text mode reads the session's cached text, so it matches under the lease.
-                prompt = fresh if plain is not None else self._text_prompt(session, text, fresh)
-                prompt = prompt.to("cpu", torch.long).contiguous()
-                self._check_context(prompt.numel(), args.max_new_tokens)
-                self._settler.take_over(session, prompt, handover)  # empties it
-                reloaded = self._from_tier(session, prompt) if plain is None else None
-                plan = self._core.begin_turn(
-                    session,
-                    prompt,
-                    args.max_new_tokens,
-                    reloaded=reloaded,
-                    plain=plain,
-                    rewritten_tail=rewritten_tail,
-                )
-                if plan.reload_error:
-                    logger.warning(
-                        "kvchat: tier's cache for %r does not fit: %s",
-                        session_id,
-                        plan.reload_error,
-                    )
-                try:
-                    output, reply, result = self._run(plan, prompt, kwargs, text, sendback)
-                    target = result.pop("settle_to", None)
-                    result = _C.TurnResult(
-                        **result,
-                        prefill_ms=timer.prefill_ms,
-                        total_ms=(time.perf_counter() - timer.started) * 1e3,
-                    )
-                    record = self._core.finish_turn(session, plan, result)
-                except BaseException:
-                    self._core.abort_turn(session, plan)
-                    raise
-                snapshot = None
-                if self._tier.writes_turns and not plan.plain and record.cache_stored:
-                    # References, not copies: stored states are never written in place.
-                    snapshot = (session.cached_state(), _as_dicts(session.messages()))
-                if target is not None and self._settles and sendback.settle and record.cache_stored:
-                    settle_to = (target, session.version)
-            if snapshot is not None:
-                self._tier.turn_finished(session_id, *snapshot)
-            if settle_to is not None:
-                self._settler.schedule(session_id, *settle_to)
-            if not plan.plain:
-                if not record.cache_stored:
-                    logger.warning(
-                        "kvchat: the cache after %r's turn does not match its %d tokens; "
-                        "dropped it",
-                        session_id,
-                        prompt.numel() + record.generated_tokens,
-                    )
-                self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
-            return output, reply, record
-        finally:
-            self._flush_evicted()
-
-    def _drop_if_deleted(self, session) -> None:
-        """Under the lease: a session deleted on another process (a shared
-        store's tombstone) since its copy here began loses that copy (cache and
-        history) before this turn, which then starts it anew."""
-        if self._tier.shared and self._tier.deleted_since(session.id):
-            logger.info("kvchat: session %r was deleted elsewhere; dropped it here", session.id)
-            session.invalidate_cache()
-            session.set_messages([])
-
-    def _from_tier(self, session, prompt: torch.Tensor):
-        """A cache from the tier, or None: asked when the session holds nothing
-        here, or for a shared tier (other processes write it) always, saying
-        how much of the prompt the session holds here."""
-        if not self._tier.shared:
-            return None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
-        have, local = 0, None
-        if session.resident:
-            local = session.cached_state()  # references: what the tier need not fetch
-            have = _C.common_prefix_length(torch.tensor(local.ids, dtype=torch.long), prompt)
-            have = min(have, local.trusted_tokens)  # past a failed check, nothing is held
-        return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
-
-    def _run(self, plan, prompt, kwargs, text, sendback):
-        """The model's part of a turn: (generate's output, reply text, TurnResult fields,
-        and "settle_to": the ids the next prompt is predicted to start with, or a
-        function that renders them, or None).
-
-        A plain plan runs plain generate, passing no cache. Otherwise the cache
-        is built from the plan's layers, the uncached tail is prefilled to each
-        checkpoint position, and generate runs on from there."""
-        model_input = prompt.unsqueeze(0).to(self._model.device)
-        result = {}
-        if plan.plain:
-            output = self._model.generate(model_input, **kwargs)
-        else:
-            # Consumed: a buffer that moves to a larger arena frees the old one.
-            cache = self._bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
-            positions = plan.checkpoint_positions
-            checkpoints = []
-            if positions:
-                checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
-            at_end = None
-            if plan.snapshot_prompt_end:
-                at_end = PromptEndSnapshot(self._bridge, cache, prompt.numel())
-                kwargs = at_end.attach(kwargs)
-            # A cache that cannot count its tokens (recurrent layers alone)
-            # must be fed only those it lacks; one that can, generate slices.
-            held = 0 if self._bridge.knows_length else (positions or [plan.kept_tokens])[-1]
-            cache_argument = self._bridge.cache_argument
-            with FeedOnlyTail(self._model, cache, cache_argument, prompt.numel(), held):
-                output = self._model.generate(model_input, **{cache_argument: cache}, **kwargs)
-            if at_end is not None and at_end.checkpoint is not None:
-                checkpoints.append(at_end.checkpoint)
-            result["checkpoints"] = checkpoints
-            sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            cached = self._bridge.cached_tokens(cache, sequences.shape[-1])
-            result.update(layers=self._bridge.from_cache(cache, cached), cached_tokens=cached)
-            if not isinstance(output, torch.Tensor) and output.get(cache_argument) is cache:
-                # The caller may run the returned cache on; the session must not see that.
-                self._bridge.detach_recurrent(cache)
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        sequence = sequences[0].to("cpu", torch.long).contiguous()
-        result["sequence"] = sequence
-        if self._match == "text" and text is not None and not plan.plain:
-            # The text of the cached ids, for the next turn's prefix match.
-            cached_ids = sequence[prompt.numel() : result["cached_tokens"]]
-            result["text"] = text + self._tokenizer.decode(cached_ids, skip_special_tokens=False)
-        reply = None
-        if sendback is not None:
-            reply = self._decode_reply(sequences, prompt.numel())
-            history = sendback.history(reply)
-            result["messages"] = _core_messages(history)
-            predicts = self._match == "tokens" and self._bridge.supported and not plan.plain
-            if predicts and (self._settles or self._bridge.needs_checkpoints):
-                predict = functools.partial(
-                    self._predict, history, sendback.tools, sendback.template_kwargs
-                )
-                result["settle_to"] = predict  # rendered by the settle thread
-                if self._bridge.needs_checkpoints:
-                    # Rendered now: where the next prompt departs from what is
-                    # cached, thinning keeps the checkpoint below it, which
-                    # settling (or that turn) restores.
-                    target = predict()
-                    result["settle_to"] = target
-                    if target is not None:
-                        result["needed_checkpoint"] = _C.common_prefix_length(target, sequence)
-        return output, reply, result
-
-    def _predict(self, history, tools, template_kwargs):
-        """predicted_prefix, or None (logged) if rendering it fails: a
-        prediction is an optimization and never fails a turn."""
-        try:
-            return predicted_prefix(self._tokenizer, history, tools, template_kwargs)
-        except Exception as error:
-            logger.warning("kvchat: no settling after this turn: %s", error)
-            return None

@@ -367,3 +367,7 @@ def test_a_refused_argument_starts_no_store_thread(llama, tokenizer, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SessionManager(llama, tokenizer, store="redis://127.0.0.1:1/0", **bad)
     assert len(store_threads()) == before
+    # Nor does a tokenizer kvchat cannot read (its parts are built before the tier).
+    with pytest.raises(AttributeError):
+        SessionManager(llama, object(), store="redis://127.0.0.1:1/0")
+    assert len(store_threads()) == before

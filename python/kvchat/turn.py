@@ -1,0 +1,314 @@
+"""One turn: the session leased, the core's plan, the model, the core's commit.
+
+``Turns.run(TurnRequest)`` is the whole path of a turn after the caller has
+checked and tokenized its input:
+
+1. lease the session (after any settle of it hands over, see settling.py);
+2. drop a copy another process deleted, and ask the tier once for a cache;
+3. ``CoreTurn``: the core's ``begin_turn`` plans what to reuse; leaving the
+   block without ``finish`` aborts the turn, so a failure leaves the session
+   with its history and no cache, never half a turn;
+4. ``_model``: build the cache from the plan's layers, prefill to each
+   checkpoint, run ``generate``, and read the cache back (a ``ModelRun``);
+5. ``finish_turn`` commits it; then the tier gets the turn's snapshot and the
+   settler the ids the next prompt is predicted to start with.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _C
+from .conversation import SendBack, as_dicts, core_messages
+from .generate_args import GenerateArgs
+from .prefill import FeedOnlyTail, PromptEndSnapshot
+from .prompting import tokenize_text
+from .settling import predicted_prefix
+from .timing import FirstTokenTimer
+
+logger = logging.getLogger("kvchat")
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A turn the caller has checked: ``args``, the resolved generate arguments;
+    ``fresh``, the prompt's ids (1-D), tokenized once; ``text``, a chat turn's
+    prompt text (text mode matches on it); ``sendback``, how a chat turn's
+    conversation will come back (None for ``generate()``); ``rewritten_tail``,
+    the tokens the template rewrites at the end of its generation prompt."""
+
+    session_id: str
+    args: GenerateArgs
+    fresh: torch.Tensor
+    text: str | None = None
+    sendback: SendBack | None = None
+    rewritten_tail: int = 0
+
+
+@dataclass
+class ModelRun:
+    """The model's half of a turn: what ``generate`` returned, and what the
+    core's ``finish_turn`` takes (see ``result``)."""
+
+    output: object  # generate's output: a tensor or a ModelOutput
+    sequence: torch.Tensor  # prompt and generated ids, 1-D, on the CPU
+    reply: str | None = None  # a chat turn's reply text
+    layers: list = field(default_factory=list)
+    cached_tokens: int = 0
+    checkpoints: list = field(default_factory=list)
+    text: str = ""  # text mode: the text of the cached ids
+    messages: list | None = None  # a chat turn's history, reply included
+    needed_checkpoint: int = -1  # where the next prompt is predicted to depart
+    # The ids the next prompt is predicted to start with, or a function that
+    # renders them (on the settle thread), or None.
+    settle_to: object = None
+
+    def result(self, timer: FirstTokenTimer) -> _C.TurnResult:
+        return _C.TurnResult(
+            sequence=self.sequence,
+            layers=self.layers,
+            cached_tokens=self.cached_tokens,
+            checkpoints=self.checkpoints,
+            text=self.text,
+            messages=self.messages,
+            needed_checkpoint=self.needed_checkpoint,
+            prefill_ms=timer.prefill_ms,
+            total_ms=(time.perf_counter() - timer.started) * 1e3,
+        )
+
+
+class CoreTurn:
+    """The core's ``begin_turn`` as a context manager: ``finish`` commits the
+    turn; leaving the block without it (an exception, a return) aborts it."""
+
+    def __init__(self, core, session, prompt, max_new_tokens: int, **begin):
+        self._core, self._session = core, session
+        self.plan = core.begin_turn(session, prompt, max_new_tokens, **begin)
+        self.record = None
+
+    def __enter__(self) -> CoreTurn:
+        return self
+
+    def finish(self, result: _C.TurnResult):
+        self.record = self._core.finish_turn(self._session, self.plan, result)
+        return self.record
+
+    def __exit__(self, *exc) -> bool:
+        if self.record is None:
+            self._core.abort_turn(self._session, self.plan)
+        return False
+
+
+class Turns:
+    """Runs turns for one manager (its model, core, tier and settler)."""
+
+    def __init__(self, manager):
+        m = manager
+        self._model, self._tokenizer, self._core = m._model, m._tokenizer, m._core
+        self._bridge, self._prefill, self._tier = m._bridge, m._prefill, m._tier
+        self._settler, self._flush_evicted = m._settler, m._flush_evicted
+        self._match, self._wait, self._settles = m._match, m._wait, m._settles
+        self._max_context = m._max_context
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
+            raise ValueError(
+                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"max_context_length={self._max_context}"
+            )
+
+    def run(self, request: TurnRequest) -> tuple[object, str | None, _C.TurnRecord]:
+        """(generate's output, a chat turn's reply text, the TurnRecord)."""
+        session_id, args = request.session_id, request.args
+        self.check_context(request.fresh.numel(), args.max_new_tokens)
+        plain = args.plain_reason
+        if plain is None and not self._bridge.supported:
+            plain = _C.ReuseReason.unsupported_layers
+        if args.plain_reason is not None:
+            logger.info("kvchat: %s runs as plain generate (%s)", session_id, args.why)
+        # TTFT counts kvchat's own planning and cache building, as a user sees it.
+        timer = FirstTokenTimer()
+        kwargs = timer.attach(args.kwargs)
+        fresh = request.fresh.to("cpu", torch.long).contiguous()
+        snapshot = settle_to = None
+        try:
+            # The turn takes over a settle of this session (see settling.py).
+            with (
+                self._settler.hold(session_id, fresh) as handover,
+                self._core.acquire(session_id, wait=self._wait) as session,
+            ):
+                self._drop_if_deleted(session)
+                # Text mode reads the session's cached text, so it matches under the lease.
+                prompt = fresh if plain is not None else self._text_prompt(session, request)
+                prompt = prompt.to("cpu", torch.long).contiguous()
+                self.check_context(prompt.numel(), args.max_new_tokens)
+                self._settler.take_over(session, prompt, handover)  # empties it
+                reloaded = self._from_tier(session, prompt) if plain is None else None
+                with CoreTurn(
+                    self._core,
+                    session,
+                    prompt,
+                    args.max_new_tokens,
+                    reloaded=reloaded,
+                    plain=plain,
+                    rewritten_tail=request.rewritten_tail,
+                ) as turn:
+                    plan = turn.plan
+                    if plan.reload_error:
+                        logger.warning(
+                            "kvchat: tier's cache for %r does not fit: %s",
+                            session_id,
+                            plan.reload_error,
+                        )
+                    run = self._model_run(plan, prompt, kwargs, request)
+                    record = turn.finish(run.result(timer))
+                if self._tier.writes_turns and not plan.plain and record.cache_stored:
+                    # References, not copies: stored states are never written in place.
+                    snapshot = (session.cached_state(), as_dicts(session.messages()))
+                sendback = request.sendback
+                if run.settle_to is not None and self._settles and sendback.settle:
+                    if record.cache_stored:
+                        settle_to = (run.settle_to, session.version)
+            if snapshot is not None:
+                self._tier.turn_finished(session_id, *snapshot)
+            if settle_to is not None:
+                self._settler.schedule(session_id, *settle_to)
+            if not plan.plain:
+                if not record.cache_stored:
+                    logger.warning(
+                        "kvchat: the cache after %r's turn does not match its %d tokens; "
+                        "dropped it",
+                        session_id,
+                        prompt.numel() + record.generated_tokens,
+                    )
+                self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
+            return run.output, run.reply, record
+        finally:
+            self._flush_evicted()
+
+    def _drop_if_deleted(self, session) -> None:
+        """Under the lease: a session deleted on another process (a shared
+        store's tombstone) since its copy here began loses that copy (cache and
+        history) before this turn, which then starts it anew."""
+        if self._tier.shared and self._tier.deleted_since(session.id):
+            logger.info("kvchat: session %r was deleted elsewhere; dropped it here", session.id)
+            session.invalidate_cache()
+            session.set_messages([])
+
+    def _text_prompt(self, session, request: TurnRequest) -> torch.Tensor:
+        """In text mode, the cached ids plus the new suffix's when the text extends
+        the cached text; otherwise the prompt's own tokenization."""
+        text = request.text
+        if self._match == "text" and text is not None:
+            cached_text = session.cached_text()
+            if cached_text and text.startswith(cached_text):
+                suffix = tokenize_text(self._tokenizer, text[len(cached_text) :])
+                cached = torch.tensor(session.cached_ids(), dtype=torch.long)
+                return torch.cat([cached, suffix])
+        return request.fresh
+
+    def _from_tier(self, session, prompt: torch.Tensor):
+        """A cache from the tier, or None: asked when the session holds nothing
+        here, or for a shared tier (other processes write it) always, saying
+        how much of the prompt the session holds here."""
+        if not self._tier.shared:
+            return None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
+        have, local = 0, None
+        if session.resident:
+            local = session.cached_state()  # references: what the tier need not fetch
+            have = _C.common_prefix_length(torch.tensor(local.ids, dtype=torch.long), prompt)
+            have = min(have, local.trusted_tokens)  # past a failed check, nothing is held
+        return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
+
+    def _model_run(self, plan, prompt, kwargs, request: TurnRequest) -> ModelRun:
+        """The model's part of a turn. A plain plan runs plain generate, passing
+        no cache. Otherwise the cache is built from the plan's layers, the
+        uncached tail is prefilled to each checkpoint position, and generate
+        runs on from there."""
+        model_input = prompt.unsqueeze(0).to(self._model.device)
+        if plan.plain:
+            output = self._model.generate(model_input, **kwargs)
+            run = ModelRun(output, _sequences(output)[0].to("cpu", torch.long).contiguous())
+        else:
+            run = self._cached_run(plan, model_input, kwargs)
+        if self._match == "text" and request.text is not None and not plan.plain:
+            # The text of the cached ids, for the next turn's prefix match.
+            cached_ids = run.sequence[prompt.numel() : run.cached_tokens]
+            run.text = request.text + self._tokenizer.decode(cached_ids, skip_special_tokens=False)
+        if request.sendback is not None:
+            self._send_back(run, plan, prompt.numel(), request.sendback)
+        return run
+
+    def _cached_run(self, plan, model_input, kwargs) -> ModelRun:
+        prompt_tokens = model_input.shape[-1]
+        bridge = self._bridge
+        # Consumed: a buffer that moves to a larger arena frees the old one.
+        cache = bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
+        positions = plan.checkpoint_positions
+        checkpoints = []
+        if positions:
+            checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
+        at_end = None
+        if plan.snapshot_prompt_end:
+            at_end = PromptEndSnapshot(bridge, cache, prompt_tokens)
+            kwargs = at_end.attach(kwargs)
+        # A cache that cannot count its tokens (recurrent layers alone)
+        # must be fed only those it lacks; one that can, generate slices.
+        held = 0 if bridge.knows_length else (positions or [plan.kept_tokens])[-1]
+        argument = bridge.cache_argument
+        with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held):
+            output = self._model.generate(model_input, **{argument: cache}, **kwargs)
+        if at_end is not None and at_end.checkpoint is not None:
+            checkpoints.append(at_end.checkpoint)
+        sequences = _sequences(output)
+        cached = bridge.cached_tokens(cache, sequences.shape[-1])
+        run = ModelRun(
+            output,
+            sequences[0].to("cpu", torch.long).contiguous(),
+            layers=bridge.from_cache(cache, cached),
+            cached_tokens=cached,
+            checkpoints=checkpoints,
+        )
+        if not isinstance(output, torch.Tensor) and output.get(argument) is cache:
+            # The caller may run the returned cache on; the session must not see that.
+            bridge.detach_recurrent(cache)
+        return run
+
+    def _send_back(self, run: ModelRun, plan, prompt_tokens: int, sendback: SendBack) -> None:
+        """A chat turn: the reply, the history with it, and what the next prompt
+        is predicted to start with (for settling, and for thinning checkpoints)."""
+        run.reply = self._tokenizer.decode(run.sequence[prompt_tokens:], skip_special_tokens=True)
+        history = sendback.history(run.reply)
+        run.messages = core_messages(history)
+        predicts = self._match == "tokens" and self._bridge.supported and not plan.plain
+        if not (predicts and (self._settles or self._bridge.needs_checkpoints)):
+            return
+        predict = functools.partial(
+            self._predict, history, sendback.tools, sendback.template_kwargs
+        )
+        run.settle_to = predict  # rendered by the settle thread
+        if self._bridge.needs_checkpoints:
+            # Rendered now: where the next prompt departs from what is cached,
+            # thinning keeps the checkpoint below it, which settling (or that
+            # turn) restores.
+            run.settle_to = target = predict()
+            if target is not None:
+                run.needed_checkpoint = _C.common_prefix_length(target, run.sequence)
+
+    def _predict(self, history, tools, template_kwargs):
+        """predicted_prefix, or None (logged) if rendering it fails: a
+        prediction is an optimization and never fails a turn."""
+        try:
+            return predicted_prefix(self._tokenizer, history, tools, template_kwargs)
+        except Exception as error:
+            logger.warning("kvchat: no settling after this turn: %s", error)
+            return None
+
+
+def _sequences(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.sequences
