@@ -3,12 +3,13 @@
 ``Turns.run(TurnRequest)`` is the whole path of a turn after the caller has
 checked and tokenized its input:
 
-1. lease the session (after any settle of it hands over, see settling.py);
+1. pause any settle of the session, lease it, and take over what the settle
+   prefilled (see settling.py);
 2. drop a copy another process deleted, and ask the tier once for a cache;
 3. ``CoreTurn``: the core's ``begin_turn`` plans what to reuse; leaving the
    block without ``finish`` aborts the turn, so a failure leaves the session
    with its history and no cache, never half a turn;
-4. ``_model``: build the cache from the plan's layers, prefill to each
+4. ``_model_run``: build the cache from the plan's layers, prefill to each
    checkpoint, run ``generate``, and read the cache back (a ``ModelRun``);
 5. ``finish_turn`` commits it; then the tier gets the turn's snapshot and the
    settler the ids the next prompt is predicted to start with.
@@ -144,7 +145,7 @@ class Turns:
             ):
                 self._drop_if_deleted(session)
                 # Text mode reads the session's cached text, so it matches under the lease.
-                prompt = fresh if plain is not None else self._text_prompt(session, request)
+                prompt = fresh if plain is not None else self._text_prompt(session, request, fresh)
                 prompt = prompt.to("cpu", torch.long).contiguous()
                 self.check_context(prompt.numel(), args.max_new_tokens)
                 self._settler.take_over(session, prompt, handover)  # empties it
@@ -200,9 +201,9 @@ class Turns:
             session.invalidate_cache()
             session.set_messages([])
 
-    def _text_prompt(self, session, request: TurnRequest) -> torch.Tensor:
+    def _text_prompt(self, session, request: TurnRequest, fresh: torch.Tensor) -> torch.Tensor:
         """In text mode, the cached ids plus the new suffix's when the text extends
-        the cached text; otherwise the prompt's own tokenization."""
+        the cached text; otherwise ``fresh``, the prompt's own tokenization."""
         text = request.text
         if self._match == "text" and text is not None:
             cached_text = session.cached_text()
@@ -210,7 +211,7 @@ class Turns:
                 suffix = tokenize_text(self._tokenizer, text[len(cached_text) :])
                 cached = torch.tensor(session.cached_ids(), dtype=torch.long)
                 return torch.cat([cached, suffix])
-        return request.fresh
+        return fresh
 
     def _from_tier(self, session, prompt: torch.Tensor):
         """A cache from the tier, or None: asked when the session holds nothing
