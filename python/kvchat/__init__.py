@@ -30,6 +30,7 @@ def _check_torch_matches_build() -> None:
 _check_torch_matches_build()
 
 from . import _C  # noqa: E402
+from .arguments import ContextLengthError  # noqa: E402
 from .manager import SessionManager  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
 from .tiers import SessionFileError, StoreUnavailable, Tier  # noqa: E402
@@ -42,6 +43,7 @@ logging.getLogger("kvchat").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = [
+    "ContextLengthError",
     "ManagerStats",
     "SessionBusy",
     "SessionFileError",

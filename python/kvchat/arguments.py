@@ -25,6 +25,13 @@ CHECKPOINT_PLACEMENTS = {
 }
 
 
+class ContextLengthError(ValueError):
+    """The prompt plus ``max_new_tokens`` does not fit ``max_context_length``
+    (or a history to settle leaves no room for a next turn). A ``ValueError``,
+    so callers that catch those still do; ``kvchat serve`` answers it with
+    ``context_length_exceeded``."""
+
+
 def positive_int(value, name: str, allow_none: bool = False):
     if value is None and allow_none:
         return None

@@ -12,6 +12,7 @@ import torch
 
 from . import _C
 from .arguments import (
+    ContextLengthError,
     ManagerOptions,
     check_bool,
     check_path,
@@ -315,7 +316,7 @@ class SessionManager:
         if target is None:
             return
         if self._max_context is not None and target.numel() >= self._max_context:
-            raise ValueError(
+            raise ContextLengthError(
                 f"messages: the history is {target.numel()} tokens, which leaves no room "
                 f"for a next turn within max_context_length={self._max_context}"
             )
@@ -553,7 +554,7 @@ class SessionManager:
                 messages = shorter
                 text, ids = render(messages)
         if ids is None:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt of {len(text)} characters (more than {self._max_context} tokens) plus "
                 f"max_new_tokens={max_new_tokens} exceeds max_context_length={self._max_context}"
             )

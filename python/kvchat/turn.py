@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _C
+from .arguments import ContextLengthError
 from .conversation import SendBack, as_dicts, core_messages
 from .generate_args import GenerateArgs
 from .prefill import FeedOnlyTail, PromptEndSnapshot
@@ -118,7 +119,7 @@ class Turns:
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"max_context_length={self._max_context}"
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
-from kvchat import SessionManager
+from kvchat import ContextLengthError, SessionManager
 from kvchat.prompting import render_prompt
 
 LIMIT = 200
@@ -21,6 +21,16 @@ def test_default_overflow_raises_with_the_sizes(llama, tokenizer):
     mgr = SessionManager(llama, tokenizer, max_context_length=LIMIT)
     with pytest.raises(ValueError, match=rf"plus max_new_tokens={MAX_NEW} exceeds.*={LIMIT}"):
         mgr.chat("s", long_conversation(8), max_new_tokens=MAX_NEW)
+    # One class for every context-length refusal (a ValueError), whatever the path.
+    prompt = render_prompt(tokenizer, long_conversation(8)).unsqueeze(0)
+    for call in (
+        lambda: mgr.chat("s", long_conversation(8), max_new_tokens=MAX_NEW),
+        lambda: mgr.generate(prompt, session_id="g", max_new_tokens=MAX_NEW),
+        lambda: mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=LIMIT),
+    ):
+        with pytest.raises(ContextLengthError, match="max_context_length"):
+            call()
+    assert mgr.sessions() == []
 
 
 def test_truncate_drops_the_oldest_whole_turns_and_stays_exact(llama, tokenizer):

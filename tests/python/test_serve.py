@@ -518,6 +518,7 @@ SERVE_ERROR_CASES = {
             ("continue_final_message", True),
             ("return_tensors", "pt"),
             ("return_whatever", 1),
+            ("return_max_context_length", True),  # names the limit; no context-length error
             ("tools", []),
             ("documents", []),
             ("messages", []),

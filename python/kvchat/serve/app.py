@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._C import SessionBusy
+from ..arguments import ContextLengthError
 from ..manager import SessionManager
 from ..tiers import StoreUnavailable
 from . import protocol
@@ -380,13 +381,14 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
 
         try:
             return await run_in_threadpool(begin)
+        except ContextLengthError as error:
+            raise APIError(
+                400, str(error), param="messages", code="context_length_exceeded"
+            ) from None
         except ValueError as error:
             message = str(error)
-            if "max_context_length" in message:
-                code, param = "context_length_exceeded", "messages"
-            else:
-                code, param = "invalid_value", _argument(message, "messages")
-            raise APIError(400, message, param=param, code=code) from None
+            param = _argument(message, "messages")
+            raise APIError(400, message, param=param, code="invalid_value") from None
         except TypeError as error:
             message = str(error)
             raise APIError(400, message, param=_argument(message), code="invalid_value") from None
