@@ -207,15 +207,10 @@ class SessionManager:
         ``settle=False``: do not settle the session for a next turn that sends
         the reply back as returned, because the caller sends something else
         back (tool calls parsed from it, say) and calls ``settle()`` with that."""
-        text, ids, messages = self._chat_text(
-            session_id, messages, max_new_tokens, tools, chat_template_kwargs
-        )
-        check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        args = resolve_generate_args(self._model, kwargs, ids.numel())
-        tail = self._rewritten_tail(tools, chat_template_kwargs)
-        sendback = SendBack(messages, tools, chat_template_kwargs, settle)
-        request = TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail)
+        request, _ = self._chat_request(
+            session_id, messages, tools, chat_template_kwargs, settle, kwargs, streaming=False
+        )
         return self._turns.run(request)[1]
 
     def stream_chat(
@@ -236,17 +231,10 @@ class SessionManager:
         ``break``, or dropping it) stops generation within a token; the
         session keeps what was generated and stays exact. ``settle``: as in chat()."""
         # Validate now, so bad input raises here rather than at the first next().
-        text, ids, messages = self._chat_text(
-            session_id, messages, max_new_tokens, tools, chat_template_kwargs
-        )
-        check_bool(settle, "settle")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        stream = ReplyStream(self._tokenizer, kwargs)
-        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
-        tail = self._rewritten_tail(tools, chat_template_kwargs)
-        sendback = SendBack(messages, tools, chat_template_kwargs, settle)
-
-        request = TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail)
+        request, stream = self._chat_request(
+            session_id, messages, tools, chat_template_kwargs, settle, kwargs, streaming=True
+        )
 
         def run() -> TurnReport:
             record = self._turns.run(request)[2]
@@ -525,6 +513,21 @@ class SessionManager:
         return self._tier
 
     # -------------------------------------------------------------- internals
+    def _chat_request(
+        self, session_id, messages, tools, template_kwargs, settle, kwargs, streaming: bool
+    ):
+        """A chat turn, checked: (its TurnRequest, and for ``streaming`` the
+        ReplyStream whose streamer and stop its generate kwargs carry)."""
+        text, ids, messages = self._chat_text(
+            session_id, messages, kwargs["max_new_tokens"], tools, template_kwargs
+        )
+        check_bool(settle, "settle")
+        stream = ReplyStream(self._tokenizer, kwargs) if streaming else None
+        args = resolve_generate_args(self._model, stream.kwargs if stream else kwargs, ids.numel())
+        tail = self._rewritten_tail(tools, template_kwargs)
+        sendback = SendBack(messages, tools, template_kwargs, settle)
+        return TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail), stream
+
     def _chat_text(self, session_id, messages, max_new_tokens, tools=None, template_kwargs=None):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
         check_session_id(session_id)

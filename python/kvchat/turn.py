@@ -146,8 +146,9 @@ class Turns:
             ):
                 self._drop_if_deleted(session)
                 # Text mode reads the session's cached text, so it matches under the lease.
-                prompt = fresh if plain is not None else self._text_prompt(session, request, fresh)
-                prompt = prompt.to("cpu", torch.long).contiguous()
+                prompt = fresh
+                if plain is None:  # a plain turn runs on its own fresh ids
+                    prompt = self._text_prompt(session, request.text, fresh)
                 self.check_context(prompt.numel(), args.max_new_tokens)
                 self._settler.take_over(session, prompt, handover)  # empties it
                 reloaded = self._from_tier(session, prompt) if plain is None else None
@@ -172,10 +173,10 @@ class Turns:
                 if self._tier.writes_turns and not plan.plain and record.cache_stored:
                     # References, not copies: stored states are never written in place.
                     snapshot = (session.cached_state(), as_dicts(session.messages()))
-                sendback = request.sendback
-                if run.settle_to is not None and self._settles and sendback.settle:
-                    if record.cache_stored:
-                        settle_to = (run.settle_to, session.version)
+                # A prediction exists only for a chat turn (one with a send-back).
+                settles = run.settle_to is not None and self._settles and record.cache_stored
+                if settles and request.sendback.settle:
+                    settle_to = (run.settle_to, session.version)
             if snapshot is not None:
                 self._tier.turn_finished(session_id, *snapshot)
             if settle_to is not None:
@@ -202,10 +203,9 @@ class Turns:
             session.invalidate_cache()
             session.set_messages([])
 
-    def _text_prompt(self, session, request: TurnRequest, fresh: torch.Tensor) -> torch.Tensor:
+    def _text_prompt(self, session, text: str | None, fresh: torch.Tensor) -> torch.Tensor:
         """In text mode, the cached ids plus the new suffix's when the text extends
         the cached text; otherwise ``fresh``, the prompt's own tokenization."""
-        text = request.text
         if self._match == "text" and text is not None:
             cached_text = session.cached_text()
             if cached_text and text.startswith(cached_text):
