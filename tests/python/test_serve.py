@@ -850,6 +850,7 @@ def test_a_client_template_is_refused_fast_and_costs_no_memory():
             "chat_template_kwargs": {"chat_template": template},
         }
         server.post("/v1/chat/completions", key=None, json=_chat_body())  # warm up
+        server.settled()  # the warm-up's session, as it stays
         sessions = server.get("/v1/sessions", key=None).json()["data"]
         before = _rss_mb(server.process.pid)
         # Refused before anything renders (so no time limit is asserted: the
