@@ -38,10 +38,15 @@ class IncrementalText:
     Each step decodes a short window: the ids since the text last settled,
     after one id of context (a SentencePiece word's leading space shows only
     after another token). Joined, the pieces ``push`` and ``finish`` return
-    are ``tokenizer.decode(ids, skip_special_tokens=True)`` of every id pushed."""
+    are ``tokenizer.decode(ids, skip_special_tokens=True)`` of every id pushed.
 
-    def __init__(self, tokenizer):
+    ``skip_special_tokens=False`` keeps special tokens (a tool call's markers
+    may be special), except ``end_ids``, the ids that end the reply."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, end_ids=()):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._end = frozenset(end_ids)
         self._ids: list[int] = []
         self._start = 0  # the window is ids[_start:]
         self._window_sent = 0  # characters of the window's text already returned
@@ -49,9 +54,11 @@ class IncrementalText:
         self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
+        if token_id in self._end:
+            return ""
         self._ids.append(token_id)
         text = self._decode(self._ids[self._start :])
         final = len(text) - _held(text)
@@ -59,7 +66,7 @@ class IncrementalText:
             final = len(text)
         piece = text[self._window_sent : final]
         self._window_sent = max(self._window_sent, final)
-        if self._window_sent == len(text) and token_id not in self._special:
+        if self._window_sent == len(text) and (token_id not in self._special or not self._skip):
             # Settled: the last id becomes the next window's context. Not a
             # special one, which decodes to nothing: the next id would then
             # decode as the first, and SentencePiece drops a first space.

@@ -28,6 +28,7 @@ from .prefill import ChunkedPrefill
 from .prompting import (
     check_template_kwargs,
     check_tools,
+    end_ids,
     max_prompt_chars,
     render_text,
     require_chat_template,
@@ -222,6 +223,7 @@ class SessionManager:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         settle: bool = True,
+        skip_special_tokens: bool = True,
         **generate_kwargs,
     ) -> ReplyStream:
         """Like chat(), but yields text pieces as they are generated; once it is
@@ -229,11 +231,21 @@ class SessionManager:
 
         Closing the stream (``close()``, leaving a ``for`` loop over it with
         ``break``, or dropping it) stops generation within a token; the
-        session keeps what was generated and stays exact. ``settle``: as in chat()."""
+        session keeps what was generated and stays exact. ``settle``: as in
+        chat(). ``skip_special_tokens=False``: pieces keep special tokens (the
+        markers of a tool call may be special), except those that end the reply."""
         # Validate now, so bad input raises here rather than at the first next().
+        check_bool(skip_special_tokens, "skip_special_tokens")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
         request, stream = self._chat_request(
-            session_id, messages, tools, chat_template_kwargs, settle, kwargs, streaming=True
+            session_id,
+            messages,
+            tools,
+            chat_template_kwargs,
+            settle,
+            kwargs,
+            streaming=True,
+            skip_special_tokens=skip_special_tokens,
         )
 
         def run() -> TurnReport:
@@ -514,7 +526,15 @@ class SessionManager:
 
     # -------------------------------------------------------------- internals
     def _chat_request(
-        self, session_id, messages, tools, template_kwargs, settle, kwargs, streaming: bool
+        self,
+        session_id,
+        messages,
+        tools,
+        template_kwargs,
+        settle,
+        kwargs,
+        streaming: bool,
+        skip_special_tokens: bool = True,
     ):
         """A chat turn, checked: (its TurnRequest, and for ``streaming`` the
         ReplyStream whose streamer and stop its generate kwargs carry)."""
@@ -522,7 +542,12 @@ class SessionManager:
             session_id, messages, kwargs["max_new_tokens"], tools, template_kwargs
         )
         check_bool(settle, "settle")
-        stream = ReplyStream(self._tokenizer, kwargs) if streaming else None
+        stream = None
+        if streaming:
+            ends = end_ids(
+                self._tokenizer, self._model.generation_config, kwargs.get("eos_token_id")
+            )
+            stream = ReplyStream(self._tokenizer, kwargs, skip_special_tokens, ends)
         args = resolve_generate_args(self._model, stream.kwargs if stream else kwargs, ids.numel())
         tail = self._rewritten_tail(tools, template_kwargs)
         sendback = SendBack(messages, tools, template_kwargs, settle)

@@ -315,12 +315,22 @@ def rewritten_tail(tokenizer, tools=None, template_kwargs=None) -> int:
     return tail if 0 < tail <= _MAX_REWRITTEN_TAIL else 0
 
 
+def end_ids(tokenizer, generation_config, eos_token_id=None) -> set[int]:
+    """The ids that end a reply: generate's ``eos_token_id`` (this call's, else
+    the generation config's) and the tokenizer's end-of-sequence id."""
+    if eos_token_id is None:
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
+    ids = set(_as_list(eos_token_id))
+    if tokenizer is not None:
+        ids.update(_as_list(tokenizer.eos_token_id))
+    return ids
+
+
 def turn_markers(tokenizer, generation_config) -> _C.TurnMarkers:
     """End-of-turn ids and role headers, taken from the tokenizer and template."""
-    end_ids = set(_as_list(getattr(generation_config, "eos_token_id", None)))
+    end = end_ids(tokenizer, generation_config)
     headers = []
     if tokenizer is not None:
-        end_ids.update(_as_list(tokenizer.eos_token_id))
         if getattr(tokenizer, "chat_template", None):
             # The generation prompt is the assistant's role header.
             try:
@@ -339,4 +349,4 @@ def turn_markers(tokenizer, generation_config) -> _C.TurnMarkers:
                 header = tokenizer(full[len(bare) :], add_special_tokens=False)["input_ids"]
                 if header:
                     headers.append(header)
-    return _C.TurnMarkers(sorted(end_ids), headers)
+    return _C.TurnMarkers(sorted(end), headers)

@@ -40,8 +40,8 @@ class TextQueue(BaseStreamer):
     each piece is final, then ``_END``. The prompt (generate's first ``put``)
     is not part of the reply."""
 
-    def __init__(self, tokenizer):
-        self._text = IncrementalText(tokenizer)
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, end_ids=()):
+        self._text = IncrementalText(tokenizer, skip_special_tokens, end_ids)
         self._prompt_seen = False
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -66,11 +66,14 @@ class TextQueue(BaseStreamer):
 class ReplyStream(Iterator[str]):
     """Iterates over the reply's text pieces; ``close()`` stops generation."""
 
-    def __init__(self, tokenizer, generate_kwargs: dict):
+    def __init__(
+        self, tokenizer, generate_kwargs: dict, skip_special_tokens: bool = True, end_ids=()
+    ):
         """``generate_kwargs`` plus this stream's streamer and stopping criterion
-        become ``self.kwargs``, what the turn passes to generate."""
+        become ``self.kwargs``, what the turn passes to generate. Pieces keep
+        special tokens with ``skip_special_tokens=False``, except ``end_ids``."""
         self._cancel = threading.Event()
-        self._streamer = TextQueue(tokenizer)
+        self._streamer = TextQueue(tokenizer, skip_special_tokens, end_ids)
         self._ended = False  # the last piece was returned: next() stops at once
         criteria = StoppingCriteriaList(
             [*(generate_kwargs.get("stopping_criteria") or []), StopWhenSet(self._cancel)]

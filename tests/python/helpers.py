@@ -10,11 +10,15 @@ MAX_NEW = 12
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
 
 
-def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW):
-    """Plain generate on the full conversation, no cache: (reply text, prompt ids, output ids)."""
-    prompt = render_prompt(tokenizer, messages)
+def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW, tools=None, **kwargs):
+    """Plain generate on the full conversation, no cache: (reply text, prompt
+    ids, output ids). ``kwargs`` go to generate (a grammar's logits processor)."""
+    prompt = render_prompt(tokenizer, messages, tools=tools)
     out = model.generate(
-        prompt.unsqueeze(0).to(model.device), max_new_tokens=max_new_tokens, do_sample=False
+        prompt.unsqueeze(0).to(model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **kwargs,
     )
     output_ids = out[0, prompt.numel() :]
     return (

@@ -449,6 +449,31 @@ SERVE_ERROR_CASES = {
             "messages",
         ),
     ],
+    "a `tool_choice` or `response_format` that cannot be constrained": [
+        ({"json": _chat_body(**extra)}, 400, "invalid_value", param)
+        for extra, param in [
+            (dict(tool_choice="required"), "tool_choice"),
+            (
+                dict(tools=[_tool()], tool_choice={"type": "function", "function": {"name": "x"}}),
+                "tool_choice",
+            ),
+            (dict(response_format={"type": "xml"}), "response_format"),
+            (
+                dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+                "response_format",
+            ),
+            (
+                dict(
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                    }
+                ),
+                "response_format",
+            ),
+            (dict(tools=[_tool()], parallel_tool_calls="yes"), "parallel_tool_calls"),
+        ]
+    ],
     "a body over `--max-body-bytes`": [
         (
             {"json": _chat_body(messages=[{"role": "user", "content": "x" * 300_000}])},

@@ -22,24 +22,26 @@ from importlib import resources
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._C import SessionBusy
+from ..agents import ToolCall, detect
+from ..agents.grammar import GrammarError, Grammars
 from ..arguments import ContextLengthError
 from ..manager import SessionManager
+from ..prompting import end_ids
 from ..tiers import StoreUnavailable
 from . import protocol
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
 from .metrics import Metrics
+from .reply import DONE, Reply, TurnStream, tool_format
 from .sessions import SessionRouter, namespace
 
 logger = logging.getLogger("kvchat.serve")
-
-_DONE = object()
 
 
 @dataclass
@@ -55,13 +57,10 @@ class ServeConfig:
     store_wait: float = 5.0
 
 
-def _stop_ids(manager: SessionManager) -> set[int]:
-    ids = manager.model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    tokenizer = manager.tokenizer
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+def _vocab_size(model) -> int:
+    """The width of the model's logits (can exceed the tokenizer's vocabulary)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
@@ -87,7 +86,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     app.state.expiry = expiry
     app.state.router = router
     app.add_exception_handler(APIError, api_error_handler)
-    stop_ids = _stop_ids(manager)
+    stop_ids = end_ids(manager.tokenizer, manager.model.generation_config)
+    calls_format = detect(manager.tokenizer)  # the template's tool-call markup, if known
+    grammars = Grammars(manager.tokenizer, _vocab_size(manager.model), stop_ids)
     pending = threading.BoundedSemaphore(config.max_pending)
     created = int(time.time())
 
@@ -284,6 +285,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="invalid_value",
             )
         explicit = chat.session_key or (header or None)
+        fmt = tool_format(chat, calls_format)
+        # Built before any session is claimed: a bad schema is a 400 that touches nothing.
+        processor = await run_in_threadpool(constrain, chat, fmt) if chat.constrained else None
         if not pending.acquire(blocking=False):
             metrics.requests.labels("429").inc()
             raise APIError(
@@ -301,7 +305,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         try:
             # Made before the turn runs: a turn is never run for a reply that cannot be sent.
             headers = {"X-Session-ID": router.external(ns, session) or session}
-            stream, first = await start_turn(session, chat, max_tokens)
+            stream, first = await start_turn(session, chat, max_tokens, fmt, processor)
         except BaseException as error:
             pending.release()
             expiry.end(session)
@@ -310,20 +314,20 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 await released  # before the error reaches the client, who may retry at once
             raise
         cid = protocol.completion_id()
-        turn = _Turn(stream, first, chat, max_tokens, session, ns, explicit is None)
+        turn = Reply(stream, first, chat, max_tokens, session, ns, explicit is None, fmt)
         if chat.stream:
-            return _TurnStream(
+            return TurnStream(
                 stream_body(turn, cid),
                 on_end=lambda: abandon(turn),
                 media_type="text/event-stream",
                 headers=headers,
             )
         try:
-            content = await run_in_threadpool(turn.collect)
+            await run_in_threadpool(turn.collect)
         finally:
             await run_in_threadpool(finish, turn)
         body = protocol.completion(
-            cid, chat.model, content, turn.finish_reason(stop_ids), turn.report
+            cid, chat.model, turn.message(), turn.finish_reason(stop_ids), turn.report
         )
         return JSONResponse(body, headers=headers)
 
@@ -358,12 +362,33 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             return done
         return asyncio.shield(loop.run_in_executor(None, router.release, ns, session, None))
 
-    async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int):
+    def constrain(chat: protocol.ChatRequest, fmt):
+        """The grammar's logits processor for a constrained request; 400 for a
+        schema llguidance refuses or a tool-call markup it cannot write."""
+        try:
+            if chat.tool_choice == "required":
+                if fmt is None:
+                    raise GrammarError(
+                        "tool_choice",
+                        "tool_choice 'required' needs a tool-call format kvchat recognizes "
+                        "in the chat template (docs/agents.md); this one has none",
+                    )
+                tools = [t for t in chat.tools if chat.tool_name in (None, t["function"]["name"])]
+                grammar = grammars.tool_calls(fmt, tools, chat.parallel_tool_calls)
+                return grammars.processor(grammar, "tool_choice")
+            return grammars.processor(grammars.json_schema(chat.json_schema), "response_format")
+        except GrammarError as error:
+            raise APIError(400, str(error), param=error.param, code="invalid_value") from None
+
+    async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int, fmt, processor):
         """Starts the turn and waits for its first piece, so what is refused
         before generation (a context overflow, say) is an error status."""
         kwargs = dict(chat.generate_kwargs)
         if chat.stop:
             kwargs.update(stop_strings=chat.stop, tokenizer=manager.tokenizer)
+        if processor is not None:
+            # The grammar decides what may come next; no suppressed token stands in its way.
+            kwargs.update(logits_processor=[processor], suppress_tokens=None)
 
         def begin():
             if chat.seed is not None:
@@ -375,9 +400,11 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 tools=chat.tools,
                 chat_template_kwargs=chat.template_kwargs,
                 settle=False,  # finish() settles on the reply as it was sent
+                # A tool call's markers may be special tokens: the parser reads them.
+                skip_special_tokens=fmt is None,
                 **kwargs,
             )
-            return stream, next(stream, _DONE)
+            return stream, next(stream, DONE)
 
         try:
             return await run_in_threadpool(begin)
@@ -393,9 +420,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             message = str(error)
             raise APIError(400, message, param=_argument(message), code="invalid_value") from None
 
-    def finish(turn: _Turn) -> None:
+    def finish(turn: Reply) -> None:
         """Waits for the turn to be committed, then counts it and frees its slot."""
-        if not turn._finished.acquire(blocking=False):
+        if not turn.finished.acquire(blocking=False):
             return
         report = None
         try:
@@ -410,15 +437,16 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             pending.release()
             history = None
             if report is not None:
-                history = [*turn.chat.messages, {"role": "assistant", "content": turn.text}]
+                history = [*turn.chat.messages, turn.message()]
             router.release(turn.ns, turn.session, history)
             expiry.end(turn.session)
         if history is not None:
             settle(turn, history)
 
-    def settle(turn: _Turn, history: list[dict]) -> None:
+    def settle(turn: Reply, history: list[dict]) -> None:
         """Settles the session on the conversation the client received (the
-        text a stop string cut short, say), for its next turn."""
+        text a stop string cut short, the tool calls read out of it), for its
+        next turn."""
         try:
             manager.settle(
                 turn.session,
@@ -429,24 +457,30 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         except (KeyError, ValueError, TypeError) as error:  # removed meanwhile, say
             logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
 
-    def abandon(turn: _Turn) -> None:
+    def abandon(turn: Reply) -> None:
         """A streamed response ended: if its turn was not finished (the client
         left, or the response never started), stop it and finish it on a thread."""
-        if not turn._finished.locked():
+        if not turn.finished.locked():
             turn.stream.cancel()
             threading.Thread(target=finish, args=(turn,), daemon=True).start()
 
-    async def stream_body(turn: _Turn, cid: str):
+    async def stream_body(turn: Reply, cid: str):
         model = turn.chat.model
         finished = False
+        calls = 0
         try:
             yield _sse(protocol.chunk(cid, model, {"role": "assistant", "content": ""}))
             while True:
-                piece = await run_in_threadpool(turn.next_piece)
-                if piece is _DONE:
+                items = await run_in_threadpool(turn.next_items)
+                if items is DONE:
                     break
-                if piece:
-                    yield _sse(protocol.chunk(cid, model, {"content": piece}))
+                for item in items:
+                    if isinstance(item, ToolCall):
+                        for delta in protocol.tool_call_deltas(calls, item):
+                            yield _sse(protocol.chunk(cid, model, delta))
+                        calls += 1
+                    elif item.text:
+                        yield _sse(protocol.chunk(cid, model, {"content": item.text}))
             # Committed and released before [DONE], so the client's next turn finds it.
             await run_in_threadpool(finish, turn)
             finished = True
@@ -464,21 +498,6 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     return app
 
 
-class _TurnStream(StreamingResponse):
-    """A streamed turn's response: ``on_end`` runs however the response ends,
-    even when its body never started (the client gone before the headers)."""
-
-    def __init__(self, content, on_end, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_end = on_end
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_end()
-
-
 def _argument(message: str, default: str | None = None) -> str | None:
     """The request field a library error names first (``tools[0] must be ...``)."""
     match = re.match(r"(messages|tools|chat_template_kwargs|stop)\b", message)
@@ -493,51 +512,3 @@ def _not_json(constant: str):
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-class _Turn:
-    """One request's turn: its stream, the stop-string trimming and the text sent."""
-
-    def __init__(self, stream, first, chat, max_tokens, session, ns, auto):
-        self.stream, self.chat, self.session, self.ns, self.auto = stream, chat, session, ns, auto
-        self.max_tokens = max_tokens
-        self._first = first
-        self._finished = threading.Lock()  # finish() runs once, whoever gets here first
-        self._trim = protocol.StopTrimmer(chat.stop)
-        self._ended = False  # the stream's end was seen: never ask it again
-        self.text = ""
-
-    def next_piece(self):
-        """The next text to send ("" while held back), or _DONE."""
-        if self._trim.stopped or self._ended:
-            return _DONE
-        if self._first is not None:
-            raw, self._first = self._first, None
-        else:
-            raw = next(self.stream, _DONE)
-        if raw is _DONE:
-            # What a stop string that never matched held back is the reply's end.
-            self._ended = True
-            out = self._trim.flush()
-            self.text += out
-            return out if out else _DONE
-        out = self._trim.feed(raw)
-        self.text += out
-        return out
-
-    def collect(self) -> str:
-        while self.next_piece() is not _DONE:
-            pass
-        return self.text
-
-    @property
-    def report(self):
-        return self.stream.report
-
-    def finish_reason(self, stop_ids: set[int]) -> str:
-        report = self.stream.report
-        if self._trim.stopped or report is None:
-            return "stop"
-        hit_limit = report.generated_tokens >= self.max_tokens
-        ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
-        return "length" if hit_limit and not ended else "stop"

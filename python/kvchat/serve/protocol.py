@@ -24,7 +24,6 @@ _HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 _IGNORED = {
     "store",
     "metadata",
-    "parallel_tool_calls",
     "service_tier",
     "prediction",
     "modalities",
@@ -52,6 +51,7 @@ _HANDLED = {
     "prompt_cache_key",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "chat_template_kwargs",
     "logprobs",
     "top_logprobs",
@@ -126,7 +126,16 @@ class ChatRequest:
     template_kwargs: dict | None
     session_key: str | None  # prompt_cache_key, else user
     seed: int | None
+    tool_choice: str = "auto"  # "auto", "none", "required" (a named function too)
+    tool_name: str | None = None  # the function tool_choice names
+    parallel_tool_calls: bool = True
+    json_schema: dict | None = None  # response_format's, {"type": "object"} for json_object
     extra: dict = field(default_factory=dict)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar decides what the reply may be."""
+        return self.tool_choice == "required" or self.json_schema is not None
 
 
 def parse_chat_request(body) -> ChatRequest:
@@ -165,12 +174,7 @@ def parse_chat_request(body) -> ChatRequest:
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, -2.0, 2.0):
             raise _bad(name, f"{name} is not supported; use repetition_penalty")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _bad("response_format", "kvchat serve answers in plain text only")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise _bad("tool_choice", "tool_choice must be 'auto' or 'none'")
+    json_schema = _response_format(body.get("response_format"))
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -187,6 +191,11 @@ def parse_chat_request(body) -> ChatRequest:
             check_json(tools, "tools")
         except ValueError as error:
             raise _bad("tools", str(error)) from None
+    tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        message = f"parallel_tool_calls must be a boolean, got {reprlib.repr(parallel)}"
+        raise _bad("parallel_tool_calls", message)
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise _bad("chat_template_kwargs", "chat_template_kwargs must be an object")
@@ -254,6 +263,60 @@ def parse_chat_request(body) -> ChatRequest:
         template_kwargs=template_kwargs,
         session_key=key,
         seed=_integer(body, "seed", -(2**63), 2**63 - 1),
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+        parallel_tool_calls=parallel,
+        json_schema=json_schema,
+    )
+
+
+def _tool_choice(value, tools: list | None) -> tuple[str, str | None]:
+    """("auto" | "none" | "required", the named function or None)."""
+    if value is None or value in ("auto", "none"):
+        return value or "auto", None
+    names = [t["function"]["name"] for t in tools or []]
+    if value == "required":
+        if not names:
+            raise _bad("tool_choice", "tool_choice 'required' needs tools")
+        return "required", None
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
+        raise _bad(
+            "tool_choice",
+            "tool_choice must be 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': str}}}}, got {reprlib.repr(value)}",
+        )
+    if name not in names:
+        raise _bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+    return "required", name
+
+
+def _response_format(value) -> dict | None:
+    """The JSON schema a reply must match, or None for plain text."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad(
+                "response_format",
+                "response_format json_schema needs "
+                "{'json_schema': {'name': str, 'schema': object}}",
+            )
+        try:
+            check_json(schema, "response_format")
+        except ValueError as error:
+            raise _bad("response_format", str(error)) from None
+        return schema
+    raise _bad(
+        "response_format",
+        "response_format type must be 'text', 'json_object' or 'json_schema', got "
+        f"{reprlib.repr(value)}",
     )
 
 
@@ -272,7 +335,35 @@ def usage(report) -> dict:
     }
 
 
-def completion(cid: str, model: str, content: str, finish_reason: str, report) -> dict:
+def message(content: str, calls: list) -> dict:
+    """The assistant message: with tool calls, content is None when blank."""
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {
+        "role": "assistant",
+        "content": content if content.strip() else None,
+        "tool_calls": [call.as_dict() for call in calls],
+    }
+
+
+def tool_call_deltas(index: int, call) -> list[dict]:
+    """A streamed call: its index, id and name, then its arguments."""
+    return [
+        {
+            "tool_calls": [
+                {
+                    "index": index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+    ]
+
+
+def completion(cid: str, model: str, message: dict, finish_reason: str, report) -> dict:
     return {
         "id": cid,
         "object": "chat.completion",
@@ -281,7 +372,7 @@ def completion(cid: str, model: str, content: str, finish_reason: str, report) -
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": None,
             }

@@ -1,0 +1,198 @@
+"""Tool-call formats: how a chat template's model writes a tool call.
+
+A format is chosen from the chat template's text (the markup it renders an
+assistant's ``tool_calls`` with), never from a model's name. Each one is a
+transformers ``response_template`` (transformers' own declarative response
+parsing, ``transformers.utils.chat_parsing``) for the tool-call section, the
+literal markers that open that section, and how a constrained turn writes one
+call (``grammar.py``). A tokenizer that carries its own ``response_template``
+is parsed with that instead.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from dataclasses import dataclass
+
+# transformers' transform template: every parsed call becomes OpenAI's shape.
+_CALL = {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}
+# transform_each: each element of a parsed list of calls.
+_EACH = {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}
+_CALL_FROM_JSON = {"type": "function", "function": "{content}"}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One tool-call markup.
+
+    ``markers``: literal texts that open the tool-call section; text before
+    the first is the reply's content, streamed as it comes. Empty for a
+    tokenizer's own ``response_template``, which is parsed from the reply's
+    first character. ``spec``: the transformers ``response_template`` the
+    section is parsed with; None for a section that is one JSON object (Llama
+    3.x). ``call_open``/``call_close``/``separator``/``arguments_key``: how one
+    call is written, for grammar-constrained turns (None: not constrainable).
+    """
+
+    name: str
+    markers: tuple[str, ...]
+    spec: dict | None
+    arguments_key: str = "arguments"
+    call_open: str | None = None
+    call_close: str = ""
+    separator: str = "\n"
+    mistral_ids: bool = False  # Mistral's templates refuse ids other than 9 letters or digits
+    # Each call ends with a close marker: one the reply ended inside is cut short.
+    closed: bool = True
+    # Markup around the calls that is not content (Kimi's section markers).
+    ignore: tuple[str, ...] = ()
+
+    def new_id(self) -> str:
+        if self.mistral_ids:
+            alphabet = string.ascii_letters + string.digits
+            return "".join(secrets.choice(alphabet) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
+
+
+def _section(open_pattern: str, close: str | None, content: str, transform, **more) -> dict:
+    """A response_template for a tool-call section: repeated call regions, and
+    the text around them as content (the implicit field). ``close`` is a
+    literal, so a call is closed the moment its marker is complete (what is
+    still open when the reply ends was cut short)."""
+    calls = {"open_pattern": open_pattern, "repeats": True, "content": content, **more}
+    if close is not None:
+        calls["close"] = close
+    calls["transform"] = transform
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor_pattern": r"\A",  # the section is parsed on its own
+        "fields": {"tool_calls": calls, "content": {"content": "text"}},
+    }
+
+
+HERMES = ToolFormat(
+    "hermes",
+    markers=("<tool_call>",),
+    spec=_section(r"\s*<tool_call>", "</tool_call>", "json", _CALL_FROM_JSON),
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+)
+QWEN_XML = ToolFormat(  # Qwen3.5, Qwen3-Coder: XML parameters inside <tool_call>
+    "qwen-xml",
+    markers=("<tool_call>",),
+    spec=_section(
+        r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+        "</tool_call>",  # the </function> before it is outside every parameter
+        "xml-inline",
+        _CALL,
+        content_args={
+            "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
+        },
+    ),
+)
+GLM = ToolFormat(  # GLM-4.5/4.6: <tool_call>NAME <arg_key>k</arg_key><arg_value>v</arg_value>
+    "glm",
+    markers=("<tool_call>",),
+    spec=_section(
+        r"\s*<tool_call>(?P<name>[^\n<]+?)\s*(?=<arg_key>|</tool_call>)",
+        "</tool_call>",
+        "xml-inline",
+        _CALL,
+        content_args={
+            "tag_pattern": (
+                r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
+            )
+        },
+    ),
+)
+KIMI = ToolFormat(  # Kimi-K2: a section of calls named functions.NAME:INDEX
+    "kimi-k2",
+    markers=("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
+    spec=_section(
+        r"\s*<\|tool_call_begin\|>\s*"
+        r"(?:functions\.)?(?P<name>[^\s:<]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>",
+        "<|tool_call_end|>",
+        "json",
+        _CALL,
+    ),
+    ignore=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+)
+LFM2 = ToolFormat(  # LFM2 / LFM2.5: a Python list of calls
+    "lfm2",
+    markers=("<|tool_call_start|>",),
+    spec=_section(
+        r"\s*<\|tool_call_start\|>",
+        "<|tool_call_end|>",
+        "python-call-list",
+        _EACH,
+        transform_each=True,
+    ),
+)
+MISTRAL_V11 = ToolFormat(  # Mistral Small 3.2, Devstral: [TOOL_CALLS]NAME[ARGS]{...}
+    "mistral-v11",
+    markers=("[TOOL_CALLS]",),
+    spec=_section(
+        r"\s*\[TOOL_CALLS\](?P<name>[^\[\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]",
+        None,  # a call ends where the next begins, or with the reply
+        "json",
+        _CALL,
+        close_pattern=r"(?=\[TOOL_CALLS\])",
+    ),
+    mistral_ids=True,
+    closed=False,
+)
+MISTRAL_V3 = ToolFormat(  # Mistral Nemo: [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]
+    "mistral",
+    markers=("[TOOL_CALLS]",),
+    spec=_section(
+        r"\s*\[TOOL_CALLS\]",
+        None,
+        "json",
+        _EACH,
+        transform_each=True,
+    ),
+    mistral_ids=True,
+    closed=False,
+)
+LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}
+    "llama3-json",
+    markers=("<|python_tag|>", "{"),
+    spec=None,
+    arguments_key="parameters",
+    call_open="",
+    separator="",  # one call: the reply is that object
+)
+
+
+def detect(tokenizer) -> ToolFormat | None:
+    """The tool-call format of ``tokenizer``'s chat template, or None when it
+    renders tool calls in a markup kvchat does not recognize (tool calls then
+    stay text). A tokenizer's own ``response_template`` comes first."""
+    own = getattr(tokenizer, "response_template", None)
+    calls = own.get("fields", {}).get("tool_calls") if isinstance(own, dict) else None
+    if isinstance(calls, dict):
+        markers = calls.get("open")
+        markers = (markers,) if isinstance(markers, str) else tuple(markers or ())
+        closed = "close" in calls  # a literal: complete the moment it is written
+        return ToolFormat("response_template", markers=markers, spec=own, closed=closed)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one renders tools
+        template = template.get("tool_use") or template.get("default")
+    if not isinstance(template, str):
+        return None
+    if "<|tool_call_begin|>" in template:
+        return KIMI
+    if "<|tool_call_start|>" in template:
+        return LFM2
+    if "<tool_call>" in template and "<arg_key>" in template:
+        return GLM
+    if "<tool_call>" in template and "<function=" in template:
+        return QWEN_XML
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL_V11 if "[ARGS]" in template else MISTRAL_V3
+    if '"parameters"' in template and ("<|python_tag|>" in template or "<|eot_id|>" in template):
+        return LLAMA3_JSON
+    return None

@@ -1,0 +1,144 @@
+"""Grammar-constrained decoding with llguidance: ``tool_choice`` "required" or
+a named function, and ``response_format`` JSON (docs/agents.md says why
+llguidance and not xgrammar).
+
+A constrained turn passes a fresh ``GrammarProcessor`` to ``generate`` as a
+logits processor: it masks every token the grammar does not allow next, so the
+reply is the grammar's whatever the weights. Plain ``generate`` with the same
+processor gives the same tokens; kvchat's reuse is unchanged (the processor
+sees only the generated tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from .formats import ToolFormat
+
+# Compact JSON with the spaces json.dumps and Jinja's tojson write: no free
+# whitespace, which a random or weak model can repeat until max_tokens, and
+# the text a template renders when the call is sent back.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A schema or grammar llguidance refuses; names the request field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _import():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as error:  # an optional dependency: kvchat[serve] has it
+        raise ImportError(
+            "constrained decoding needs llguidance: pip install 'kvchat[serve]' (or llguidance)"
+        ) from error
+    return llguidance
+
+
+class Grammars:
+    """Builds grammars for one tokenizer and model; the llguidance tokenizer
+    (about a second to build) is made on first use and shared."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_ids):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._end_ids = sorted(end_ids)
+        self._lock = threading.Lock()
+        self._ll = None
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                llguidance = _import()
+                self._ll = llguidance.hf.from_tokenizer(
+                    self._tokenizer, n_vocab=self._vocab_size, eos_token=self._end_ids
+                )
+            return self._ll
+
+    def tool_calls(self, fmt: ToolFormat, tools: list[dict], parallel: bool = True) -> str:
+        """A grammar for replies that are one or more calls, in ``fmt``'s
+        markup, of one of ``tools`` with arguments its parameters allow."""
+        if fmt.call_open is None:
+            raise GrammarError(
+                "tool_choice",
+                f"this model's tool-call format ({fmt.name}) cannot be constrained; "
+                "use tool_choice 'auto'",
+            )
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    fmt.arguments_key: tool["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", fmt.arguments_key],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ]
+        schema = {"anyOf": calls, "x-guidance": _JSON_STYLE}
+        one = " ".join(
+            p for p in (self._literal(fmt.call_open), "call", self._literal(fmt.call_close)) if p
+        )
+        more = f" ({self._literal(fmt.separator)} {one})*" if parallel and fmt.separator else ""
+        return f"start: {one}{more}\ncall: %json {json.dumps(schema)}\n"
+
+    def json_schema(self, schema: dict) -> str:
+        schema = dict(schema)
+        schema.setdefault("x-guidance", _JSON_STYLE)
+        return f"start: value\nvalue: %json {json.dumps(schema)}\n"
+
+    def processor(self, grammar: str, param: str) -> GrammarProcessor:
+        """A fresh processor for one turn; GrammarError for a grammar llguidance refuses."""
+        llguidance = _import()
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(param, f"{param}: {matcher.get_error()}")
+        return GrammarProcessor(matcher, self._vocab_size)
+
+    def _literal(self, text: str) -> str:
+        """``text`` in Lark: a special token by id (its text is no bytes a
+        model writes), anything else as a string."""
+        if not text:
+            return ""
+        tokenizer = self._tokenizer
+        if text in set(getattr(tokenizer, "all_special_tokens", ())):
+            return f"<[{tokenizer.convert_tokens_to_ids(text)}]>"
+        return json.dumps(text)
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks the tokens the grammar does not allow next. One sequence, one
+    turn: the first call's length is the prompt, later tokens are the reply."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._seen: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        if input_ids.shape[0] != 1:
+            raise ValueError("a grammar constrains one sequence, not a batch")
+        if self._seen is not None:
+            for token in input_ids[0, self._seen :].tolist():
+                if not self._matcher.consume_token(token):
+                    raise RuntimeError(
+                        f"token {token} breaks the grammar: {self._matcher.get_error()}"
+                    )
+        self._seen = input_ids.shape[1]
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: scores.shape[-1]].astype(bool)
+        if allowed.size < scores.shape[-1]:  # ids past the tokenizer's: never allowed
+            allowed = np.concatenate([allowed, np.zeros(scores.shape[-1] - allowed.size, bool)])
+        mask = torch.from_numpy(~allowed).to(scores.device)
+        return scores.masked_fill(mask, float("-inf"))

@@ -1,0 +1,211 @@
+"""Tool calls out of a reply's text, as it streams.
+
+Text before the format's first marker is content and streams as it comes
+(only a possible marker's first characters are held). From the marker on,
+transformers' ``ResponseParser`` reads the tool-call section, and what it
+holds is given out when the reply ends: a model ends its turn right after its
+last call, and a section read whole is either all calls or all text. Markup
+that does not parse (a call's JSON cut short, a marker in prose) is never an
+error: the section, from its marker on, is content as it came.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from transformers.utils.chat_parsing import ResponseParser
+
+from .formats import ToolFormat
+
+logger = logging.getLogger("kvchat")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call, in OpenAI's terms: ``arguments`` is a JSON string."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+class ToolCallParser:
+    """``feed(text)`` and ``finish()`` return what became final: ``Content``
+    pieces and ``ToolCall`` objects, in the reply's order. Joined, the content
+    pieces are ``content``; ``calls`` lists every call."""
+
+    def __init__(self, fmt: ToolFormat, tools: list[dict] | None = None):
+        self._format = fmt
+        self._tools = tools
+        self._pending = ""  # text not yet given out: a marker's start, or the section
+        self._section: ResponseParser | None = None
+        self._failed = False  # the section did not parse: everything is content
+        self._started = False  # any non-space text seen (Llama's JSON must come first)
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self._section_text = ""
+        self._held: list = []  # what the section parsed so far, given out at the end
+        self._in_section = not fmt.markers  # no literal marker: parsed from the start
+        if self._in_section:
+            self._section = self._parser()
+
+    # ---------------------------------------------------------------- feeding
+    def feed(self, text: str) -> list:
+        if not text:
+            return []
+        if self._failed:
+            return self._content(text)
+        if self._in_section:
+            return self._feed_section(text)
+        self._pending += text
+        start, hold = self._marker()
+        if start is not None:
+            before, section = self._pending[:start], self._pending[start:]
+            self._pending = ""
+            out = self._content(before)
+            self._in_section, self._section = True, self._parser()
+            return out + self._feed_section(section)
+        out, self._pending = self._pending[:hold], self._pending[hold:]
+        return self._content(out)
+
+    def finish(self) -> list:
+        """The rest, once the reply has ended."""
+        if self._failed or not self._in_section:
+            out, self._pending = self._pending, ""
+            return self._content(out)
+        try:
+            if self._format.spec is None:
+                items = self._whole_json()
+            else:
+                events = self._section.finalize()[1]
+                if self._format.closed and any(
+                    e["type"] == "region_close" and e["field"] == "tool_calls" for e in events
+                ):
+                    raise ValueError("the reply ended inside a tool call")
+                self._read(events)
+                items = self._held
+            calls = [self._call(item) for item in items if not isinstance(item, str)]
+        except (ValueError, TypeError, KeyError) as error:
+            return self._fail(error)
+        if not calls:  # a marker and no call: the section is text
+            return self._fail(ValueError("no tool call in the section"))
+        out = []
+        for item in _joined(items):
+            if isinstance(item, str):
+                for markup in self._format.ignore:
+                    item = item.replace(markup, "")
+                # Blank lines between calls are the markup's, not content.
+                out += self._content(item) if item.strip() else []
+            else:
+                out.append(calls.pop(0))
+        self.calls = [c for c in out if isinstance(c, ToolCall)]
+        return out
+
+    # -------------------------------------------------------------- internals
+    def _parser(self) -> ResponseParser | None:
+        if self._format.spec is None:
+            return None
+        return ResponseParser(self._format.spec, prefix="", tools=self._tools)
+
+    def _marker(self) -> tuple[int | None, int]:
+        """(where a complete marker starts, or None; how much of the pending
+        text is content for sure)."""
+        text = self._pending
+        if self._format.spec is None:  # Llama: the JSON is the whole reply or nothing
+            stripped = text.lstrip()
+            if not stripped:
+                return None, 0
+            if any(stripped.startswith(m) for m in self._format.markers) and not self._started:
+                return len(text) - len(stripped), 0
+            if any(m.startswith(stripped) for m in self._format.markers) and not self._started:
+                return None, 0
+            self._started = True
+            return None, len(text)
+        found = [i for i in (text.find(m) for m in self._format.markers) if i >= 0]
+        if found:
+            return min(found), 0
+        hold = len(text)
+        for marker in self._format.markers:
+            for size in range(min(len(marker) - 1, len(text)), 0, -1):
+                if text.endswith(marker[:size]):
+                    hold = min(hold, len(text) - size)
+                    break
+        return None, hold
+
+    def _feed_section(self, text: str) -> list:
+        self._section_text += text
+        if self._format.spec is None:
+            return []  # one JSON object: read whole at the end
+        try:
+            self._read(self._section.feed(text))
+        except (ValueError, TypeError, KeyError) as error:
+            return self._fail(error)
+        return []
+
+    def _read(self, events: list[dict]) -> None:
+        """Keeps the section's content pieces and parsed calls, in order."""
+        for event in events:
+            if event["type"] == "region_chunk" and event["field"] == "content":
+                self._held.append(event["text"])
+            elif event["type"] == "region_close" and event["field"] == "tool_calls":
+                value = event["value"]
+                self._held += value if isinstance(value, list) else [value]
+
+    def _whole_json(self) -> list[dict]:
+        text = self._section_text.strip()
+        text = text.removeprefix("<|python_tag|>").strip()
+        value = json.loads(text)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            raise ValueError("not a call object")
+        arguments = value.get(self._format.arguments_key, value.get("arguments", {}))
+        return [{"function": {"name": value["name"], "arguments": arguments}}]
+
+    def _call(self, value) -> ToolCall:
+        function = value.get("function") if isinstance(value, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"a tool call without a name: {value!r}")
+        arguments = function.get("arguments", function.get(self._format.arguments_key, {}))
+        if isinstance(arguments, str):
+            json.loads(arguments)  # a string must itself be JSON
+        else:
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(self._format.new_id(), function["name"].strip(), arguments)
+
+    def _content(self, text: str) -> list:
+        if not text:
+            return []
+        self.content += text
+        return [Content(text)]
+
+    def _fail(self, error: Exception) -> list:
+        """The section is text after all: from its marker on, as it came."""
+        logger.debug("kvchat: tool-call markup did not parse (%s); kept as text", error)
+        self._failed = True
+        self._held = []
+        text, self._pending, self._section_text = self._section_text + self._pending, "", ""
+        return self._content(text)
+
+
+def _joined(items: list) -> list:
+    """Consecutive text pieces as one (a marker to drop may span two)."""
+    out: list = []
+    for item in items:
+        if isinstance(item, str) and out and isinstance(out[-1], str):
+            out[-1] += item
+        else:
+            out.append(item)
+    return out

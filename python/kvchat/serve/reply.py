@@ -1,0 +1,107 @@
+"""One request's reply as it is sent: the stream's text, cut at a stop string,
+and read for tool calls when the request has tools."""
+
+from __future__ import annotations
+
+import threading
+
+from starlette.responses import StreamingResponse
+
+from ..agents import Content, ToolCall, ToolCallParser, ToolFormat
+from . import protocol
+
+DONE = object()
+
+
+class Reply:
+    """A turn's stream as the client gets it: ``next_items()`` gives the
+    next ``Content`` and ``ToolCall`` items (an empty list while text is held
+    back), then ``DONE``."""
+
+    def __init__(self, stream, first, chat, max_tokens, session, ns, auto, fmt):
+        self.stream, self.chat, self.session, self.ns, self.auto = stream, chat, session, ns, auto
+        self.max_tokens = max_tokens
+        self._first = first
+        self.finished = threading.Lock()  # finish() runs once, whoever gets here first
+        self._trim = protocol.StopTrimmer(chat.stop)
+        self._parser = ToolCallParser(fmt, chat.tools) if fmt is not None else None
+        self._ended = False  # the stream's end was seen: never ask it again
+        self.text = ""  # the reply as sent, before tool calls are read out of it
+        self.content = ""
+        self.calls: list[ToolCall] = []
+
+    def next_items(self):
+        if self._ended:
+            return DONE
+        if self._trim.stopped:
+            return self._end("")
+        if self._first is not None:
+            raw, self._first = self._first, None
+        else:
+            raw = next(self.stream, DONE)
+        if raw is DONE:
+            # What a stop string that never matched held back is the reply's end.
+            return self._end(self._trim.flush())
+        text = self._trim.feed(raw)
+        if self._trim.stopped:
+            return self._end(text)
+        return self._read(text, final=False)
+
+    def collect(self) -> None:
+        while self.next_items() is not DONE:
+            pass
+
+    def _end(self, text: str):
+        self._ended = True
+        items = self._read(text, final=True)
+        return items if items else DONE
+
+    def _read(self, text: str, final: bool) -> list:
+        self.text += text
+        if self._parser is None:
+            items = [Content(text)] if text else []
+        else:
+            items = self._parser.feed(text) + (self._parser.finish() if final else [])
+        for item in items:
+            if isinstance(item, ToolCall):
+                self.calls.append(item)
+            else:
+                self.content += item.text
+        return items
+
+    def message(self) -> dict:
+        return protocol.message(self.content, self.calls)
+
+    @property
+    def report(self):
+        return self.stream.report
+
+    def finish_reason(self, stop_ids: set[int]) -> str:
+        if self.calls:
+            return "tool_calls"
+        report = self.stream.report
+        if self._trim.stopped or report is None:
+            return "stop"
+        hit_limit = report.generated_tokens >= self.max_tokens
+        ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
+        return "length" if hit_limit and not ended else "stop"
+
+
+def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:
+    """The format to read ``chat``'s reply for tool calls with, or None."""
+    return fmt if chat.tools and chat.tool_choice != "none" else None
+
+
+class TurnStream(StreamingResponse):
+    """A streamed turn's response: ``on_end`` runs however the response ends,
+    even when its body never started (the client gone before the headers)."""
+
+    def __init__(self, content, on_end, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()

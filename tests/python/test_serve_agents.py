@@ -1,0 +1,342 @@
+"""Agent loops through kvchat serve with the ``openai`` SDK: a random tiny
+model calls a tool because ``tool_choice`` makes it (a grammar), the client
+sends the call and the tool's result back, and the model answers.
+
+Every reply is compared token for token with plain ``model.generate`` on the
+full conversation with the same grammar (float64), and every turn from the
+second must reuse at least 90% of its prompt."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from helpers import reference_turn
+from kvchat.agents import detect
+from kvchat.agents.grammar import Grammars
+from kvchat.prompting import end_ids
+from kvchat.tiny import tiny_tokenizer
+from test_serve import KEY_A, Server, _reference
+
+pytestmark = pytest.mark.server
+
+# Parameters of enums and booleans: a random model fills a free string
+# forever, but any choice here closes in a few tokens.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather where the user is.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "hourly": {"type": "boolean"},
+            },
+            "required": ["unit", "hourly"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "local"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+SYSTEM = {
+    "role": "system",
+    "content": "You are a helpful assistant with tools. Call a tool when it helps, "
+    "then answer in one sentence. " * 4,
+}
+CALL_TOKENS = 160  # room for a call's markup in the tiny byte-level vocabulary
+ANSWER_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2"])
+def server(request):
+    server = Server(f"tiny:{request.param}", "--api-key", KEY_A)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _family(server) -> str:
+    return server.model.partition(":")[2]
+
+
+def _grammar_processor(family: str, tools, parallel: bool):
+    tokenizer = tiny_tokenizer()
+    model = _reference(family)
+    grammars = Grammars(
+        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+    )
+    return grammars.processor(
+        grammars.tool_calls(detect(tokenizer), tools, parallel), "tool_choice"
+    )
+
+
+def _last_output(server, session: str) -> tuple:
+    return tuple(server.session(session)["last_turn"]["output_ids"])
+
+
+def _reference_ids(family, messages, max_new, **kwargs) -> tuple:
+    model = _reference(family)
+    return reference_turn(model, tiny_tokenizer(), messages, max_new, tools=TOOLS, **kwargs)[2]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
+    family, client = _family(server), server.client()
+    key = f"loop-{stream}"
+    messages = [SYSTEM, {"role": "user", "content": "What should I wear today?"}]
+    for turn in range(3):
+        # The first turn of each round must call a tool; the next answers
+        # (tool_choice back to auto, as the Agents SDK does after a tool ran).
+        kwargs = dict(
+            model=server.model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=CALL_TOKENS,
+            temperature=0,
+            prompt_cache_key=key,
+        )
+        message, finish, usage = _complete(client, stream, **kwargs)
+        assert finish == "tool_calls" and message["content"] is None
+        (call,) = message["tool_calls"]
+        name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+        tool = next(t for t in TOOLS if t["function"]["name"] == name)
+        assert set(arguments) == set(tool["function"]["parameters"]["required"])
+        processor = _grammar_processor(family, TOOLS, parallel=False)
+        expected = _reference_ids(
+            family, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+        )
+        assert _last_output(server, key) == expected
+        if turn:
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        result = {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}
+        messages += [message, result]
+
+        message, finish, usage = _complete(
+            client, stream, **{**kwargs, "tool_choice": "auto", "max_tokens": ANSWER_TOKENS}
+        )
+        assert _last_output(server, key) == _reference_ids(family, messages, ANSWER_TOKENS)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        messages += [message, {"role": "user", "content": f"And in {turn + 2} hours?"}]
+
+
+def _complete(client, stream: bool, **kwargs) -> tuple[dict, str, dict]:
+    """(the assistant message as a client sends it back, finish_reason, usage)."""
+    if not stream:
+        response = client.chat.completions.create(**kwargs)
+        choice = response.choices[0]
+        message = choice.message.model_dump(exclude_none=True, exclude={"refusal"})
+        message.setdefault("content", None)
+        return message, choice.finish_reason, response.usage.model_dump()
+    content, calls, finish, usage = "", {}, None, None
+    for chunk in client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"arguments": ""})
+                if delta.id:
+                    call.update(id=delta.id, name=delta.function.name)
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for _, c in sorted(calls.items())
+        ]
+    return message, finish, usage
+
+
+def test_a_named_function_is_the_one_called(server):
+    client = server.client()
+    messages = [SYSTEM, {"role": "user", "content": "Time?"}]
+    for name in ("get_time", "get_weather"):
+        response = client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            # One call: a random model may chain calls until max_tokens cuts one short.
+            parallel_tool_calls=False,
+            max_tokens=CALL_TOKENS,
+            temperature=0,
+        )
+        calls = response.choices[0].message.tool_calls
+        assert calls and {c.function.name for c in calls} == {name}
+        assert response.choices[0].finish_reason == "tool_calls"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True},
+        },
+        {"type": "json_object"},
+    ],
+    ids=["json_schema", "json_object"],
+)
+def test_structured_output_matches_its_schema_and_plain_generate(server, response_format):
+    family, client = _family(server), server.client()
+    messages = [SYSTEM, {"role": "user", "content": "Is it raining?"}]
+    key = f"json-{response_format['type']}"
+    response = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        response_format=response_format,
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+        prompt_cache_key=key,
+    )
+    content = response.choices[0].message.content
+    tokenizer, model = tiny_tokenizer(), _reference(family)
+    grammars = Grammars(
+        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+    )
+    if response_format["type"] == "json_schema":
+        value = json.loads(content)
+        assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
+        assert set(value) == {"answer", "sure"}
+        schema = SCHEMA
+    else:
+        # A free object: a random model may not close it within max_tokens,
+        # but whatever it wrote is the grammar's, so it starts as an object.
+        assert content.startswith("{")
+        schema = {"type": "object"}
+    processor = grammars.processor(grammars.json_schema(schema), "response_format")
+    expected = reference_turn(
+        model, tokenizer, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+    )[2]
+    assert _last_output(server, key) == expected
+
+
+def test_tool_choice_none_and_auto_leave_a_random_model_writing_text(server):
+    """Without a grammar the tiny model writes words: no tool call appears,
+    and the reply is plain generate's."""
+    family, client = _family(server), server.client()
+    messages = [SYSTEM, {"role": "user", "content": "Hello"}]
+    for choice in ("none", "auto"):
+        key = f"free-{choice}"
+        response = client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=ANSWER_TOKENS,
+            temperature=0,
+            prompt_cache_key=key,
+        )
+        assert response.choices[0].message.tool_calls is None
+        assert response.choices[0].finish_reason in ("stop", "length")
+        assert _last_output(server, key) == _reference_ids(family, messages, ANSWER_TOKENS)
+
+
+def test_the_settle_predicts_the_tool_calls_sent_back(server):
+    """After a tool-call turn the session is settled on the message the client
+    gets back (structured tool_calls, content None), so the next turn
+    prefills only the tool's result and the generation prompt."""
+    client = server.client()
+    key = "settled-call"
+    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
+    response = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+        prompt_cache_key=key,
+    )
+    message = response.choices[0].message.model_dump(exclude_none=True, exclude={"refusal"})
+    message["content"] = None
+    call = message["tool_calls"][0]
+    server.settled()
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "21 degrees"}
+    after = [*messages, message, result]
+    tokenizer = tiny_tokenizer()
+    history = tokenizer.apply_chat_template([*messages, message], tools=TOOLS, tokenize=False)
+    full = tokenizer.apply_chat_template(
+        after, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert full.startswith(history)
+    client.chat.completions.create(
+        model=server.model,
+        messages=after,
+        tools=TOOLS,
+        max_tokens=2,
+        temperature=0,
+        prompt_cache_key=key,
+    )
+    last = server.session(key)["last_turn"]
+    new = len(tokenizer(full[len(history) :], add_special_tokens=False)["input_ids"])
+    assert last["prefilled_tokens"] <= new + 2, last
+
+
+def test_bad_tool_choice_and_response_format_touch_no_session(server):
+    client = server.client()
+    base = dict(model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    cases = [
+        (dict(tool_choice="required"), "tool_choice"),
+        (
+            dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+        ),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format",
+        ),
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            ),
+            "response_format",
+        ),
+        (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls"),
+    ]
+    before = server.get("/v1/sessions").json()["data"]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**base, **extra, prompt_cache_key="bad")
+        assert error.value.body["param"] == param, (extra, error.value.body)
+        assert error.value.body["code"] == "invalid_value"
+    assert server.get("/v1/sessions").json()["data"] == before
