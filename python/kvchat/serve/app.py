@@ -14,13 +14,11 @@ import dataclasses
 import hmac
 import json
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,18 +26,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._C import SessionBusy
-from ..agents import ToolCall, detect
-from ..agents.grammar import GrammarError, Grammars
-from ..arguments import ContextLengthError
+from ..agents import ToolCall
 from ..manager import SessionManager
-from ..prompting import end_ids
 from ..tiers import StoreUnavailable
 from . import protocol
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
 from .metrics import Metrics
-from .reply import DONE, Reply, TurnStream, tool_format
+from .reply import DONE, Reply, TurnStream
 from .sessions import SessionRouter, namespace
+from .turns import TurnRunner
 
 logger = logging.getLogger("kvchat.serve")
 
@@ -55,12 +51,6 @@ class ServeConfig:
     # With a shared store: seconds a reply's end waits for its session's
     # snapshot, so the client's next turn finds it on any replica (0: no wait).
     store_wait: float = 5.0
-
-
-def _vocab_size(model) -> int:
-    """The width of the model's logits (can exceed the tokenizer's vocabulary)."""
-    head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
@@ -86,10 +76,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     app.state.expiry = expiry
     app.state.router = router
     app.add_exception_handler(APIError, api_error_handler)
-    stop_ids = end_ids(manager.tokenizer, manager.model.generation_config)
-    calls_format = detect(manager.tokenizer)  # the template's tool-call markup, if known
-    grammars = Grammars(manager.tokenizer, _vocab_size(manager.model), stop_ids)
-    pending = threading.BoundedSemaphore(config.max_pending)
+    turns = TurnRunner(manager, config, router, metrics, expiry)
     created = int(time.time())
 
     @app.exception_handler(StarletteHTTPException)
@@ -285,184 +272,24 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 code="invalid_value",
             )
         explicit = chat.session_key or (header or None)
-        fmt = tool_format(chat, calls_format)
-        # Built before any session is claimed: a bad schema is a 400 that touches nothing.
-        processor = await run_in_threadpool(constrain, chat, fmt) if chat.constrained else None
-        if not pending.acquire(blocking=False):
-            metrics.requests.labels("429").inc()
-            raise APIError(
-                429,
-                f"more than {config.max_pending} requests are in progress; retry later",
-                code="rate_limit_exceeded",
-            )
-        try:
-            session = await claim(ns, explicit, chat.messages)
-        except BaseException:
-            pending.release()
-            raise
-        expiry.begin(session)  # until finish(): it never expires while in use
-        max_tokens = chat.max_tokens or config.default_max_tokens
-        try:
-            # Made before the turn runs: a turn is never run for a reply that cannot be sent.
-            headers = {"X-Session-ID": router.external(ns, session) or session}
-            stream, first = await start_turn(session, chat, max_tokens, fmt, processor)
-        except BaseException as error:
-            pending.release()
-            expiry.end(session)
-            released = release_failed(ns, session)
-            if not isinstance(error, asyncio.CancelledError):
-                await released  # before the error reaches the client, who may retry at once
-            raise
+        turn = await turns.begin(ns, chat, explicit)
+        # Made before the turn runs: a turn is never run for a reply that cannot be sent.
+        headers = turns.session_header(turn)
         cid = protocol.completion_id()
-        turn = Reply(stream, first, chat, max_tokens, session, ns, explicit is None, fmt)
         if chat.stream:
             return TurnStream(
                 stream_body(turn, cid),
-                on_end=lambda: abandon(turn),
+                on_end=lambda: turns.abandon(turn),
                 media_type="text/event-stream",
                 headers=headers,
             )
         try:
             await run_in_threadpool(turn.collect)
         finally:
-            await run_in_threadpool(finish, turn)
-        body = protocol.completion(
-            cid, chat.model, turn.message(), turn.finish_reason(stop_ids), turn.report
-        )
+            await run_in_threadpool(turns.finish, turn)
+        reason = turn.finish_reason(turns.stop_ids)
+        body = protocol.completion(cid, chat.model, turn.message(), reason, turn.report)
         return JSONResponse(body, headers=headers)
-
-    async def claim(ns: str, explicit: str | None, messages: list[dict]) -> str:
-        """router.claim, off the event loop when it asks the shared store (a
-        network call). If the request is cancelled meanwhile (its client
-        left), the claim is released as a failed turn once it is made: never
-        a session held out of the map for ever."""
-        if not manager.tier.shared:
-            return router.claim(ns, explicit, messages)
-        loop = asyncio.get_running_loop()
-        claimed = loop.run_in_executor(None, router.claim, ns, explicit, messages)
-        try:
-            return await asyncio.shield(claimed)
-        except asyncio.CancelledError:
-
-            def release(done) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    release_failed(ns, done.result())
-
-            claimed.add_done_callback(release)
-            raise
-
-    def release_failed(ns: str, session: str) -> asyncio.Future:
-        """router.release for a turn that never ran, off the event loop when it
-        writes to the shared store (a network call that a hung store stalls)."""
-        loop = asyncio.get_running_loop()
-        if not manager.tier.shared:
-            router.release(ns, session, None)
-            done = loop.create_future()
-            done.set_result(None)
-            return done
-        return asyncio.shield(loop.run_in_executor(None, router.release, ns, session, None))
-
-    def constrain(chat: protocol.ChatRequest, fmt):
-        """The grammar's logits processor for a constrained request; 400 for a
-        schema llguidance refuses or a tool-call markup it cannot write."""
-        try:
-            if chat.tool_choice == "required":
-                if fmt is None:
-                    raise GrammarError(
-                        "tool_choice",
-                        "tool_choice 'required' needs a tool-call format kvchat recognizes "
-                        "in the chat template (docs/agents.md); this one has none",
-                    )
-                tools = [t for t in chat.tools if chat.tool_name in (None, t["function"]["name"])]
-                grammar = grammars.tool_calls(fmt, tools, chat.parallel_tool_calls)
-                return grammars.processor(grammar, "tool_choice")
-            return grammars.processor(grammars.json_schema(chat.json_schema), "response_format")
-        except GrammarError as error:
-            raise APIError(400, str(error), param=error.param, code="invalid_value") from None
-
-    async def start_turn(session: str, chat: protocol.ChatRequest, max_tokens: int, fmt, processor):
-        """Starts the turn and waits for its first piece, so what is refused
-        before generation (a context overflow, say) is an error status."""
-        kwargs = dict(chat.generate_kwargs)
-        if chat.stop:
-            kwargs.update(stop_strings=chat.stop, tokenizer=manager.tokenizer)
-        if processor is not None:
-            # The grammar decides what may come next; no suppressed token stands in its way.
-            kwargs.update(logits_processor=[processor], suppress_tokens=None)
-
-        def begin():
-            if chat.seed is not None:
-                torch.manual_seed(chat.seed)
-            stream = manager.stream_chat(
-                session,
-                chat.messages,
-                max_new_tokens=max_tokens,
-                tools=chat.tools,
-                chat_template_kwargs=chat.template_kwargs,
-                settle=False,  # finish() settles on the reply as it was sent
-                # A tool call's markers may be special tokens: the parser reads them.
-                skip_special_tokens=fmt is None,
-                **kwargs,
-            )
-            return stream, next(stream, DONE)
-
-        try:
-            return await run_in_threadpool(begin)
-        except ContextLengthError as error:
-            raise APIError(
-                400, str(error), param="messages", code="context_length_exceeded"
-            ) from None
-        except ValueError as error:
-            message = str(error)
-            param = _argument(message, "messages")
-            raise APIError(400, message, param=param, code="invalid_value") from None
-        except TypeError as error:
-            message = str(error)
-            raise APIError(400, message, param=_argument(message), code="invalid_value") from None
-
-    def finish(turn: Reply) -> None:
-        """Waits for the turn to be committed, then counts it and frees its slot."""
-        if not turn.finished.acquire(blocking=False):
-            return
-        report = None
-        try:
-            turn.stream.close()
-            report = turn.stream.report
-            if config.store_wait > 0:  # after the last token: TTFT never pays for it
-                manager.flush(timeout=config.store_wait, session_id=turn.session)
-            metrics.requests.labels("200" if report is not None else "500").inc()
-            if report is not None:
-                metrics.observe(report)
-        finally:  # whatever failed above, the slot, the router and expiry are freed
-            pending.release()
-            history = None
-            if report is not None:
-                history = [*turn.chat.messages, turn.message()]
-            router.release(turn.ns, turn.session, history)
-            expiry.end(turn.session)
-        if history is not None:
-            settle(turn, history)
-
-    def settle(turn: Reply, history: list[dict]) -> None:
-        """Settles the session on the conversation the client received (the
-        text a stop string cut short, the tool calls read out of it), for its
-        next turn."""
-        try:
-            manager.settle(
-                turn.session,
-                history,
-                tools=turn.chat.tools,
-                chat_template_kwargs=turn.chat.template_kwargs,
-            )
-        except (KeyError, ValueError, TypeError) as error:  # removed meanwhile, say
-            logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
-
-    def abandon(turn: Reply) -> None:
-        """A streamed response ended: if its turn was not finished (the client
-        left, or the response never started), stop it and finish it on a thread."""
-        if not turn.finished.locked():
-            turn.stream.cancel()
-            threading.Thread(target=finish, args=(turn,), daemon=True).start()
 
     async def stream_body(turn: Reply, cid: str):
         model = turn.chat.model
@@ -482,9 +309,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                     elif item.text:
                         yield _sse(protocol.chunk(cid, model, {"content": item.text}))
             # Committed and released before [DONE], so the client's next turn finds it.
-            await run_in_threadpool(finish, turn)
+            await run_in_threadpool(turns.finish, turn)
             finished = True
-            yield _sse(protocol.chunk(cid, model, {}, turn.finish_reason(stop_ids)))
+            yield _sse(protocol.chunk(cid, model, {}, turn.finish_reason(turns.stop_ids)))
             if turn.chat.include_usage and turn.stream.report is not None:
                 yield _sse(protocol.usage_chunk(cid, model, turn.stream.report))
             yield "data: [DONE]\n\n"
@@ -493,15 +320,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 # The client went away: stop generating within a token, and let
                 # a thread wait for the commit (nothing may block the loop here).
                 turn.stream.cancel()
-                threading.Thread(target=finish, args=(turn,), daemon=True).start()
+                threading.Thread(target=turns.finish, args=(turn,), daemon=True).start()
 
     return app
-
-
-def _argument(message: str, default: str | None = None) -> str | None:
-    """The request field a library error names first (``tools[0] must be ...``)."""
-    match = re.match(r"(messages|tools|chat_template_kwargs|stop)\b", message)
-    return match.group(1) if match else default
 
 
 def _not_json(constant: str):

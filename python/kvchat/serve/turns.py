@@ -1,0 +1,223 @@
+"""Running a request's turn: a slot among ``--max-pending``, the session the
+router gives it, the grammar it is constrained with, the stream the model
+writes, and, however the request ends, the commit, the release of its session
+and the settle for its next turn. The endpoints (chat completions, responses)
+only shape what goes over the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from ..agents import detect
+from ..agents.grammar import GrammarError, Grammars
+from ..arguments import ContextLengthError
+from ..prompting import end_ids
+from . import protocol
+from .errors import APIError
+from .reply import DONE, Reply, tool_format
+
+logger = logging.getLogger("kvchat.serve")
+
+
+class TurnRunner:
+    """The turns of one app. ``begin`` starts one and returns its ``Reply``;
+    ``finish`` (once its text is read) or ``abandon`` (its client left) ends it."""
+
+    def __init__(self, manager, config, router, metrics, expiry):
+        self.manager, self.config, self.router = manager, config, router
+        self.metrics, self.expiry = metrics, expiry
+        self.pending = threading.BoundedSemaphore(config.max_pending)
+        self.stop_ids = end_ids(manager.tokenizer, manager.model.generation_config)
+        self.calls_format = detect(manager.tokenizer)  # the template's tool-call markup, if known
+        self.grammars = Grammars(manager.tokenizer, _vocab_size(manager.model), self.stop_ids)
+
+    async def begin(self, ns: str, chat: protocol.ChatRequest, explicit: str | None) -> Reply:
+        """Claims the session (``explicit``, or found by the conversation) and
+        starts the turn; what is refused before generation is an APIError."""
+        fmt = tool_format(chat, self.calls_format)
+        # Built before any session is claimed: a bad schema is a 400 that touches nothing.
+        processor = None
+        if chat.constrained:
+            processor = await run_in_threadpool(self._constrain, chat, fmt)
+        if not self.pending.acquire(blocking=False):
+            self.metrics.requests.labels("429").inc()
+            raise APIError(
+                429,
+                f"more than {self.config.max_pending} requests are in progress; retry later",
+                code="rate_limit_exceeded",
+            )
+        try:
+            session = await self._claim(ns, explicit, chat.messages)
+        except BaseException:
+            self.pending.release()
+            raise
+        self.expiry.begin(session)  # until finish(): it never expires while in use
+        max_tokens = chat.max_tokens or self.config.default_max_tokens
+        try:
+            stream, first = await self._start(session, chat, max_tokens, fmt, processor)
+        except BaseException as error:
+            self.pending.release()
+            self.expiry.end(session)
+            released = self._release_failed(ns, session)
+            if not isinstance(error, asyncio.CancelledError):
+                await released  # before the error reaches the client, who may retry at once
+            raise
+        return Reply(stream, first, chat, max_tokens, session, ns, explicit is None, fmt)
+
+    def session_header(self, turn: Reply) -> dict:
+        return {"X-Session-ID": self.router.external(turn.ns, turn.session) or turn.session}
+
+    async def _claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
+        """self.router.claim, off the event loop when it asks the shared store (a
+        network call). If the request is cancelled meanwhile (its client
+        left), the claim is released as a failed turn once it is made: never
+        a session held out of the map for ever."""
+        if not self.manager.tier.shared:
+            return self.router.claim(ns, explicit, messages)
+        loop = asyncio.get_running_loop()
+        claimed = loop.run_in_executor(None, self.router.claim, ns, explicit, messages)
+        try:
+            return await asyncio.shield(claimed)
+        except asyncio.CancelledError:
+
+            def release(done) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._release_failed(ns, done.result())
+
+            claimed.add_done_callback(release)
+            raise
+
+    def _release_failed(self, ns: str, session: str) -> asyncio.Future:
+        """self.router.release for a turn that never ran, off the event loop when it
+        writes to the shared store (a network call that a hung store stalls)."""
+        loop = asyncio.get_running_loop()
+        if not self.manager.tier.shared:
+            self.router.release(ns, session, None)
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        return asyncio.shield(loop.run_in_executor(None, self.router.release, ns, session, None))
+
+    def _constrain(self, chat: protocol.ChatRequest, fmt):
+        """The grammar's logits processor for a constrained request; 400 for a
+        schema llguidance refuses or a tool-call markup it cannot write."""
+        try:
+            if chat.tool_choice == "required":
+                if fmt is None:
+                    raise GrammarError(
+                        "tool_choice",
+                        "tool_choice 'required' needs a tool-call format kvchat recognizes "
+                        "in the chat template (docs/agents.md); this one has none",
+                    )
+                tools = [t for t in chat.tools if chat.tool_name in (None, t["function"]["name"])]
+                grammar = self.grammars.tool_calls(fmt, tools, chat.parallel_tool_calls)
+                return self.grammars.processor(grammar, "tool_choice")
+            return self.grammars.processor(
+                self.grammars.json_schema(chat.json_schema), "response_format"
+            )
+        except GrammarError as error:
+            raise APIError(400, str(error), param=error.param, code="invalid_value") from None
+
+    async def _start(
+        self, session: str, chat: protocol.ChatRequest, max_tokens: int, fmt, processor
+    ):
+        """Starts the turn and waits for its first piece, so what is refused
+        before generation (a context overflow, say) is an error status."""
+        kwargs = dict(chat.generate_kwargs)
+        if chat.stop:
+            kwargs.update(stop_strings=chat.stop, tokenizer=self.manager.tokenizer)
+        if processor is not None:
+            # The grammar decides what may come next; no suppressed token stands in its way.
+            kwargs.update(logits_processor=[processor], suppress_tokens=None)
+
+        def begin():
+            if chat.seed is not None:
+                torch.manual_seed(chat.seed)
+            stream = self.manager.stream_chat(
+                session,
+                chat.messages,
+                max_new_tokens=max_tokens,
+                tools=chat.tools,
+                chat_template_kwargs=chat.template_kwargs,
+                settle=False,  # finish() settles on the reply as it was sent
+                # A tool call's markers may be special tokens: the parser reads them.
+                skip_special_tokens=fmt is None,
+                **kwargs,
+            )
+            return stream, next(stream, DONE)
+
+        try:
+            return await run_in_threadpool(begin)
+        except ContextLengthError as error:
+            raise APIError(
+                400, str(error), param="messages", code="context_length_exceeded"
+            ) from None
+        except ValueError as error:
+            message = str(error)
+            param = _argument(message, "messages")
+            raise APIError(400, message, param=param, code="invalid_value") from None
+        except TypeError as error:
+            message = str(error)
+            raise APIError(400, message, param=_argument(message), code="invalid_value") from None
+
+    def finish(self, turn: Reply) -> None:
+        """Waits for the turn to be committed, then counts it and frees its slot."""
+        if not turn.finished.acquire(blocking=False):
+            return
+        report = None
+        try:
+            turn.stream.close()
+            report = turn.stream.report
+            if self.config.store_wait > 0:  # after the last token: TTFT never pays for it
+                self.manager.flush(timeout=self.config.store_wait, session_id=turn.session)
+            self.metrics.requests.labels("200" if report is not None else "500").inc()
+            if report is not None:
+                self.metrics.observe(report)
+        finally:  # whatever failed above, the slot, the self.router and self.expiry are freed
+            self.pending.release()
+            history = None
+            if report is not None:
+                history = [*turn.chat.messages, turn.message()]
+            self.router.release(turn.ns, turn.session, history)
+            self.expiry.end(turn.session)
+        if history is not None:
+            self._settle(turn, history)
+
+    def _settle(self, turn: Reply, history: list[dict]) -> None:
+        """Settles the session on the conversation the client received (the
+        text a stop string cut short, the tool calls read out of it), for its
+        next turn."""
+        try:
+            self.manager.settle(
+                turn.session,
+                history,
+                tools=turn.chat.tools,
+                chat_template_kwargs=turn.chat.template_kwargs,
+            )
+        except (KeyError, ValueError, TypeError) as error:  # removed meanwhile, say
+            logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
+
+    def abandon(self, turn: Reply) -> None:
+        """A streamed response ended: if its turn was not finished (the client
+        left, or the response never started), stop it and finish it on a thread."""
+        if not turn.finished.locked():
+            turn.stream.cancel()
+            threading.Thread(target=self.finish, args=(turn,), daemon=True).start()
+
+
+def _vocab_size(model) -> int:
+    """The width of the model's logits (can exceed the tokenizer's vocabulary)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
+def _argument(message: str, default: str | None = None) -> str | None:
+    """The request field a library error names first (``tools[0] must be ...``)."""
+    match = re.match(r"(messages|tools|chat_template_kwargs|stop)\b", message)
+    return match.group(1) if match else default
