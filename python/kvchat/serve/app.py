@@ -29,11 +29,12 @@ from .._C import SessionBusy
 from ..agents import ToolCall
 from ..manager import SessionManager
 from ..tiers import StoreUnavailable
-from . import protocol
+from . import protocol, responses
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
 from .metrics import Metrics
 from .reply import DONE, Reply, TurnStream
+from .response_store import ResponseStore
 from .sessions import SessionRouter, namespace
 from .turns import TurnRunner
 
@@ -77,6 +78,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     app.state.router = router
     app.add_exception_handler(APIError, api_error_handler)
     turns = TurnRunner(manager, config, router, metrics, expiry)
+    response_store = ResponseStore(manager.tier, config.session_ttl)
     created = int(time.time())
 
     @app.exception_handler(StarletteHTTPException)
@@ -250,18 +252,20 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         expiry.forget(internal)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
+    def check_model(model: str) -> None:
+        if model != config.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         ns = caller(request)
         chat = protocol.parse_chat_request(await read_json(request))
-        if chat.model != config.model_name:
-            raise APIError(
-                404,
-                f"the model {chat.model!r} does not exist; this server serves "
-                f"{config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(chat.model)
         header = request.headers.get("x-session-id")
         if header is not None and not (0 < len(header) <= 512 and protocol.header_value(header)):
             raise APIError(
@@ -290,6 +294,108 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         reason = turn.finish_reason(turns.stop_ids)
         body = protocol.completion(cid, chat.model, turn.message(), reason, turn.report)
         return JSONResponse(body, headers=headers)
+
+    # ------------------------------------------------------- the Responses API
+    def stored(ns: str, rid: str, param: str) -> dict:
+        """A stored response of this caller's; 404 for another key's or none."""
+        try:
+            record = response_store.get(ns, rid)
+        except StoreUnavailable as error:
+            raise APIError(503, str(error), param=param, code="store_unavailable") from None
+        if record is None:
+            raise APIError(404, f"no response {rid!r}", param=param, code="response_not_found")
+        return record
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        ns = caller(request)
+        req = responses.parse_request(await read_json(request))
+        previous = None
+        if req.previous_response_id is not None:
+            record = await run_in_threadpool(
+                stored, ns, req.previous_response_id, "previous_response_id"
+            )
+            previous = record["conversation"]
+        chat = req.chat(req.conversation(previous))
+        check_model(chat.model)
+        turn = await turns.begin(ns, chat, chat.session_key)
+        headers = turns.session_header(turn)
+        rid, created = responses.new_id("resp"), responses.now()
+        if req.stream:
+            return TurnStream(
+                response_events(turn, req, rid, created, ns),
+                on_end=lambda: turns.abandon(turn),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        output = responses.Output()
+        try:
+            await run_in_threadpool(lambda: output.feed(turn.collect_items()))
+        finally:
+            await run_in_threadpool(turns.finish, turn)
+        output.close(bool(turn.calls))
+        body = await run_in_threadpool(keep_response, turn, req, rid, created, ns, output)
+        return JSONResponse(body, headers=headers)
+
+    def keep_response(turn: Reply, req, rid: str, created: int, ns: str, output) -> dict:
+        """The finished response's body, stored when ``store`` (a failed turn is not)."""
+        status = "completed"
+        if turn.report is not None and turn.finish_reason(turns.stop_ids) == "length":
+            status = "incomplete"
+        body = responses.response(req, rid, created, status, output.items, turn.report)
+        if req.store and turn.report is not None:
+            conversation = [*turn.chat.messages, turn.message()]
+            if req.instructions is not None:
+                conversation = conversation[1:]  # instructions do not carry over
+            try:
+                response_store.put(ns, rid, body, conversation)
+            except StoreUnavailable as error:
+                logger.warning("kvchat serve: response %s not stored: %s", rid, error)
+        return body
+
+    async def response_events(turn: Reply, req, rid: str, created: int, ns: str):
+        output = responses.Output()
+        finished = False
+        try:
+            start = responses.response(req, rid, created, "in_progress", [], None)
+            yield _event(output.event("response.created", response=start))
+            yield _event(output.event("response.in_progress", response=start))
+            while True:
+                items = await run_in_threadpool(turn.next_items)
+                if items is DONE:
+                    break
+                for event in output.feed(items):
+                    yield _event(event)
+            await run_in_threadpool(turns.finish, turn)
+            finished = True
+            for event in output.close(bool(turn.calls)):
+                yield _event(event)
+            body = await run_in_threadpool(keep_response, turn, req, rid, created, ns, output)
+            kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+            yield _event(output.event(kind, response=body))
+        finally:
+            if not finished:  # the client went away: as in stream_body
+                turn.stream.cancel()
+                threading.Thread(target=turns.finish, args=(turn,), daemon=True).start()
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        ns = caller(request)
+        record = await run_in_threadpool(stored, ns, response_id, "response_id")
+        return record["response"]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        ns = caller(request)
+        try:
+            deleted = await run_in_threadpool(response_store.delete, ns, response_id)
+        except StoreUnavailable as error:
+            raise APIError(503, str(error), param="response_id", code="store_unavailable") from None
+        if not deleted:
+            raise APIError(
+                404, f"no response {response_id!r}", param="response_id", code="response_not_found"
+            )
+        return {"id": response_id, "object": "response", "deleted": True}
 
     async def stream_body(turn: Reply, cid: str):
         model = turn.chat.model
@@ -333,3 +439,8 @@ def _not_json(constant: str):
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _event(body: dict) -> str:
+    """A Responses stream event: named, as OpenAI sends them."""
+    return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"

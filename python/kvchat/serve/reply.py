@@ -48,8 +48,14 @@ class Reply:
         return self._read(text, final=False)
 
     def collect(self) -> None:
-        while self.next_items() is not DONE:
-            pass
+        self.collect_items()
+
+    def collect_items(self) -> list:
+        """Every item up to the reply's end."""
+        out = []
+        while (items := self.next_items()) is not DONE:
+            out += items
+        return out
 
     def _end(self, text: str):
         self._ended = True

@@ -31,6 +31,11 @@ class Keys:
     def _key(self, kind: str, name: str) -> str:
         return f"{self.prefix}:{self.model}:{kind}:{digest(name.encode())[:32]}"
 
+    def record(self, kind: str, name: str) -> str:
+        """A small JSON record another part keeps in the store (a server's
+        responses, by namespace and id)."""
+        return self._key(kind, name)
+
     def manifest(self, session_id: str) -> str:
         return self._key("session", session_id)
 
