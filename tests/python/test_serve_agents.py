@@ -128,6 +128,7 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
         result = {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}
         messages += [message, result]
+        server.settled()  # the tool's time: the session settles meanwhile
 
         message, finish, usage = _complete(
             client, stream, **{**kwargs, "tool_choice": "auto", "max_tokens": ANSWER_TOKENS}
@@ -135,6 +136,7 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
         assert _last_output(server, key) == _reference_ids(family, messages, ANSWER_TOKENS)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
         messages += [message, {"role": "user", "content": f"And in {turn + 2} hours?"}]
+        server.settled()  # the user's time to read and type
 
 
 def _complete(client, stream: bool, **kwargs) -> tuple[dict, str, dict]:

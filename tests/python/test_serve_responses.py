@@ -1,0 +1,316 @@
+"""The Responses API through kvchat serve, with the ``openai`` SDK and the
+OpenAI Agents SDK's default Runner: a tool loop continued by
+``previous_response_id`` (and replayed as whole item lists), on an attention
+model and a hybrid. Every reply is plain ``generate``'s on the full
+conversation with the same grammar (float64), and every turn from the second
+reuses at least 90% of its prompt."""
+
+from __future__ import annotations
+
+import json
+
+import agents
+import openai
+import pytest
+from helpers import reference_turn
+from kvchat.agents import ToolCall, ToolCallParser, detect
+from kvchat.agents.grammar import Grammars
+from kvchat.prompting import end_ids
+from kvchat.serve.responses import _tools
+from kvchat.tiny import tiny_tokenizer
+from test_serve import KEY_A, KEY_B, Server, _reference
+
+pytestmark = pytest.mark.server
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather where the user is.",
+    "parameters": {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "hourly": {"type": "boolean"}},
+        "required": ["unit", "hourly"],
+        "additionalProperties": False,
+    },
+}
+VERDICT = {
+    "type": "json_schema",
+    "name": "verdict",
+    "schema": {
+        "type": "object",
+        "properties": {"coat": {"type": "boolean"}, "mood": {"enum": ["sunny", "grey"]}},
+        "required": ["coat", "mood"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+INSTRUCTIONS = "You are a helpful assistant. Call a tool when it helps, then answer. " * 4
+CALL_TOKENS = 160
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2"])
+def server(request):
+    server = Server(f"tiny:{request.param}", "--api-key", KEY_A, "--api-key", KEY_B)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _family(server) -> str:
+    return server.model.partition(":")[2]
+
+
+def _reference_reply(server, messages, tools, max_new, grammar=None) -> tuple:
+    """Plain generate's output ids for ``messages``, under ``grammar`` if given
+    ("tool" for a required call of ``tools``, else a JSON schema)."""
+    family = _family(server)
+    tokenizer, model = tiny_tokenizer(), _reference(family)
+    chat_tools = _tools(tools) if tools else None
+    kwargs = {}
+    if grammar is not None:
+        grammars = Grammars(
+            tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+        )
+        if grammar == "tool":
+            text = grammars.tool_calls(detect(tokenizer), chat_tools, parallel=False)
+        else:
+            text = grammars.json_schema(grammar)
+        kwargs = dict(logits_processor=[grammars.processor(text, "x")], suppress_tokens=None)
+    return reference_turn(model, tokenizer, messages, max_new, tools=chat_tools, **kwargs)[2]
+
+
+def _output_ids(server, key: str) -> tuple:
+    return tuple(server.session(key)["last_turn"]["output_ids"])
+
+
+def _stream(client, **kwargs):
+    with client.responses.stream(**kwargs) as events:
+        kinds = [event.type for event in events]
+        final = events.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    return final
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_tool_loop_by_previous_response_id_is_exact_and_reuses(server, stream):
+    client, key = server.client(), f"responses-{stream}"
+    create = (lambda **kw: _stream(client, **kw)) if stream else client.responses.create
+    system = {"role": "system", "content": INSTRUCTIONS}
+    messages = [system, {"role": "user", "content": "Do I need a coat?"}]
+    previous, new_input = None, "Do I need a coat?"
+    for turn in range(2):
+        common = dict(
+            model=server.model,
+            instructions=INSTRUCTIONS,
+            tools=[WEATHER],
+            parallel_tool_calls=False,
+            temperature=0,
+            prompt_cache_key=key,
+        )
+        first = create(
+            **common,
+            input=new_input,
+            previous_response_id=previous,
+            tool_choice="required",
+            max_output_tokens=CALL_TOKENS,
+        )
+        assert first.status == "completed"
+        (call,) = first.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert set(json.loads(call.arguments)) == {"unit", "hourly"}
+        expected = _reference_reply(server, messages, [WEATHER], CALL_TOKENS, grammar="tool")
+        assert _output_ids(server, key) == expected
+        if turn:
+            details = first.usage.input_tokens_details
+            assert details.cached_tokens >= 0.9 * first.usage.input_tokens
+        chat_call = {
+            "id": call.call_id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        result = '{"celsius": 4, "rain": true}'
+        server.settled()  # the tool's time: the session settles meanwhile
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result},
+        ]
+        answer = create(
+            **common,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}],
+            previous_response_id=first.id,
+            text={"format": VERDICT},
+            max_output_tokens=CALL_TOKENS,
+        )
+        assert answer.status == "completed" and answer.previous_response_id == first.id
+        verdict = json.loads(answer.output_text)
+        assert isinstance(verdict["coat"], bool) and verdict["mood"] in ("sunny", "grey")
+        expected = _reference_reply(server, messages, [WEATHER], CALL_TOKENS, VERDICT["schema"])
+        assert _output_ids(server, key) == expected
+        details = answer.usage.input_tokens_details
+        assert details.cached_tokens >= 0.9 * answer.usage.input_tokens
+        messages += [
+            {"role": "assistant", "content": answer.output_text},
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+        server.settled()  # the user's time to read and type
+        previous, new_input = answer.id, "And tomorrow?"
+
+
+def test_the_whole_item_list_replayed_reuses_as_well(server):
+    """Without previous_response_id (the Agents SDK's default) the client
+    sends every item back; the session is found by its conversation."""
+    client = server.client()
+    items: list = [{"role": "user", "content": "Weather?"}]
+    first = client.responses.create(
+        model=server.model,
+        input=items,
+        instructions=INSTRUCTIONS,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    call = first.output[0]
+    server.settled()
+    items += [
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "cold"},
+    ]
+    answer = client.responses.create(
+        model=server.model,
+        input=items,
+        instructions=INSTRUCTIONS,
+        tools=[WEATHER],
+        text={"format": VERDICT},
+        max_output_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    details = answer.usage.input_tokens_details
+    assert details.cached_tokens >= 0.9 * answer.usage.input_tokens
+
+
+def test_stored_responses_are_each_keys_own(server):
+    mine, other = server.client(KEY_A), server.client(KEY_B)
+    response = mine.responses.create(
+        model=server.model, input="hi", max_output_tokens=4, temperature=0
+    )
+    # Cut at max_output_tokens, unless the model ended its turn first.
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage.output_tokens == 4
+    else:
+        assert response.status == "completed" and response.incomplete_details is None
+    assert mine.responses.retrieve(response.id).id == response.id
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError) as error:  # another key's, to continue
+        other.responses.create(
+            model=server.model, input="more", previous_response_id=response.id, max_output_tokens=2
+        )
+    assert error.value.body["param"] == "previous_response_id"
+    mine.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.retrieve(response.id)
+    unstored = mine.responses.create(
+        model=server.model, input="hi", max_output_tokens=2, temperature=0, store=False
+    )
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.retrieve(unstored.id)
+
+
+BAD = [
+    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+    ({"input": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0]"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0].content"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "v"}}}, 400, "text.format"),
+    ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "x", "store": "yes"}, 400, "store"),
+]
+
+
+@pytest.mark.parametrize(("extra", "status", "param"), BAD, ids=[b[2] for b in BAD])
+def test_bad_responses_requests_get_openai_errors_and_touch_nothing(server, extra, status, param):
+    before = server.get("/v1/sessions").json()["data"]
+    response = server.post("/v1/responses", json={"model": server.model, **extra})
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert server.get("/v1/sessions").json()["data"] == before
+
+
+def test_the_agents_sdk_runner_completes_a_tool_loop(server):
+    """The OpenAI Agents SDK's default Runner (the Responses API): the model
+    must call the tool first (tool_choice "required"; the SDK sets it back to
+    auto after the tool ran), the SDK runs it and sends its result, and the
+    structured final output ends the run. The second turn reuses >= 90%."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        coat: bool
+        mood: Literal["sunny", "grey"]  # a free string might never close
+
+    ran = []
+
+    @agents.function_tool
+    def get_weather(hourly: bool) -> str:
+        """The weather where the user is."""
+        ran.append(hourly)
+        # A tool takes time, and the server settles the session meanwhile:
+        # here, until it has (an instant tool would leave it none).
+        server.settled()
+        return "4 degrees and rain"
+
+    key = "agents-key"
+    server_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
+    model = agents.OpenAIResponsesModel(model=server.model, openai_client=server_client)
+    agent = agents.Agent(
+        name="weather",
+        instructions=INSTRUCTIONS,
+        tools=[get_weather],
+        model=model,
+        output_type=Verdict,
+        model_settings=agents.ModelSettings(
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=CALL_TOKENS,
+            extra_args={"prompt_cache_key": key},
+        ),
+    )
+    result = agents.Runner.run_sync(
+        agent, "Do I need a coat?", run_config=agents.RunConfig(tracing_disabled=True)
+    )
+    assert len(ran) == 1 and isinstance(result.final_output, Verdict)
+    assert len(result.raw_responses) == 2
+    second = result.raw_responses[1].usage
+    assert second.input_tokens_details.cached_tokens >= 0.9 * second.input_tokens
+    history = server.session(key)["history"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "assistant"]
+    assert json.loads(history[-1]["content"]) == result.final_output.model_dump()
+
+    # Each turn as plain generate writes it, with what the SDK sent (the
+    # stored responses echo its tools and format).
+    first, last = (server.client().responses.retrieve(r.response_id) for r in result.raw_responses)
+    tools = [t.model_dump(exclude_none=True) for t in first.tools]
+    ids = _reference_reply(server, history[:2], tools, CALL_TOKENS, grammar="tool")
+    parser = ToolCallParser(detect(tiny_tokenizer()), _tools(tools))
+    parser.feed(tiny_tokenizer().decode(ids[:-1]))
+    (call,) = [c for c in parser.finish() if isinstance(c, ToolCall)]
+    sent = history[2]["tool_calls"][0]["function"]
+    assert (call.name, call.arguments) == (sent["name"], sent["arguments"])
+    schema = last.text.format.schema_
+    expected = _reference_reply(server, history[:4], tools, CALL_TOKENS, grammar=schema)
+    assert _output_ids(server, key) == expected
