@@ -256,19 +256,7 @@ class SessionManager:
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
-        check_session_id(session_id)
-        for name in ("past_key_values", "cache_params", "cache"):
-            if name in generate_kwargs:
-                raise ValueError(
-                    f"{name} is managed by kvchat; do not pass it to SessionManager.generate"
-                )
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be a 2-D tensor [batch, tokens], got "
-                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
-            )
-        if input_ids.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        self._check_ids(input_ids, session_id, generate_kwargs, "generate")
         mask = generate_kwargs.get("attention_mask")
         if input_ids.shape[0] != 1 or (mask is not None and not bool(mask.all())):
             # A session is one unpadded conversation; a batch runs as plain generate.
@@ -282,6 +270,57 @@ class SessionManager:
             raise ValueError("input_ids must hold at least one token")
         args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
         return self._turns.run(TurnRequest(session_id, args, input_ids[0].long()))[0]
+
+    def stream_generate(
+        self,
+        input_ids: torch.Tensor,
+        session_id: str = "default",
+        skip_special_tokens: bool = True,
+        **generate_kwargs,
+    ) -> ReplyStream:
+        """generate() for one sequence, streamed as stream_chat() streams: text
+        pieces of the continuation, then ``stream.report``. A text completion
+        (``kvchat serve``'s ``/v1/completions``) runs here."""
+        self._check_ids(input_ids, session_id, generate_kwargs, "stream_generate")
+        check_bool(skip_special_tokens, "skip_special_tokens")
+        if input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+            shape = tuple(input_ids.shape)
+            raise ValueError(f"input_ids must be one sequence of at least one token, got {shape}")
+        ids = input_ids[0].long()
+        max_new = generate_kwargs.get("max_new_tokens")
+        if max_new is None:
+            max_new = self._model.generation_config.max_new_tokens or 0
+        if self._max_context is not None and ids.numel() + max_new > self._max_context:
+            raise ContextLengthError(
+                f"the prompt ({ids.numel()} tokens) and max_new_tokens ({max_new}) exceed "
+                f"max_context_length ({self._max_context})"
+            )
+        ends = end_ids(self._tokenizer, self._model.generation_config)
+        stream = ReplyStream(self._tokenizer, generate_kwargs, skip_special_tokens, ends)
+        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
+        request = TurnRequest(session_id, args, ids)
+
+        def run() -> TurnReport:
+            record = self._turns.run(request)[2]
+            return TurnReport.from_core(record, self._tier.reload_reason)
+
+        return stream.start(run, name=f"kvchat-stream-{session_id}")
+
+    @staticmethod
+    def _check_ids(input_ids, session_id: str, generate_kwargs: dict, method: str) -> None:
+        check_session_id(session_id)
+        for name in ("past_key_values", "cache_params", "cache"):
+            if name in generate_kwargs:
+                raise ValueError(
+                    f"{name} is managed by kvchat; do not pass it to SessionManager.{method}"
+                )
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be a 2-D tensor [batch, tokens], got "
+                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+            )
+        if input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
 
     def settle(
         self,

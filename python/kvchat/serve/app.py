@@ -14,7 +14,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -29,7 +28,7 @@ from .._C import SessionBusy
 from ..agents import ToolCall
 from ..manager import SessionManager
 from ..tiers import StoreUnavailable
-from . import protocol, responses
+from . import completions, protocol, responses
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
 from .metrics import Metrics
@@ -295,6 +294,47 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         body = protocol.completion(cid, chat.model, turn.message(), reason, turn.report)
         return JSONResponse(body, headers=headers)
 
+    @app.post("/v1/completions")
+    async def text_completions(request: Request):
+        ns = caller(request)
+        chat = completions.parse_request(await read_json(request))
+        check_model(chat.model)
+        turn = await turns.begin(ns, chat, chat.session_key)
+        headers = turns.session_header(turn)
+        cid = completions.completion_id()
+        if chat.stream:
+            return TurnStream(
+                completion_chunks(turn, cid),
+                on_end=lambda: turns.abandon(turn),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        try:
+            await run_in_threadpool(turn.collect)
+        finally:
+            await run_in_threadpool(turns.finish, turn)
+        reason = turn.finish_reason(turns.stop_ids)
+        return JSONResponse(
+            completions.body(cid, chat.model, turn.text, reason, turn.report), headers=headers
+        )
+
+    async def completion_chunks(turn: Reply, cid: str):
+        model, finished = turn.chat.model, False
+        try:
+            while (items := await run_in_threadpool(turn.next_items)) is not DONE:
+                for item in items:
+                    if item.text:
+                        yield _sse(completions.chunk(cid, model, item.text))
+            await run_in_threadpool(turns.finish, turn)
+            finished = True
+            yield _sse(completions.chunk(cid, model, "", turn.finish_reason(turns.stop_ids)))
+            if turn.chat.include_usage and turn.report is not None:
+                yield _sse(completions.usage_chunk(cid, model, turn.report))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away: stop within a token, commit on a thread
+                turns.abandon(turn)
+
     # ------------------------------------------------------- the Responses API
     def stored(ns: str, rid: str, param: str) -> dict:
         """A stored response of this caller's; 404 for another key's or none."""
@@ -374,9 +414,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             yield _event(output.event(kind, response=body))
         finally:
-            if not finished:  # the client went away: as in stream_body
-                turn.stream.cancel()
-                threading.Thread(target=turns.finish, args=(turn,), daemon=True).start()
+            if not finished:  # the client went away: stop within a token, commit on a thread
+                turns.abandon(turn)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
@@ -422,11 +461,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
                 yield _sse(protocol.usage_chunk(cid, model, turn.stream.report))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                # The client went away: stop generating within a token, and let
-                # a thread wait for the commit (nothing may block the loop here).
-                turn.stream.cancel()
-                threading.Thread(target=turns.finish, args=(turn,), daemon=True).start()
+            if not finished:  # the client went away: stop within a token, commit on a thread
+                turns.abandon(turn)
 
     return app
 

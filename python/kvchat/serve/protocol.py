@@ -130,6 +130,7 @@ class ChatRequest:
     tool_name: str | None = None  # the function tool_choice names
     parallel_tool_calls: bool = True
     json_schema: dict | None = None  # response_format's, {"type": "object"} for json_object
+    prompt: str | None = None  # a text completion's prompt (messages are then empty)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -84,6 +84,8 @@ class SessionRouter:
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
         self._auto: set[str] = set()  # sessions made (or found) by automatic routing
         self._running: dict[str, _Running] = {}  # automatic session -> its turns now
+        # Text completions: an idle automatic session -> (namespace, the text it holds).
+        self._texts: dict[str, tuple[str, str]] = {}
 
     @staticmethod
     def internal(ns: str, session_id: str) -> str:
@@ -139,6 +141,31 @@ class SessionRouter:
         if self._shared is not None:  # its route in the store goes once the store is back
             self._shared.take_session_route(session)
         return session
+
+    def claim_text(self, ns: str, explicit: str | None, prompt: str) -> str:
+        """claim() for a text completion: the idle session whose text (a
+        prompt and its completion) the prompt starts with, the longest one,
+        else a new session. Kept on this replica only."""
+        if explicit is not None:
+            return self._claim_by_id(ns, self.internal(ns, explicit))
+        with self._lock:
+            best = None
+            for session, (owner, text) in self._texts.items():
+                if owner == ns and prompt.startswith(text):
+                    if best is None or len(text) > len(self._texts[best][1]):
+                        best = session
+            if best is not None and best in self._mgr.sessions():
+                del self._texts[best]
+                self._start(best)
+                return best
+        return self._new(ns)
+
+    def remember_text(self, ns: str, session: str, text: str) -> None:
+        """After a completion's turn (release() first): ``session`` holds ``text``."""
+        with self._lock:
+            if session in self._auto and session not in self._running:
+                if session in self._mgr.sessions():
+                    self._texts[session] = (ns, text)
 
     def _claim_by_id(self, ns: str, session: str) -> str:
         """A turn by the session's id. If it is an automatic session (this
@@ -203,6 +230,7 @@ class SessionRouter:
 
     def _drop(self, session: str) -> None:
         self._running.pop(session, None)
+        self._texts.pop(session, None)
         self._auto.discard(session)
         key = self._key_of.pop(session, None)
         if key is not None and self._open.get(key) == session:
@@ -211,7 +239,13 @@ class SessionRouter:
     def tracked(self) -> set[str]:
         """Every session the router keeps anything of (for tests: no leak)."""
         with self._lock:
-            return {*self._auto, *self._running, *self._key_of, *self._open.values()}
+            return {
+                *self._auto,
+                *self._running,
+                *self._key_of,
+                *self._open.values(),
+                *self._texts,
+            }
 
     def forget(self, session: str) -> None:
         """``session`` was removed (deleted, or expired)."""

@@ -53,7 +53,7 @@ class TurnRunner:
                 code="rate_limit_exceeded",
             )
         try:
-            session = await self._claim(ns, explicit, chat.messages)
+            session = await self._claim(ns, explicit, chat)
         except BaseException:
             self.pending.release()
             raise
@@ -73,15 +73,17 @@ class TurnRunner:
     def session_header(self, turn: Reply) -> dict:
         return {"X-Session-ID": self.router.external(turn.ns, turn.session) or turn.session}
 
-    async def _claim(self, ns: str, explicit: str | None, messages: list[dict]) -> str:
+    async def _claim(self, ns: str, explicit: str | None, chat: protocol.ChatRequest) -> str:
         """self.router.claim, off the event loop when it asks the shared store (a
         network call). If the request is cancelled meanwhile (its client
         left), the claim is released as a failed turn once it is made: never
         a session held out of the map for ever."""
+        if chat.prompt is not None:  # a text completion: routed here, by its text
+            return self.router.claim_text(ns, explicit, chat.prompt)
         if not self.manager.tier.shared:
-            return self.router.claim(ns, explicit, messages)
+            return self.router.claim(ns, explicit, chat.messages)
         loop = asyncio.get_running_loop()
-        claimed = loop.run_in_executor(None, self.router.claim, ns, explicit, messages)
+        claimed = loop.run_in_executor(None, self.router.claim, ns, explicit, chat.messages)
         try:
             return await asyncio.shield(claimed)
         except asyncio.CancelledError:
@@ -139,6 +141,12 @@ class TurnRunner:
         def begin():
             if chat.seed is not None:
                 torch.manual_seed(chat.seed)
+            if chat.prompt is not None:  # a text completion: the prompt as it is
+                ids = self.manager.tokenizer(chat.prompt, return_tensors="pt")["input_ids"]
+                stream = self.manager.stream_generate(
+                    ids, session, max_new_tokens=max_tokens, **kwargs
+                )
+                return stream, next(stream, DONE)
             stream = self.manager.stream_chat(
                 session,
                 chat.messages,
@@ -155,12 +163,11 @@ class TurnRunner:
         try:
             return await run_in_threadpool(begin)
         except ContextLengthError as error:
-            raise APIError(
-                400, str(error), param="messages", code="context_length_exceeded"
-            ) from None
+            param = "prompt" if chat.prompt is not None else "messages"
+            raise APIError(400, str(error), param=param, code="context_length_exceeded") from None
         except ValueError as error:
             message = str(error)
-            param = _argument(message, "messages")
+            param = _argument(message, "prompt" if chat.prompt is not None else "messages")
             raise APIError(400, message, param=param, code="invalid_value") from None
         except TypeError as error:
             message = str(error)
@@ -182,9 +189,11 @@ class TurnRunner:
         finally:  # whatever failed above, the slot, the self.router and self.expiry are freed
             self.pending.release()
             history = None
-            if report is not None:
+            if report is not None and turn.chat.prompt is None:  # a chat's conversation
                 history = [*turn.chat.messages, turn.message()]
             self.router.release(turn.ns, turn.session, history)
+            if report is not None and turn.chat.prompt is not None:
+                self.router.remember_text(turn.ns, turn.session, turn.chat.prompt + turn.text)
             self.expiry.end(turn.session)
         if history is not None:
             self._settle(turn, history)

@@ -1,0 +1,90 @@
+"""``POST /v1/completions``: a text prompt continued as it is, with no chat
+template. It runs as a chat request whose prompt is the text, so it gets the
+same checks (sampling, ``stop``, ``max_tokens``) and errors; the turn runs on
+a session of its own (``prompt_cache_key`` or ``user`` to name one), which the
+core starts from the longest prefix any session holds."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from . import protocol
+from .errors import APIError
+
+# The legacy API's fields; the chat request's checks take the rest.
+_REFUSED = {
+    "echo": "kvchat serve does not echo the prompt",
+    "suffix": "kvchat serve does not insert: suffix is not supported",
+    "best_of": "kvchat serve returns one choice per request; best_of must be 1",
+    "logprobs": "kvchat serve does not return logprobs",
+}
+_CHAT_ONLY = {
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "chat_template_kwargs",
+    "max_completion_tokens",
+    "top_logprobs",
+}
+
+
+def parse_request(body) -> protocol.ChatRequest:
+    """Checks every field; raises APIError(400) naming the first bad one."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_value")
+    chat_only = sorted(set(body) & _CHAT_ONLY)
+    if chat_only:
+        name = chat_only[0]
+        message = f"unknown field {name!r} (a chat field: see /v1/chat/completions)"
+        raise APIError(400, message, param=name, code="unknown_parameter")
+    for name, message in _REFUSED.items():
+        value = body.get(name)
+        if value not in (None, False, 0) and not (name == "best_of" and value == 1):
+            raise APIError(400, message, param=name, code="invalid_value")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(
+            400,
+            "prompt must be a non-empty string (or a list of one); kvchat serve returns "
+            "one choice per request",
+            param="prompt",
+            code="missing_required_parameter" if "prompt" not in body else "invalid_value",
+        )
+    fields = {k: v for k, v in body.items() if k not in (*_REFUSED, "prompt")}
+    chat = protocol.parse_chat_request({**fields, "messages": [{"role": "user", "content": "-"}]})
+    chat.messages, chat.prompt = [], prompt
+    return chat
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def body(cid: str, model: str, text: str, finish_reason: str, report) -> dict:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": protocol.usage(report),
+    }
+
+
+def chunk(cid: str, model: str, text: str, finish_reason: str | None = None) -> dict:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(cid: str, model: str, report) -> dict:
+    return {**chunk(cid, model, ""), "choices": [], "usage": protocol.usage(report)}

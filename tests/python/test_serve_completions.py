@@ -1,0 +1,106 @@
+"""``POST /v1/completions`` through kvchat serve with the ``openai`` SDK: a
+text prompt continued as it is (no chat template), token for token what plain
+``model.generate`` writes (float64), streamed or not; a prompt that continues
+an earlier prompt and its completion reuses that session."""
+
+from __future__ import annotations
+
+import pytest
+from kvchat.tiny import tiny_tokenizer
+from test_serve import KEY_A, Server, _reference
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The harbour at dawn: gulls over the water, boats going out, and a story to tell. " * 4
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "lfm2"])
+def server(request):
+    server = Server(f"tiny:{request.param}", "--api-key", KEY_A, "--max-context-length", "4096")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _plain(server, prompt: str, max_new: int = MAX_NEW, **kwargs) -> tuple[str, tuple]:
+    """Plain generate on the prompt's ids: (text, generated ids)."""
+    tokenizer = tiny_tokenizer()
+    model = _reference(server.model.partition(":")[2])
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
+    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kwargs)[0, ids.shape[1] :]
+    return tokenizer.decode(out, skip_special_tokens=True), tuple(out.tolist())
+
+
+def _streamed(client, **kwargs) -> tuple[str, str, dict]:
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_completion_is_plain_generates_and_its_continuation_reuses(server, stream):
+    client = server.client()
+    prompt = PROMPT + ("Streamed. " if stream else "")
+    for turn in range(3):
+        kwargs = dict(model=server.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        if stream:
+            text, finish, usage = _streamed(client, **kwargs)
+        else:
+            response = client.completions.create(**kwargs)
+            choice = response.choices[0]
+            text, finish, usage = choice.text, choice.finish_reason, response.usage.model_dump()
+        expected, ids = _plain(server, prompt)
+        assert text == expected
+        assert finish == ("length" if len(ids) == MAX_NEW else "stop")
+        assert usage["completion_tokens"] == len(ids)
+        if turn:  # the prompt is the last one, its completion, and more
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        prompt = f"{prompt}{text} Then, on day {turn + 2},"
+
+
+def test_a_stop_string_cuts_the_completion_and_one_that_never_occurs_does_not(server):
+    client = server.client()
+    expected, _ = _plain(server, PROMPT)
+    word = expected.split()[2]
+    cut = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, stop=[word]
+    )
+    assert cut.choices[0].text == expected[: expected.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+    never = client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0, stop=["\u2603\u2603"]
+    )
+    assert never.choices[0].text == expected and never.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 10**6}, "prompt"),
+    ],
+)
+def test_bad_completions_get_openai_errors_and_touch_nothing(server, extra, param):
+    before = server.get("/v1/sessions").json()["data"]
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 4, **extra}
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert server.get("/v1/sessions").json()["data"] == before
