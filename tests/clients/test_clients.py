@@ -2,7 +2,7 @@
 use, each as its documentation shows: the README's LangChain example as
 written, LiteLLM's ``completion`` with a forced tool, and a pydantic-ai agent
 whose structured output is an output tool. A random tiny model calls tools
-because the grammar makes it; every turn from the second reuses >= 90%."""
+because the grammar makes it; LiteLLM's answer turn reuses >= 90%."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def test_the_readme_langchain_example_runs_as_written(server):
     assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
     assert isinstance(call.tool_calls[0]["args"]["hourly"], bool)
     assert call.response_metadata["finish_reason"] == "tool_calls"
+    assert isinstance(scope["answer"], scope["Verdict"])
 
 
 def test_litellm_forced_tool_then_answer_reuses(server):
@@ -93,6 +94,7 @@ def test_litellm_forced_tool_then_answer_reuses(server):
         **common,
         messages=messages,
         tools=[WEATHER],
+        tool_choice="none",  # the answer now (auto would let the model call again)
         response_format=Verdict,
         max_tokens=200,
     )

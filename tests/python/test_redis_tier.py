@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import redis
 import torch
@@ -456,6 +457,40 @@ def test_keyless_clients_continue_across_replicas(tokenizer, server):
                 assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
             messages.append({"role": "assistant", "content": reply})
         assert len(seen) == 1, f"one conversation became sessions {seen}"
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def test_a_response_made_on_one_replica_is_continued_on_the_other(server):
+    """`/v1/responses` on two `kvchat serve --store` replicas: the response is
+    stored in Redis, so the other replica continues it by previous_response_id
+    (no key), from the session's snapshot; another key still cannot."""
+    from test_serve import Server
+
+    flags = ("--store", server.redis_url, "--api-key", "k", "--api-key", "k2")
+    replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
+    try:
+        common = dict(model="tiny:llama", instructions=LONG_SYSTEM["content"], temperature=0)
+        first = (
+            replicas[0]
+            .client("k")
+            .responses.create(**common, input="Hello there.", max_output_tokens=6)
+        )
+        previous = first.id
+        for turn in range(2):
+            replica = replicas[(turn + 1) % 2]
+            response = replica.client("k").responses.create(
+                **common, input=f"And {turn}?", previous_response_id=previous, max_output_tokens=6
+            )
+            details = response.usage.input_tokens_details
+            assert details.cached_tokens > 0.8 * response.usage.input_tokens, turn
+            assert replica.client("k").responses.retrieve(response.id).id == response.id
+            previous = response.id
+        sessions = [r.get("/v1/sessions", "k").json()["data"] for r in replicas]
+        assert {s["id"] for data in sessions for s in data} == {sessions[1][0]["id"]}
+        with pytest.raises(openai.NotFoundError):
+            replicas[1].client("k2").responses.retrieve(previous)
     finally:
         for replica in replicas:
             replica.stop()

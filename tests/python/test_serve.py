@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -472,6 +473,7 @@ SERVE_ERROR_CASES = {
                 "response_format",
             ),
             (dict(tools=[_tool()], parallel_tool_calls="yes"), "parallel_tool_calls"),
+            (dict(tools=[_tool()], tool_choice="required", min_tokens=3), "min_tokens"),
         ]
     ],
     "a body over `--max-body-bytes`": [
@@ -655,6 +657,9 @@ def test_every_readme_bad_request_row_is_covered():
         "`/v1/responses`: a field it cannot serve": (
             "test_serve_responses.py::test_bad_responses_requests_get_openai_errors_and_touch_nothing"
         ),
+        "a tool kvchat cannot call": (
+            "test_serve_agents.py::test_bad_tool_choice_and_response_format_touch_no_session"
+        ),
         "`/v1/completions`:": (
             "test_serve_completions.py::test_bad_completions_get_openai_errors_and_touch_nothing"
         ),
@@ -663,6 +668,10 @@ def test_every_readme_bad_request_row_is_covered():
     for row in rows:
         keys = [k for k in [*SERVE_ERROR_CASES, *extra] if row.startswith(k)]
         assert len(keys) == 1, f"docs/serving.md row {row!r} has no test"
+    for test in extra.values():  # each named test exists
+        file, _, name = test.rpartition("::")
+        source = Path(__file__).with_name(file or Path(__file__).name).read_text("utf-8")
+        assert f"def {name}(" in source, test
 
 
 def test_idle_sessions_expire_but_never_mid_turn():

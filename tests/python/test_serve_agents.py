@@ -75,15 +75,16 @@ def _family(server) -> str:
     return server.model.partition(":")[2]
 
 
+def _grammars(family: str) -> Grammars:
+    """What the server builds its grammars with, for the reference."""
+    tokenizer, model = tiny_tokenizer(), _reference(family)
+    return Grammars(tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config))
+
+
 def _grammar_processor(family: str, tools, parallel: bool):
-    tokenizer = tiny_tokenizer()
-    model = _reference(family)
-    grammars = Grammars(
-        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
-    )
-    return grammars.processor(
-        grammars.tool_calls(detect(tokenizer), tools, parallel), "tool_choice"
-    )
+    grammars = _grammars(family)
+    grammar = grammars.tool_calls(detect(tiny_tokenizer()), tools, parallel)
+    return grammars.processor(grammar, "tool_choice")
 
 
 def _last_output(server, session: str) -> tuple:
@@ -175,9 +176,10 @@ def _complete(client, stream: bool, **kwargs) -> tuple[dict, str, dict]:
 
 
 def test_a_named_function_is_the_one_called(server):
-    client = server.client()
+    family, client = _family(server), server.client()
     messages = [SYSTEM, {"role": "user", "content": "Time?"}]
     for name in ("get_time", "get_weather"):
+        key = f"named-{name}"
         response = client.chat.completions.create(
             model=server.model,
             messages=messages,
@@ -187,10 +189,50 @@ def test_a_named_function_is_the_one_called(server):
             parallel_tool_calls=False,
             max_tokens=CALL_TOKENS,
             temperature=0,
+            prompt_cache_key=key,
         )
         calls = response.choices[0].message.tool_calls
         assert calls and {c.function.name for c in calls} == {name}
         assert response.choices[0].finish_reason == "tool_calls"
+        named = [t for t in TOOLS if t["function"]["name"] == name]
+        processor = _grammar_processor(family, named, parallel=False)
+        expected = _reference_ids(
+            family, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+        )
+        assert _last_output(server, key) == expected
+
+
+def test_tools_beside_a_json_format_let_the_model_call_or_answer(server):
+    """tool_choice auto, tools and a response_format (what the Agents SDK sends
+    with an output_type): the grammar allows a call or the JSON, and the reply
+    is read as whichever the model wrote, exactly as plain generate writes it."""
+    family, client = _family(server), server.client()
+    tokenizer = tiny_tokenizer()
+    grammars = _grammars(family)
+    for i, question in enumerate(["Rain?", "Sun?", "Wind today?"]):
+        key = f"call-or-json-{i}"
+        messages = [SYSTEM, {"role": "user", "content": question}]
+        response = client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            tools=TOOLS,
+            response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}},
+            parallel_tool_calls=False,
+            max_tokens=CALL_TOKENS,
+            temperature=0,
+            prompt_cache_key=key,
+        )
+        choice = response.choices[0]
+        if choice.message.tool_calls:  # which of the two is the model's own affair
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert set(json.loads(choice.message.content)) == {"answer", "sure"}
+        grammar = grammars.tool_calls(detect(tokenizer), TOOLS, parallel=False, or_json=SCHEMA)
+        processor = grammars.processor(grammar, "response_format")
+        expected = _reference_ids(
+            family, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+        )
+        assert _last_output(server, key) == expected
 
 
 SCHEMA = {
@@ -225,10 +267,7 @@ def test_structured_output_matches_its_schema_and_plain_generate(server, respons
         prompt_cache_key=key,
     )
     content = response.choices[0].message.content
-    tokenizer, model = tiny_tokenizer(), _reference(family)
-    grammars = Grammars(
-        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
-    )
+    tokenizer, model, grammars = tiny_tokenizer(), _reference(family), _grammars(family)
     if response_format["type"] == "json_schema":
         value = json.loads(content)
         assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
@@ -312,7 +351,13 @@ def test_the_settle_predicts_the_tool_calls_sent_back(server):
 def test_bad_tool_choice_and_response_format_touch_no_session(server):
     client = server.client()
     base = dict(model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    not_object = [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+    bad_name = [{"type": "function", "function": {"name": "a b\nc"}}]
     cases = [
+        (dict(tools=TOOLS, tool_choice="required", min_tokens=5), "min_tokens"),
+        (dict(tools=not_object, tool_choice="required"), "tools[0].parameters"),
+        (dict(tools=bad_name), "tools[0].name"),
+        (dict(tools=[{"type": "web", "function": {"name": "f"}}]), "tools[0].type"),
         (dict(tool_choice="required"), "tool_choice"),
         (
             dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
@@ -335,10 +380,16 @@ def test_bad_tool_choice_and_response_format_touch_no_session(server):
         ),
         (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls"),
     ]
+    # The openai SDK sends only what it knows: min_tokens goes in extra_body.
+    cases = [
+        ({k: v for k, v in extra.items() if k != "min_tokens"}, param, extra.get("min_tokens"))
+        for extra, param in cases
+    ]
     before = server.get("/v1/sessions").json()["data"]
-    for extra, param in cases:
+    for extra, param, min_tokens in cases:
+        body = {"min_tokens": min_tokens} if min_tokens else None
         with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(**base, **extra, prompt_cache_key="bad")
+            client.chat.completions.create(**base, **extra, prompt_cache_key="bad", extra_body=body)
         assert error.value.body["param"] == param, (extra, error.value.body)
         assert error.value.body["code"] == "invalid_value"
     assert server.get("/v1/sessions").json()["data"] == before

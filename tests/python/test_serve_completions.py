@@ -5,6 +5,8 @@ an earlier prompt and its completion reuses that session."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kvchat.tiny import tiny_tokenizer
 from test_serve import KEY_A, Server, _reference
@@ -48,6 +50,7 @@ def _streamed(client, **kwargs) -> tuple[str, str, dict]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_completion_is_plain_generates_and_its_continuation_reuses(server, stream):
+    """Keyless, so each continuation finds its session by its text."""
     client = server.client()
     prompt = PROMPT + ("Streamed. " if stream else "")
     for turn in range(3):
@@ -65,6 +68,38 @@ def test_a_completion_is_plain_generates_and_its_continuation_reuses(server, str
         if turn:  # the prompt is the last one, its completion, and more
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
         prompt = f"{prompt}{text} Then, on day {turn + 2},"
+
+
+def test_a_named_completion_session_writes_plain_generates_tokens(server):
+    client = server.client()
+    prompt = PROMPT
+    for _ in range(2):
+        client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            extra_body={"prompt_cache_key": "text-session"},
+        )
+        text, ids = _plain(server, prompt)
+        assert tuple(server.session("text-session")["last_turn"]["output_ids"]) == ids
+        prompt = f"{prompt}{text} Next,"
+
+
+def test_a_completion_on_a_chat_session_is_refused_and_changes_nothing(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Hello"}]
+    client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=4, temperature=0, user="chatty"
+    )
+    server.settled()
+    before = server.session("chatty")
+    response = server.post(
+        "/v1/completions",
+        json={"model": server.model, "prompt": "free text", "max_tokens": 4, "user": "chatty"},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "user"
+    assert server.session("chatty") == before
 
 
 def test_a_stop_string_cuts_the_completion_and_one_that_never_occurs_does_not(server):
@@ -95,12 +130,18 @@ def test_a_stop_string_cuts_the_completion_and_one_that_never_occurs_does_not(se
         ({"prompt": [1, 2, 3]}, "prompt"),
         ({"n": 2}, "n"),
         ({"max_tokens": 10**6}, "prompt"),
+        ({"prompt": "\ud800x"}, "prompt"),  # a lone surrogate: not text
     ],
 )
 def test_bad_completions_get_openai_errors_and_touch_nothing(server, extra, param):
     before = server.get("/v1/sessions").json()["data"]
     body = {"model": server.model, "prompt": "hello", "max_tokens": 4, **extra}
-    response = server.post("/v1/completions", json=body)
+    # Encoded here: httpx would refuse a lone surrogate, which JSON escapes.
+    response = server.post(
+        "/v1/completions",
+        content=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
     assert server.get("/v1/sessions").json()["data"] == before

@@ -7,6 +7,7 @@ reuses at least 90% of its prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import agents
@@ -86,11 +87,48 @@ def _output_ids(server, key: str) -> tuple:
 
 def _stream(client, **kwargs):
     with client.responses.stream(**kwargs) as events:
-        kinds = [event.type for event in events]
+        seen = list(events)
         final = events.get_final_response()
+    _check_order(seen, final)
+    return final
+
+
+def _check_order(events, final) -> None:
+    """The events in OpenAI's order: created, in_progress, then each output
+    item opened, written and closed in turn, then completed; every event
+    numbered, and the deltas adding up to the final items."""
+    kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
-    return final
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    expected = []
+    for index, item in enumerate(final.output):
+        expected.append(("response.output_item.added", index))
+        if item.type == "message":
+            expected += [
+                ("response.content_part.added", index),
+                *[("response.output_text.delta", index)]
+                * sum(
+                    e.type == "response.output_text.delta" and e.output_index == index
+                    for e in events
+                ),
+                ("response.output_text.done", index),
+                ("response.content_part.done", index),
+            ]
+            deltas = "".join(
+                e.delta
+                for e in events
+                if e.type == "response.output_text.delta" and e.output_index == index
+            )
+            assert deltas == item.content[0].text
+        else:
+            expected += [
+                ("response.function_call_arguments.delta", index),
+                ("response.function_call_arguments.done", index),
+            ]
+        expected.append(("response.output_item.done", index))
+    middle = [(e.type, e.output_index) for e in events[2:-1]]
+    assert middle == expected
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
@@ -140,6 +178,7 @@ def test_a_tool_loop_by_previous_response_id_is_exact_and_reuses(server, stream)
             **common,
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}],
             previous_response_id=first.id,
+            tool_choice="none",  # the answer: JSON only (auto would allow another call)
             text={"format": VERDICT},
             max_output_tokens=CALL_TOKENS,
         )
@@ -192,6 +231,35 @@ def test_the_whole_item_list_replayed_reuses_as_well(server):
     assert details.cached_tokens >= 0.9 * answer.usage.input_tokens
 
 
+def test_previous_response_id_alone_continues_the_session(server):
+    """No prompt_cache_key: the response's conversation finds its session,
+    and one that ran under a key continues under that key."""
+    client = server.client()
+    common = dict(model=server.model, instructions=INSTRUCTIONS, temperature=0)
+    before = {s["id"] for s in server.get("/v1/sessions").json()["data"]}
+    first = client.responses.create(**common, input="Hello there.", max_output_tokens=6)
+    previous = first.id
+    for turn in range(2):
+        server.settled()
+        response = client.responses.create(
+            **common, input=f"And {turn}?", previous_response_id=previous, max_output_tokens=6
+        )
+        details = response.usage.input_tokens_details
+        assert details.cached_tokens >= 0.9 * response.usage.input_tokens
+        previous = response.id
+    after = {s["id"] for s in server.get("/v1/sessions").json()["data"]}
+    (session,) = after - before  # the three turns ran on one session
+    assert len(server.session(session)["history"]) == 7  # system, 3 x (user, assistant)
+
+    keyed = client.responses.create(
+        **common, input="Hi.", max_output_tokens=4, prompt_cache_key="keyed-chain"
+    )
+    client.responses.create(
+        **common, input="More.", max_output_tokens=4, previous_response_id=keyed.id
+    )
+    assert len(server.session("keyed-chain")["history"]) == 5
+
+
 def test_stored_responses_are_each_keys_own(server):
     mine, other = server.client(KEY_A), server.client(KEY_B)
     response = mine.responses.create(
@@ -237,6 +305,22 @@ BAD = [
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "v"}}}, 400, "text.format"),
     ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
     ({"input": "x", "store": "yes"}, 400, "store"),
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, 400, "tools[0].name"),
+    (
+        {"input": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools[0].name",
+    ),
+    (
+        {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"enum": [5]}}]},
+        400,
+        "tools[0].parameters",
+    ),
+    ({"input": "x", "tool_choice": {"type": "function"}}, 400, "tool_choice.name"),
+    ({"input": "x", "metadata": {"blob": "x" * 600}}, 400, "metadata"),
+    ({"input": "x", "metadata": [1, 2]}, 400, "metadata"),
+    ({"input": "x", "text": {"format": {"type": "text"}, "colour": 1}}, 400, "text"),
+    ({"input": "x", "include": 5}, 400, "include"),
 ]
 
 
@@ -251,9 +335,11 @@ def test_bad_responses_requests_get_openai_errors_and_touch_nothing(server, extr
 
 def test_the_agents_sdk_runner_completes_a_tool_loop(server):
     """The OpenAI Agents SDK's default Runner (the Responses API): the model
-    must call the tool first (tool_choice "required"; the SDK sets it back to
-    auto after the tool ran), the SDK runs it and sends its result, and the
-    structured final output ends the run. The second turn reuses >= 90%."""
+    must call the tool first (tool_choice "required"), the SDK runs it and
+    sends its result, and the structured final output ends the run (a hook
+    sets tool_choice "none" once the tool ran: under "auto", tools beside the
+    output type, a random model may call the tool for ever). The second turn
+    reuses >= 90%."""
     from typing import Literal
 
     from pydantic import BaseModel
@@ -273,6 +359,10 @@ def test_the_agents_sdk_runner_completes_a_tool_loop(server):
         server.settled()
         return "4 degrees and rain"
 
+    class OneToolRound(agents.RunHooks):
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
     key = "agents-key"
     server_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
     model = agents.OpenAIResponsesModel(model=server.model, openai_client=server_client)
@@ -289,9 +379,13 @@ def test_the_agents_sdk_runner_completes_a_tool_loop(server):
             max_tokens=CALL_TOKENS,
             extra_args={"prompt_cache_key": key},
         ),
+        reset_tool_choice=False,
     )
     result = agents.Runner.run_sync(
-        agent, "Do I need a coat?", run_config=agents.RunConfig(tracing_disabled=True)
+        agent,
+        "Do I need a coat?",
+        hooks=OneToolRound(),
+        run_config=agents.RunConfig(tracing_disabled=True),
     )
     assert len(ran) == 1 and isinstance(result.final_output, Verdict)
     assert len(result.raw_responses) == 2

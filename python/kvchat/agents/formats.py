@@ -23,6 +23,24 @@ _CALL_FROM_JSON = {"type": "function", "function": "{content}"}
 
 
 @dataclass(frozen=True)
+class CallGrammar:
+    """How a constrained turn writes calls (``grammar.py``): ``section_open``,
+    the calls (joined by ``separator``; None: one call only),
+    ``section_close``. A call is ``call_open``, then either one JSON object
+    ``{"name": NAME, arguments_key: ARGUMENTS}`` (``name_in_json``) or NAME,
+    ``name_close`` and the arguments' JSON, then ``call_close``."""
+
+    call_open: str
+    call_close: str = ""
+    separator: str | None = "\n"
+    section_open: str = ""
+    section_close: str = ""
+    name_in_json: bool = True
+    name_close: str = ""
+    arguments_key: str = "arguments"
+
+
+@dataclass(frozen=True)
 class ToolFormat:
     """One tool-call markup.
 
@@ -30,18 +48,16 @@ class ToolFormat:
     the first is the reply's content, streamed as it comes. Empty for a
     tokenizer's own ``response_template``, which is parsed from the reply's
     first character. ``spec``: the transformers ``response_template`` the
-    section is parsed with; None for a section that is one JSON object (Llama
-    3.x). ``call_open``/``call_close``/``separator``/``arguments_key``: how one
-    call is written, for grammar-constrained turns (None: not constrainable).
+    section is parsed with; None for a reply that is one JSON object (Llama
+    3.x), read whole. ``grammar``: how a constrained turn writes calls; None
+    where kvchat cannot constrain this markup (XML or Python arguments).
     """
 
     name: str
     markers: tuple[str, ...]
     spec: dict | None
+    grammar: CallGrammar | None = None
     arguments_key: str = "arguments"
-    call_open: str | None = None
-    call_close: str = ""
-    separator: str = "\n"
     mistral_ids: bool = False  # Mistral's templates refuse ids other than 9 letters or digits
     # Each call ends with a close marker: one the reply ended inside is cut short.
     closed: bool = True
@@ -75,8 +91,15 @@ HERMES = ToolFormat(
     "hermes",
     markers=("<tool_call>",),
     spec=_section(r"\s*<tool_call>", "</tool_call>", "json", _CALL_FROM_JSON),
-    call_open="<tool_call>\n",
-    call_close="\n</tool_call>",
+    grammar=CallGrammar("<tool_call>\n", "\n</tool_call>"),
+)
+APRIEL = ToolFormat(  # Apriel: <tool_calls>[{"name": ..., "arguments": ...}, ...]</tool_calls>
+    "apriel",
+    markers=("<tool_calls>",),
+    spec=_section(r"\s*<tool_calls>", "</tool_calls>", "json", _EACH, transform_each=True),
+    grammar=CallGrammar(
+        "", separator=", ", section_open="<tool_calls>[", section_close="]</tool_calls>"
+    ),
 )
 QWEN_XML = ToolFormat(  # Qwen3.5, Qwen3-Coder: XML parameters inside <tool_call>
     "qwen-xml",
@@ -116,6 +139,15 @@ KIMI = ToolFormat(  # Kimi-K2: a section of calls named functions.NAME:INDEX
         "json",
         _CALL,
     ),
+    grammar=CallGrammar(
+        "<|tool_call_begin|>functions.",
+        "<|tool_call_end|>",
+        separator="",
+        section_open="<|tool_calls_section_begin|>",
+        section_close="<|tool_calls_section_end|>",
+        name_in_json=False,
+        name_close=":0<|tool_call_argument_begin|>",
+    ),
     ignore=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
 )
 LFM2 = ToolFormat(  # LFM2 / LFM2.5: a Python list of calls
@@ -139,6 +171,7 @@ MISTRAL_V11 = ToolFormat(  # Mistral Small 3.2, Devstral: [TOOL_CALLS]NAME[ARGS]
         _CALL,
         close_pattern=r"(?=\[TOOL_CALLS\])",
     ),
+    grammar=CallGrammar("[TOOL_CALLS]", separator="", name_in_json=False, name_close="[ARGS]"),
     mistral_ids=True,
     closed=False,
 )
@@ -152,6 +185,7 @@ MISTRAL_V3 = ToolFormat(  # Mistral Nemo: [TOOL_CALLS][{"name": ..., "arguments"
         _EACH,
         transform_each=True,
     ),
+    grammar=CallGrammar("", separator=", ", section_open="[TOOL_CALLS][", section_close="]"),
     mistral_ids=True,
     closed=False,
 )
@@ -159,9 +193,8 @@ LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "pa
     "llama3-json",
     markers=("<|python_tag|>", "{"),
     spec=None,
+    grammar=CallGrammar("", separator=None, arguments_key="parameters"),  # one call: the reply
     arguments_key="parameters",
-    call_open="",
-    separator="",  # one call: the reply is that object
 )
 
 
@@ -189,7 +222,9 @@ def detect(tokenizer) -> ToolFormat | None:
         return GLM
     if "<tool_call>" in template and "<function=" in template:
         return QWEN_XML
-    if "<tool_call>" in template:
+    if "<tool_calls>" in template:
+        return APRIEL
+    if "<tool_call>" in template and "<invoke" not in template:  # MiniMax's XML is not JSON
         return HERMES
     if "[TOOL_CALLS]" in template:
         return MISTRAL_V11 if "[ARGS]" in template else MISTRAL_V3

@@ -12,6 +12,7 @@ sees only the generated tokens).
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import numpy as np
@@ -23,7 +24,11 @@ from .formats import ToolFormat
 # Compact JSON with the spaces json.dumps and Jinja's tojson write: no free
 # whitespace, which a random or weak model can repeat until max_tokens, and
 # the text a template renders when the call is sent back.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_STYLE = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GrammarError(ValueError):
@@ -65,38 +70,74 @@ class Grammars:
                 )
             return self._ll
 
-    def tool_calls(self, fmt: ToolFormat, tools: list[dict], parallel: bool = True) -> str:
-        """A grammar for replies that are one or more calls, in ``fmt``'s
-        markup, of one of ``tools`` with arguments its parameters allow."""
-        if fmt.call_open is None:
+    def tool_calls(
+        self,
+        fmt: ToolFormat,
+        tools: list[dict],
+        parallel: bool = True,
+        or_json: dict | None = None,
+    ) -> str:
+        """A grammar for replies that are one or more calls (one unless
+        ``parallel``), in ``fmt``'s markup, of one of ``tools`` with arguments
+        its parameters allow; or, given ``or_json`` (a schema), that JSON
+        instead (``tool_choice: "auto"`` beside a ``response_format``)."""
+        g = fmt.grammar
+        if g is None:
             raise GrammarError(
                 "tool_choice",
                 f"this model's tool-call format ({fmt.name}) cannot be constrained; "
                 "use tool_choice 'auto'",
             )
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool["function"]["name"]},
-                    fmt.arguments_key: tool["function"].get("parameters") or {"type": "object"},
-                },
-                "required": ["name", fmt.arguments_key],
-                "additionalProperties": False,
-            }
-            for tool in tools
-        ]
-        schema = {"anyOf": calls, "x-guidance": _JSON_STYLE}
-        one = " ".join(
-            p for p in (self._literal(fmt.call_open), "call", self._literal(fmt.call_close)) if p
-        )
-        more = f" ({self._literal(fmt.separator)} {one})*" if parallel and fmt.separator else ""
-        return f"start: {one}{more}\ncall: %json {json.dumps(schema)}\n"
+        rules = []
+        if g.name_in_json:
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool["function"]["name"]},
+                        g.arguments_key: _parameters(tool),
+                    },
+                    "required": ["name", g.arguments_key],
+                    "additionalProperties": False,
+                }
+                for tool in tools
+            ]
+            rules.append(
+                f"call_json: %json {json.dumps({'anyOf': calls, 'x-guidance': _JSON_STYLE})}"
+            )
+            call = self._seq(g.call_open, "call_json", g.call_close)
+        else:
+            alternatives = []
+            for i, tool in enumerate(tools):
+                schema = {**_parameters(tool), "x-guidance": _JSON_STYLE}
+                rules.append(f"arguments_{i}: %json {json.dumps(schema)}")
+                name = tool["function"]["name"]
+                alternatives.append(
+                    self._seq(
+                        g.call_open + name + g.name_close,
+                        f"arguments_{i}",
+                        g.call_close,
+                    )
+                )
+            call = " | ".join(f"({a})" for a in alternatives)
+        rules.append(f"call: {call}")
+        calls = "call"
+        if parallel and g.separator is not None:
+            calls = f"call ({self._seq(g.separator, 'call')})*"
+        section = self._seq(g.section_open, calls, g.section_close)
+        if or_json is not None:
+            rules.append(f"value: %json {json.dumps({**or_json, 'x-guidance': _JSON_STYLE})}")
+            return "start: (" + section + ") | value\n" + "\n".join(rules) + "\n"
+        return f"start: {section}\n" + "\n".join(rules) + "\n"
 
     def json_schema(self, schema: dict) -> str:
         schema = dict(schema)
         schema.setdefault("x-guidance", _JSON_STYLE)
         return f"start: value\nvalue: %json {json.dumps(schema)}\n"
+
+    def _seq(self, before: str, rule: str, after: str = "") -> str:
+        """Lark for ``before`` ``rule`` ``after``, the texts as literals."""
+        return " ".join(p for p in (self._literal(before), rule, self._literal(after)) if p)
 
     def processor(self, grammar: str, param: str) -> GrammarProcessor:
         """A fresh processor for one turn; GrammarError for a grammar llguidance refuses."""
@@ -107,14 +148,28 @@ class Grammars:
         return GrammarProcessor(matcher, self._vocab_size)
 
     def _literal(self, text: str) -> str:
-        """``text`` in Lark: a special token by id (its text is no bytes a
-        model writes), anything else as a string."""
+        """``text`` in Lark: special tokens by id (their text is no bytes a
+        model writes), the rest as strings."""
         if not text:
             return ""
-        tokenizer = self._tokenizer
-        if text in set(getattr(tokenizer, "all_special_tokens", ())):
-            return f"<[{tokenizer.convert_tokens_to_ids(text)}]>"
-        return json.dumps(text)
+        specials = sorted(set(getattr(self._tokenizer, "all_special_tokens", ())), key=len)
+        specials = [s for s in reversed(specials) if s and s in text]  # longest first
+        if not specials:
+            return json.dumps(text)
+        pattern = "(" + "|".join(re.escape(s) for s in specials) + ")"
+        parts = []
+        for piece in re.split(pattern, text):
+            if piece in specials:
+                parts.append(f"<[{self._tokenizer.convert_tokens_to_ids(piece)}]>")
+            elif piece:
+                parts.append(json.dumps(piece))
+        return " ".join(parts)
+
+
+def _parameters(tool: dict) -> dict:
+    """A tool's arguments schema (an object with anything, when it gives none)."""
+    parameters = tool["function"].get("parameters")
+    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
 
 
 class GrammarProcessor(LogitsProcessor):

@@ -51,6 +51,9 @@ class ToolCallParser:
     def __init__(self, fmt: ToolFormat, tools: list[dict] | None = None):
         self._format = fmt
         self._tools = tools
+        self._names = None  # the tools' names, when given
+        if tools:
+            self._names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
         self._pending = ""  # text not yet given out: a marker's start, or the section
         self._section: ResponseParser | None = None
         self._failed = False  # the section did not parse: everything is content
@@ -169,8 +172,12 @@ class ToolCallParser:
         text = self._section_text.strip()
         text = text.removeprefix("<|python_tag|>").strip()
         value = json.loads(text)
+        # A JSON answer is not a call: a call names one of the tools and has arguments.
+        keys = {self._format.arguments_key, "arguments"}
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise ValueError("not a call object")
+        if not keys & set(value) or (self._names is not None and value["name"] not in self._names):
+            raise ValueError(f"not a call of one of the tools: {value['name']!r}")
         arguments = value.get(self._format.arguments_key, value.get("arguments", {}))
         return [{"function": {"name": value["name"], "arguments": arguments}}]
 
@@ -179,10 +186,13 @@ class ToolCallParser:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(f"a tool call without a name: {value!r}")
         arguments = function.get("arguments", function.get(self._format.arguments_key, {}))
+        # Arguments are a JSON object (a string holding one), and strict JSON:
+        # NaN and Infinity, which Python's json reads, are not JSON.
         if isinstance(arguments, str):
-            json.loads(arguments)  # a string must itself be JSON
-        else:
-            arguments = json.dumps(arguments, ensure_ascii=False)
+            arguments = json.loads(arguments, parse_constant=_not_json)
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool-call arguments must be an object, got {arguments!r}")
+        arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         return ToolCall(self._format.new_id(), function["name"].strip(), arguments)
 
     def _content(self, text: str) -> list:
@@ -196,7 +206,11 @@ class ToolCallParser:
         logger.debug("kvchat: tool-call markup did not parse (%s); kept as text", error)
         self._failed = True
         self._held = []
-        text, self._pending, self._section_text = self._section_text + self._pending, "", ""
+        text, self._pending, self._section_text = (
+            self._section_text + self._pending,
+            "",
+            "",
+        )
         return self._content(text)
 
 
@@ -209,3 +223,7 @@ def _joined(items: list) -> list:
         else:
             out.append(item)
     return out
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")

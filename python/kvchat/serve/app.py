@@ -350,13 +350,13 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     async def create_response(request: Request):
         ns = caller(request)
         req = responses.parse_request(await read_json(request))
-        previous = None
+        previous, key = None, None
         if req.previous_response_id is not None:
             record = await run_in_threadpool(
                 stored, ns, req.previous_response_id, "previous_response_id"
             )
-            previous = record["conversation"]
-        chat = req.chat(req.conversation(previous))
+            previous, key = record["conversation"], record.get("session_key")
+        chat = req.chat(req.conversation(previous), key)
         check_model(chat.model)
         turn = await turns.begin(ns, chat, chat.session_key)
         headers = turns.session_header(turn)
@@ -388,7 +388,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
             if req.instructions is not None:
                 conversation = conversation[1:]  # instructions do not carry over
             try:
-                response_store.put(ns, rid, body, conversation)
+                response_store.put(ns, rid, body, conversation, turn.chat.session_key)
             except StoreUnavailable as error:
                 logger.warning("kvchat serve: response %s not stored: %s", rid, error)
         return body

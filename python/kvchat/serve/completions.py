@@ -1,8 +1,10 @@
 """``POST /v1/completions``: a text prompt continued as it is, with no chat
 template. It runs as a chat request whose prompt is the text, so it gets the
-same checks (sampling, ``stop``, ``max_tokens``) and errors; the turn runs on
-a session of its own (``prompt_cache_key`` or ``user`` to name one), which the
-core starts from the longest prefix any session holds."""
+same checks (sampling, ``stop``, ``max_tokens``) and errors. Its turn runs on
+the session ``prompt_cache_key`` or ``user`` names (never one that holds a
+chat), else on the session whose prompt and completion the prompt continues,
+else on a new one. Prefixes are not shared between text sessions: the core
+shares at message boundaries, and a text has none."""
 
 from __future__ import annotations
 
@@ -55,9 +57,14 @@ def parse_request(body) -> protocol.ChatRequest:
             param="prompt",
             code="missing_required_parameter" if "prompt" not in body else "invalid_value",
         )
+    try:
+        protocol.check_json(prompt, "prompt")  # a lone surrogate, say
+    except ValueError as error:
+        raise APIError(400, str(error), param="prompt", code="invalid_value") from None
     fields = {k: v for k, v in body.items() if k not in (*_REFUSED, "prompt")}
     chat = protocol.parse_chat_request({**fields, "messages": [{"role": "user", "content": "-"}]})
     chat.messages, chat.prompt = [], prompt
+    chat.extra["session_field"] = "prompt_cache_key" if body.get("prompt_cache_key") else "user"
     return chat
 
 

@@ -16,6 +16,8 @@ from .errors import APIError
 # Below this, a temperature is greedy (as vLLM does): dividing logits by it
 # would overflow to inf and sample from NaN.
 GREEDY_TEMPERATURE = 1e-5
+# A tool's name, as OpenAI allows it (and dots, which some templates write).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # What a session key may be: it is returned as the X-Session-ID header, so
 # printable ASCII with no space at either end (an HTTP header value).
 _HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
@@ -188,6 +190,7 @@ def parse_chat_request(body) -> ChatRequest:
                     f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
                     f"'description': str, 'parameters': object}}}}, got {reprlib.repr(tool)}",
                 )
+            check_tool(function, f"tools[{i}]", tool.get("type", "function"))
         try:
             check_json(tools, "tools")
         except ValueError as error:
@@ -249,6 +252,13 @@ def parse_chat_request(body) -> ChatRequest:
         kwargs["repetition_penalty"] = penalty
     min_tokens = _integer(body, "min_tokens", 0)
     if min_tokens:
+        if tool_choice == "required" or json_schema is not None:
+            # The grammar may allow only the end of the reply, which min_tokens forbids.
+            raise _bad(
+                "min_tokens",
+                "min_tokens cannot be combined with tool_choice "
+                "'required', a named function or a JSON response_format",
+            )
         kwargs["min_new_tokens"] = min_tokens
 
     key = session_key(body, "prompt_cache_key") or session_key(body, "user")
@@ -269,6 +279,42 @@ def parse_chat_request(body) -> ChatRequest:
         parallel_tool_calls=parallel,
         json_schema=json_schema,
     )
+
+
+def check_tool(function: dict, where: str, kind="function") -> None:
+    """A function tool kvchat can call and constrain: OpenAI's name rule, and
+    parameters that are a JSON schema of an object (arguments are an object)."""
+    if kind != "function":
+        raise _bad(f"{where}.type", f"kvchat serve runs function tools only, got {kind!r}")
+    name = function.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise _bad(
+            f"{where}.name",
+            f"a tool's name must be 1 to 64 letters, digits, '_', '-' or '.', got "
+            f"{reprlib.repr(name)}",
+        )
+    parameters = function.get("parameters")
+    if parameters is not None and not _object_schema(parameters):
+        raise _bad(
+            f"{where}.parameters",
+            "a tool's parameters must be a JSON schema of an object, got "
+            f"{reprlib.repr(parameters)}",
+        )
+
+
+# What a schema with no "type" may hold and still describe only objects.
+_OBJECT_KEYWORDS = {
+    "properties", "required", "additionalProperties", "description", "title", "$defs",
+    "definitions", "$schema", "$id", "patternProperties", "minProperties", "maxProperties",
+}  # fmt: skip
+
+
+def _object_schema(schema) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if "type" in schema:
+        return schema["type"] == "object"
+    return set(schema) <= _OBJECT_KEYWORDS
 
 
 def _tool_choice(value, tools: list | None) -> tuple[str, str | None]:

@@ -18,8 +18,8 @@ class Reply:
     next ``Content`` and ``ToolCall`` items (an empty list while text is held
     back), then ``DONE``."""
 
-    def __init__(self, stream, first, chat, max_tokens, session, ns, auto, fmt):
-        self.stream, self.chat, self.session, self.ns, self.auto = stream, chat, session, ns, auto
+    def __init__(self, stream, first, chat, max_tokens, session, ns, fmt):
+        self.stream, self.chat, self.session, self.ns = stream, chat, session, ns
         self.max_tokens = max_tokens
         self._first = first
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
@@ -68,6 +68,13 @@ class Reply:
             items = [Content(text)] if text else []
         else:
             items = self._parser.feed(text) + (self._parser.finish() if final else [])
+        if not self.chat.parallel_tool_calls:  # one call at most: the first
+            kept: list = []
+            for item in items:
+                first = not self.calls and not any(isinstance(k, ToolCall) for k in kept)
+                if first or not isinstance(item, ToolCall):
+                    kept.append(item)
+            items = kept
         for item in items:
             if isinstance(item, ToolCall):
                 self.calls.append(item)

@@ -25,8 +25,12 @@ class ResponseStore:
         self._lock = threading.Lock()
         self._local: OrderedDict[str, tuple[float | None, bytes]] = OrderedDict()
 
-    def put(self, ns: str, rid: str, response: dict, conversation: list[dict]) -> None:
-        data = json.dumps({"response": response, "conversation": conversation}).encode()
+    def put(
+        self, ns: str, rid: str, response: dict, conversation: list[dict], session_key=None
+    ) -> None:
+        """``session_key``: the prompt_cache_key or user the turn ran under, if any."""
+        record = {"response": response, "conversation": conversation, "session_key": session_key}
+        data = json.dumps(record).encode()
         if self._redis is not None:
             self._call(
                 "store of a response",
@@ -44,7 +48,8 @@ class ResponseStore:
                 self._local.popitem(last=False)
 
     def get(self, ns: str, rid: str) -> dict | None:
-        """{"response", "conversation"}, or None for an id this key never stored."""
+        """{"response", "conversation", "session_key"}, or None for an id this key
+        never stored."""
         if self._redis is not None:
             data = self._call("read of a response", self._redis.conn.client.get, self._key(ns, rid))
         else:

@@ -83,9 +83,14 @@ class ResponsesRequest:
         )
         return [*system, *(previous or []), *self.input_messages]
 
-    def chat(self, messages: list[dict]) -> protocol.ChatRequest:
+    def chat(self, messages: list[dict], session_key: str | None = None) -> protocol.ChatRequest:
+        """The chat request; ``session_key``: the previous response's, which the
+        turn continues unless this request names its own."""
+        fields = dict(self.chat_fields)
+        if session_key is not None and "prompt_cache_key" not in fields and "user" not in fields:
+            fields["prompt_cache_key"] = session_key
         try:
-            return protocol.parse_chat_request({**self.chat_fields, "messages": messages})
+            return protocol.parse_chat_request({**fields, "messages": messages})
         except APIError as error:
             error.param = _PARAMS.get(error.param, error.param)
             raise
@@ -132,9 +137,17 @@ def parse_request(body) -> ResponsesRequest:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    _check_metadata(body.get("metadata"))
+    include = body.get("include")
+    if include is not None and not (
+        isinstance(include, list) and all(isinstance(i, str) for i in include)
+    ):
+        raise _bad("include", "include must be a list of strings")
+    if body.get("reasoning") is not None and not isinstance(body["reasoning"], dict):
+        raise _bad("reasoning", "reasoning must be an object")
     text = body.get("text")
     if text is not None:
-        if not isinstance(text, dict):
+        if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
             raise _bad("text", "text must be an object, such as {'format': {'type': 'text'}}")
         if text.get("format") is not None:
             chat["response_format"] = _format(text["format"])
@@ -149,6 +162,21 @@ def parse_request(body) -> ResponsesRequest:
     )
 
 
+def _check_metadata(metadata) -> None:
+    """OpenAI's limits: 16 pairs, keys of 64 characters, string values of 512."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > 16:
+        raise _bad("metadata", "metadata must be an object of at most 16 pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise _bad(
+                "metadata",
+                "metadata keys are at most 64 characters and values strings of at most 512, "
+                f"got {reprlib.repr(key)}: {reprlib.repr(value)}",
+            )
+
+
 def _tools(tools) -> list[dict]:
     if not isinstance(tools, list):
         raise _bad("tools", "tools must be a list of function tools")
@@ -160,6 +188,7 @@ def _tools(tools) -> list[dict]:
                 f"tools[{i}]",
                 f"kvchat serve runs function tools only, got {reprlib.repr(kind)}",
             )
+        protocol.check_tool(tool, f"tools[{i}]")  # named as sent: {"type", "name", ...}
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": function})
     return out
@@ -167,7 +196,9 @@ def _tools(tools) -> list[dict]:
 
 def _tool_choice(choice):
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise _bad("tool_choice.name", "tool_choice {'type': 'function'} needs the name")
+        return {"type": "function", "function": {"name": choice["name"]}}
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         raise _bad("tool_choice", "tool_choice allowed_tools is not supported")
     return choice  # "auto", "none", "required", or what the chat checks refuse
@@ -203,7 +234,7 @@ def input_messages(value) -> list[dict]:
         elif kind == "function_call":
             call = _strings(item, ("call_id", "name", "arguments"), i)
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or "tool_call_id" in last:
+            if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
             last.setdefault("tool_calls", []).append(

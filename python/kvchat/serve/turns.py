@@ -68,7 +68,7 @@ class TurnRunner:
             if not isinstance(error, asyncio.CancelledError):
                 await released  # before the error reaches the client, who may retry at once
             raise
-        return Reply(stream, first, chat, max_tokens, session, ns, explicit is None, fmt)
+        return Reply(stream, first, chat, max_tokens, session, ns, fmt)
 
     def session_header(self, turn: Reply) -> dict:
         return {"X-Session-ID": self.router.external(turn.ns, turn.session) or turn.session}
@@ -120,9 +120,14 @@ class TurnRunner:
                 tools = [t for t in chat.tools if chat.tool_name in (None, t["function"]["name"])]
                 grammar = self.grammars.tool_calls(fmt, tools, chat.parallel_tool_calls)
                 return self.grammars.processor(grammar, "tool_choice")
-            return self.grammars.processor(
-                self.grammars.json_schema(chat.json_schema), "response_format"
-            )
+            if fmt is not None and fmt.grammar is not None:
+                # Tools offered (auto) beside a JSON response_format: a call or the JSON.
+                grammar = self.grammars.tool_calls(
+                    fmt, chat.tools, chat.parallel_tool_calls, or_json=chat.json_schema
+                )
+                return self.grammars.processor(grammar, "response_format")
+            grammar = self.grammars.json_schema(chat.json_schema)
+            return self.grammars.processor(grammar, "response_format")
         except GrammarError as error:
             raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
@@ -142,6 +147,8 @@ class TurnRunner:
             if chat.seed is not None:
                 torch.manual_seed(chat.seed)
             if chat.prompt is not None:  # a text completion: the prompt as it is
+                if session in self.manager.sessions() and self.manager.messages(session):
+                    raise _ChatSession(session)
                 ids = self.manager.tokenizer(chat.prompt, return_tensors="pt")["input_ids"]
                 stream = self.manager.stream_generate(
                     ids, session, max_new_tokens=max_tokens, **kwargs
@@ -162,6 +169,14 @@ class TurnRunner:
 
         try:
             return await run_in_threadpool(begin)
+        except _ChatSession:
+            raise APIError(
+                400,
+                "this session holds a chat; a text completion needs a session of its own "
+                "(another prompt_cache_key or user)",
+                param=chat.extra.get("session_field", "prompt_cache_key"),
+                code="invalid_value",
+            ) from None
         except ContextLengthError as error:
             param = "prompt" if chat.prompt is not None else "messages"
             raise APIError(400, str(error), param=param, code="context_length_exceeded") from None
@@ -218,6 +233,10 @@ class TurnRunner:
         if not turn.finished.locked():
             turn.stream.cancel()
             threading.Thread(target=self.finish, args=(turn,), daemon=True).start()
+
+
+class _ChatSession(Exception):
+    """A text completion asked for a session that holds a chat."""
 
 
 def _vocab_size(model) -> int:
