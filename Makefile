@@ -130,6 +130,8 @@ bench-serve: build
 	@# What settling between turns costs the other conversations' turns on a busy server.
 	$(PY) benchmarks/serve.py --model smollm2-135m --turns 10 --concurrency 4 \
 		--servers kvchat kvchat-no-settle --think 3
+	@# An agent through the Responses API: previous_response_id against whole replays.
+	$(PY) benchmarks/serve_agents.py --model smollm2-135m --turns 10
 
 # Client-side time to the first streamed piece against the server's prefill time.
 bench-first-piece: build

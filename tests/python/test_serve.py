@@ -474,6 +474,7 @@ SERVE_ERROR_CASES = {
             ),
             (dict(tools=[_tool()], parallel_tool_calls="yes"), "parallel_tool_calls"),
             (dict(tools=[_tool()], tool_choice="required", min_tokens=3), "min_tokens"),
+            (dict(tools=[_tool()], tool_choice="sometimes"), "tool_choice"),
         ]
     ],
     "a body over `--max-body-bytes`": [
@@ -658,7 +659,7 @@ def test_every_readme_bad_request_row_is_covered():
             "test_serve_responses.py::test_bad_responses_requests_get_openai_errors_and_touch_nothing"
         ),
         "a tool kvchat cannot call": (
-            "test_serve_agents.py::test_bad_tool_choice_and_response_format_touch_no_session"
+            "test_serve_agents.py::test_bad_tools_are_refused_through_the_sdk_and_touch_no_session"
         ),
         "`/v1/completions`:": (
             "test_serve_completions.py::test_bad_completions_get_openai_errors_and_touch_nothing"

@@ -251,6 +251,22 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         expiry.forget(internal)
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
+    def streamed(turn: Reply, body, headers: dict) -> TurnStream:
+        """A streamed reply; however it ends, its turn is finished."""
+        return TurnStream(
+            body,
+            on_end=lambda: turns.abandon(turn),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    async def collected(turn: Reply) -> list:
+        """The whole reply's items, once its turn is finished."""
+        try:
+            return await run_in_threadpool(turn.collect_items)
+        finally:
+            await run_in_threadpool(turns.finish, turn)
+
     def check_model(model: str) -> None:
         if model != config.model_name:
             raise APIError(
@@ -280,16 +296,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         headers = turns.session_header(turn)
         cid = protocol.completion_id()
         if chat.stream:
-            return TurnStream(
-                stream_body(turn, cid),
-                on_end=lambda: turns.abandon(turn),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        try:
-            await run_in_threadpool(turn.collect)
-        finally:
-            await run_in_threadpool(turns.finish, turn)
+            return streamed(turn, stream_body(turn, cid), headers)
+        await collected(turn)
         reason = turn.finish_reason(turns.stop_ids)
         body = protocol.completion(cid, chat.model, turn.message(), reason, turn.report)
         return JSONResponse(body, headers=headers)
@@ -303,16 +311,8 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         headers = turns.session_header(turn)
         cid = completions.completion_id()
         if chat.stream:
-            return TurnStream(
-                completion_chunks(turn, cid),
-                on_end=lambda: turns.abandon(turn),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        try:
-            await run_in_threadpool(turn.collect)
-        finally:
-            await run_in_threadpool(turns.finish, turn)
+            return streamed(turn, completion_chunks(turn, cid), headers)
+        await collected(turn)
         reason = turn.finish_reason(turns.stop_ids)
         return JSONResponse(
             completions.body(cid, chat.model, turn.text, reason, turn.report), headers=headers
@@ -362,17 +362,9 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         headers = turns.session_header(turn)
         rid, created = responses.new_id("resp"), responses.now()
         if req.stream:
-            return TurnStream(
-                response_events(turn, req, rid, created, ns),
-                on_end=lambda: turns.abandon(turn),
-                media_type="text/event-stream",
-                headers=headers,
-            )
+            return streamed(turn, response_events(turn, req, rid, created, ns), headers)
         output = responses.Output()
-        try:
-            await run_in_threadpool(lambda: output.feed(turn.collect_items()))
-        finally:
-            await run_in_threadpool(turns.finish, turn)
+        output.feed(await collected(turn))
         output.close(bool(turn.calls))
         body = await run_in_threadpool(keep_response, turn, req, rid, created, ns, output)
         return JSONResponse(body, headers=headers)

@@ -47,9 +47,6 @@ class Reply:
             return self._end(text)
         return self._read(text, final=False)
 
-    def collect(self) -> None:
-        self.collect_items()
-
     def collect_items(self) -> list:
         """Every item up to the reply's end."""
         out = []
