@@ -313,6 +313,7 @@ def test_without_a_key_a_conversation_continues_its_own_session(llama_server, to
 def test_api_keys_namespace_sessions(llama_server):
     client_a, client_b = _client(llama_server, KEY_A), _client(llama_server, KEY_B)
     _ask(client_a, [user_message(0)], "mine", stream=False)
+    llama_server.settled()  # the session's own settle may still grow its cache
     before = llama_server.session("mine", KEY_A)
     assert "mine" in [s["id"] for s in llama_server.get("/v1/sessions", KEY_A).json()["data"]]
     assert "mine" not in [s["id"] for s in llama_server.get("/v1/sessions", KEY_B).json()["data"]]

@@ -190,11 +190,12 @@ def parse_chat_request(body) -> ChatRequest:
                     f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
                     f"'description': str, 'parameters': object}}}}, got {reprlib.repr(tool)}",
                 )
-            check_tool(function, f"tools[{i}]", tool.get("type", "function"))
         try:
-            check_json(tools, "tools")
+            check_json(tools, "tools")  # first: nesting and text that is no Unicode
         except ValueError as error:
             raise _bad("tools", str(error)) from None
+        for i, tool in enumerate(tools):
+            check_tool(tool["function"], f"tools[{i}]", tool.get("type", "function"))
     tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
