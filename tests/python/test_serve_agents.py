@@ -362,6 +362,7 @@ def test_bad_tools_are_refused_through_the_sdk_and_touch_no_session(server):
         (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
         (dict(tools=TOOLS, tool_choice="required", extra_body={"min_tokens": 5}), "min_tokens"),
     ]
+    server.settled()  # an earlier test's settle could still change its session
     before = server.get("/v1/sessions").json()["data"]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as error:

@@ -134,6 +134,7 @@ def test_a_stop_string_cuts_the_completion_and_one_that_never_occurs_does_not(se
     ],
 )
 def test_bad_completions_get_openai_errors_and_touch_nothing(server, extra, param):
+    server.settled()  # an earlier test's settle could still change its session
     before = server.get("/v1/sessions").json()["data"]
     body = {"model": server.model, "prompt": "hello", "max_tokens": 4, **extra}
     # Encoded here: httpx would refuse a lone surrogate, which JSON escapes.

@@ -326,6 +326,7 @@ BAD = [
 
 @pytest.mark.parametrize(("extra", "status", "param"), BAD, ids=[b[2] for b in BAD])
 def test_bad_responses_requests_get_openai_errors_and_touch_nothing(server, extra, status, param):
+    server.settled()  # an earlier test's settle could still change its session
     before = server.get("/v1/sessions").json()["data"]
     response = server.post("/v1/responses", json={"model": server.model, **extra})
     assert response.status_code == status, response.text
