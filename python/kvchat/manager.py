@@ -295,8 +295,7 @@ class SessionManager:
                 f"the prompt ({ids.numel()} tokens) and max_new_tokens ({max_new}) exceed "
                 f"max_context_length ({self._max_context})"
             )
-        ends = end_ids(self._tokenizer, self._model.generation_config)
-        stream = ReplyStream(self._tokenizer, generate_kwargs, skip_special_tokens, ends)
+        stream = self._reply_stream(generate_kwargs, skip_special_tokens)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
         request = TurnRequest(session_id, args, ids)
 
@@ -305,6 +304,12 @@ class SessionManager:
             return TurnReport.from_core(record, self._tier.reload_reason)
 
         return stream.start(run, name=f"kvchat-stream-{session_id}")
+
+    def _reply_stream(self, kwargs: dict, skip_special_tokens: bool) -> ReplyStream:
+        """The stream a turn's generate kwargs feed; the ids that end the reply
+        (this call's eos_token_id, else the model's) are never text."""
+        ends = end_ids(self._tokenizer, self._model.generation_config, kwargs.get("eos_token_id"))
+        return ReplyStream(self._tokenizer, kwargs, skip_special_tokens, ends)
 
     @staticmethod
     def _check_ids(input_ids, session_id: str, generate_kwargs: dict, method: str) -> None:
@@ -581,12 +586,7 @@ class SessionManager:
             session_id, messages, kwargs["max_new_tokens"], tools, template_kwargs
         )
         check_bool(settle, "settle")
-        stream = None
-        if streaming:
-            ends = end_ids(
-                self._tokenizer, self._model.generation_config, kwargs.get("eos_token_id")
-            )
-            stream = ReplyStream(self._tokenizer, kwargs, skip_special_tokens, ends)
+        stream = self._reply_stream(kwargs, skip_special_tokens) if streaming else None
         args = resolve_generate_args(self._model, stream.kwargs if stream else kwargs, ids.numel())
         tail = self._rewritten_tail(tools, template_kwargs)
         sendback = SendBack(messages, tools, template_kwargs, settle)

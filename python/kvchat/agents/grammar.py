@@ -145,7 +145,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(param, f"{param}: {matcher.get_error()}")
-        return GrammarProcessor(matcher, self._vocab_size)
+        return GrammarProcessor(matcher)
 
     def _literal(self, text: str) -> str:
         """``text`` in Lark: special tokens by id (their text is no bytes a
@@ -176,9 +176,8 @@ class GrammarProcessor(LogitsProcessor):
     """Masks the tokens the grammar does not allow next. One sequence, one
     turn: the first call's length is the prompt, later tokens are the reply."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher):
         self._matcher = matcher
-        self._vocab_size = vocab_size
         self._seen: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):

@@ -73,14 +73,7 @@ def completion_id() -> str:
 
 
 def body(cid: str, model: str, text: str, finish_reason: str, report) -> dict:
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": protocol.usage(report),
-    }
+    return {**chunk(cid, model, text, finish_reason), "usage": protocol.usage(report)}
 
 
 def chunk(cid: str, model: str, text: str, finish_reason: str | None = None) -> dict:

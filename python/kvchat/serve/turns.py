@@ -147,8 +147,14 @@ class TurnRunner:
             if chat.seed is not None:
                 torch.manual_seed(chat.seed)
             if chat.prompt is not None:  # a text completion: the prompt as it is
-                if session in self.manager.sessions() and self.manager.messages(session):
-                    raise _ChatSession(session)
+                if self._holds_chat(session):
+                    raise APIError(
+                        400,
+                        "this session holds a chat; a text completion needs a session of "
+                        "its own (another prompt_cache_key or user)",
+                        param=chat.extra.get("session_field", "prompt_cache_key"),
+                        code="invalid_value",
+                    )
                 ids = self.manager.tokenizer(chat.prompt, return_tensors="pt")["input_ids"]
                 stream = self.manager.stream_generate(
                     ids, session, max_new_tokens=max_tokens, **kwargs
@@ -169,14 +175,6 @@ class TurnRunner:
 
         try:
             return await run_in_threadpool(begin)
-        except _ChatSession:
-            raise APIError(
-                400,
-                "this session holds a chat; a text completion needs a session of its own "
-                "(another prompt_cache_key or user)",
-                param=chat.extra.get("session_field", "prompt_cache_key"),
-                code="invalid_value",
-            ) from None
         except ContextLengthError as error:
             param = "prompt" if chat.prompt is not None else "messages"
             raise APIError(400, str(error), param=param, code="context_length_exceeded") from None
@@ -187,6 +185,12 @@ class TurnRunner:
         except TypeError as error:
             message = str(error)
             raise APIError(400, message, param=_argument(message), code="invalid_value") from None
+
+    def _holds_chat(self, session: str) -> bool:
+        try:
+            return bool(self.manager.messages(session))
+        except KeyError:  # no such session (yet, or removed meanwhile)
+            return False
 
     def finish(self, turn: Reply) -> None:
         """Waits for the turn to be committed, then counts it and frees its slot."""
@@ -233,10 +237,6 @@ class TurnRunner:
         if not turn.finished.locked():
             turn.stream.cancel()
             threading.Thread(target=self.finish, args=(turn,), daemon=True).start()
-
-
-class _ChatSession(Exception):
-    """A text completion asked for a session that holds a chat."""
 
 
 def _vocab_size(model) -> int:
