@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from kvchat.cache_bridge import CacheBridge
+from kvchat.bridge import CacheBridge
 from kvchat.timing import FirstTokenTimer
 from transformers import DynamicCache, StaticCache
 from workload import PRESETS, TINY, load_model

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from kvchat import SessionManager
-from kvchat.cache_bridge import ForwardArguments
+from kvchat.bridge import ForwardArguments
 from kvchat.timing import FirstTokenTimer
 from memory import PeakMemory, tensor_bytes
 from transformers import DynamicCache, NoRepeatNGramLogitsProcessor

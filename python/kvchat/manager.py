@@ -3,55 +3,29 @@ conversation's KV cache between turns and prefills only what is new."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import replace
 
 import torch
 
 from . import _C
-from .arguments import (
-    ContextLengthError,
-    ManagerOptions,
-    check_bool,
-    check_path,
-    check_session_id,
-    choose_tier,
-    positive_int,
-)
-from .cache_bridge import CacheBridge
-from .conversation import SendBack, as_dicts, core_messages, drop_oldest_turn
+from .arguments import ManagerOptions, check_session_id, choose_tier
+from .bridge import CacheBridge
 from .fingerprint import model_fingerprint
-from .generate_args import resolve_generate_args
 from .prefill import ChunkedPrefill
-from .prompting import (
-    check_template_kwargs,
-    check_tools,
-    end_ids,
-    max_prompt_chars,
-    render_text,
-    require_chat_template,
-    rewritten_tail,
-    tokenize_text,
-    turn_markers,
-    validate_messages,
-)
-from .report import ManagerStats, SessionInfo, TurnReport
-from .settling import Settler, predicted_prefix
+from .prompting import turn_markers
+from .report import TurnReport
+from .session_admin import SessionAdmin
+from .settling import Settler
 from .streaming import ReplyStream
-from .tiers.base import StoreUnavailable, Tier
-from .tiers.session_file import SessionFileError, read_session, write_session
+from .tiers.base import Tier
 from .turn import TurnRequest, Turns
+from .turn_requests import RequestBuilder
 
 logger = logging.getLogger("kvchat")
 
 
-# Template arguments (tools, chat_template_kwargs) whose rewritten tail is remembered.
-_MAX_PROBED_TEMPLATES = 256
-
-
-class SessionManager:
+class SessionManager(SessionAdmin):
     """Keeps one KV cache per conversation for a transformers causal LM.
 
     Every call is correct whatever the cache holds: a stale, edited or evicted
@@ -162,7 +136,6 @@ class SessionManager:
         self._max_context = options.max_context_length or getattr(
             text_config, "max_position_embeddings", None
         )
-        self._rewrites: dict[str, int] = {}  # template arguments -> rewritten_tail
         # Removed here, but the shared store could not be told: a retry must
         # still delete it everywhere, though nothing of it is left here.
         self._owed_deletes: set[str] = set()
@@ -186,7 +159,10 @@ class SessionManager:
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted
         )
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
-        self._tier.bind(self._fingerprint, self._bridge, model.device)
+        self._tier.bind(self._fingerprint, self._bridge.layout, model.device)
+        self._requests = RequestBuilder(
+            model, tokenizer, self._max_context, self._truncate, self._bridge.needs_checkpoints
+        )
         self._turns = Turns(self)  # the turn's path: turn.py
 
     # ------------------------------------------------------------------ turns
@@ -209,7 +185,7 @@ class SessionManager:
         the reply back as returned, because the caller sends something else
         back (tool calls parsed from it, say) and calls ``settle()`` with that."""
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        request, _ = self._chat_request(
+        request, _ = self._requests.chat(
             session_id, messages, tools, chat_template_kwargs, settle, kwargs, streaming=False
         )
         return self._turns.run(request)[1]
@@ -235,9 +211,8 @@ class SessionManager:
         chat(). ``skip_special_tokens=False``: pieces keep special tokens (the
         markers of a tool call may be special), except those that end the reply."""
         # Validate now, so bad input raises here rather than at the first next().
-        check_bool(skip_special_tokens, "skip_special_tokens")
         kwargs = dict(generate_kwargs, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        request, stream = self._chat_request(
+        request, stream = self._requests.chat(
             session_id,
             messages,
             tools,
@@ -247,16 +222,11 @@ class SessionManager:
             streaming=True,
             skip_special_tokens=skip_special_tokens,
         )
-
-        def run() -> TurnReport:
-            record = self._turns.run(request)[2]
-            return TurnReport.from_core(record, self._tier.reload_reason)
-
-        return stream.start(run, name=f"kvchat-stream-{session_id}")
+        return self._stream(request, stream)
 
     def generate(self, input_ids: torch.Tensor, session_id: str = "default", **generate_kwargs):
         """Drop-in for ``model.generate``: same arguments, same return value."""
-        self._check_ids(input_ids, session_id, generate_kwargs, "generate")
+        self._requests.check_ids(input_ids, session_id, generate_kwargs, "generate")
         mask = generate_kwargs.get("attention_mask")
         if input_ids.shape[0] != 1 or (mask is not None and not bool(mask.all())):
             # A session is one unpadded conversation; a batch runs as plain generate.
@@ -266,10 +236,7 @@ class SessionManager:
                 input_ids.shape[0],
             )
             return self._model.generate(input_ids, **generate_kwargs)
-        if input_ids.shape[1] == 0:
-            raise ValueError("input_ids must hold at least one token")
-        args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
-        return self._turns.run(TurnRequest(session_id, args, input_ids[0].long()))[0]
+        return self._turns.run(self._requests.generate(input_ids, session_id, generate_kwargs))[0]
 
     def stream_generate(
         self,
@@ -281,51 +248,19 @@ class SessionManager:
         """generate() for one sequence, streamed as stream_chat() streams: text
         pieces of the continuation, then ``stream.report``. A text completion
         (``kvchat serve``'s ``/v1/completions``) runs here."""
-        self._check_ids(input_ids, session_id, generate_kwargs, "stream_generate")
-        check_bool(skip_special_tokens, "skip_special_tokens")
-        if input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-            shape = tuple(input_ids.shape)
-            raise ValueError(f"input_ids must be one sequence of at least one token, got {shape}")
-        ids = input_ids[0].long()
-        max_new = generate_kwargs.get("max_new_tokens")
-        if max_new is None:
-            max_new = self._model.generation_config.max_new_tokens or 0
-        if self._max_context is not None and ids.numel() + max_new > self._max_context:
-            raise ContextLengthError(
-                f"the prompt ({ids.numel()} tokens) and max_new_tokens ({max_new}) exceed "
-                f"max_context_length ({self._max_context})"
-            )
-        stream = self._reply_stream(generate_kwargs, skip_special_tokens)
-        args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
-        request = TurnRequest(session_id, args, ids)
+        request, stream = self._requests.stream_generate(
+            input_ids, session_id, skip_special_tokens, generate_kwargs
+        )
+        return self._stream(request, stream)
+
+    def _stream(self, request: TurnRequest, stream: ReplyStream) -> ReplyStream:
+        """Starts the turn on the stream's worker; its report once it ends."""
 
         def run() -> TurnReport:
             record = self._turns.run(request)[2]
             return TurnReport.from_core(record, self._tier.reload_reason)
 
-        return stream.start(run, name=f"kvchat-stream-{session_id}")
-
-    def _reply_stream(self, kwargs: dict, skip_special_tokens: bool) -> ReplyStream:
-        """The stream a turn's generate kwargs feed; the ids that end the reply
-        (this call's eos_token_id, else the model's) are never text."""
-        ends = end_ids(self._tokenizer, self._model.generation_config, kwargs.get("eos_token_id"))
-        return ReplyStream(self._tokenizer, kwargs, skip_special_tokens, ends)
-
-    @staticmethod
-    def _check_ids(input_ids, session_id: str, generate_kwargs: dict, method: str) -> None:
-        check_session_id(session_id)
-        for name in ("past_key_values", "cache_params", "cache"):
-            if name in generate_kwargs:
-                raise ValueError(
-                    f"{name} is managed by kvchat; do not pass it to SessionManager.{method}"
-                )
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must be a 2-D tensor [batch, tokens], got "
-                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
-            )
-        if input_ids.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        return stream.start(run, name=f"kvchat-stream-{request.session_id}")
 
     def settle(
         self,
@@ -344,216 +279,19 @@ class SessionManager:
         messages raise here, as in chat() (a history the template refuses, or
         one that leaves no room within ``max_context_length``)."""
         check_session_id(session_id)
-        require_chat_template(self._tokenizer)
-        messages = validate_messages(messages)
-        check_tools(tools)
-        check_template_kwargs(chat_template_kwargs, self._tokenizer)
+        messages = self._requests.check_conversation(messages, tools, chat_template_kwargs)
         session = self._core.find(session_id)  # KeyError for an unknown session
         if not self._settles:
             return
         version = session.version  # read first: a turn meanwhile makes the settle moot
-        limit = None
-        if self._max_context is not None:
-            limit = max_prompt_chars(self._tokenizer, self._max_context)
-        # Rendered here, so a history the template refuses raises here.
-        target = predicted_prefix(self._tokenizer, messages, tools, chat_template_kwargs, limit)
-        if target is None:
-            return
-        if self._max_context is not None and target.numel() >= self._max_context:
-            raise ContextLengthError(
-                f"messages: the history is {target.numel()} tokens, which leaves no room "
-                f"for a next turn within max_context_length={self._max_context}"
-            )
-        if not session.resident:  # evicted since its turn: nothing to settle from
-            return
-        self._settler.schedule(session_id, target, version)
+        target = self._requests.settle_target(messages, tools, chat_template_kwargs)
+        if target is not None and session.resident:  # evicted since its turn: nothing to settle
+            self._settler.schedule(session_id, target, version)
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Waits until no settle is waiting or running (a turn meanwhile pauses
         them). False if ``timeout`` ran out first."""
         return self._settler.wait(timeout)
-
-    # ------------------------------------------------------------ inspection
-    def last_turn(self, session_id: str) -> TurnReport | None:
-        """What the session's last turn reused, prefilled and generated."""
-        record = self._core.find(check_session_id(session_id)).last_turn()
-        return None if record is None else TurnReport.from_core(record, self._tier.reload_reason)
-
-    def stats(self) -> ManagerStats:
-        stats = ManagerStats.from_core(self._core.stats())
-        return replace(stats, **self._tier.counters(), **self._settler.counters())
-
-    def info(self, session_id: str) -> SessionInfo:
-        return SessionInfo.from_core(self._core.find(check_session_id(session_id)))
-
-    def messages(self, session_id: str) -> list[dict[str, str]]:
-        """The session's conversation so far (system prompt first), as chat() takes it."""
-        session = self._core.find(check_session_id(session_id))
-        return as_dicts(session.messages())
-
-    def sessions(self) -> list[str]:
-        """Session ids, least recently used first."""
-        return list(self._core.session_ids())
-
-    def clear(self, session_id: str) -> None:
-        """Drops the session's cache and history; keeps its system prompt. With
-        a shared store, its snapshot there too (``StoreUnavailable`` if the
-        store cannot be reached: cleared here only; call again)."""
-        check_session_id(session_id)
-        if self._tier.shared and not self._tier.available():
-            raise StoreUnavailable(
-                f"session {session_id!r} was not cleared: the shared store is unreachable "
-                f"(its snapshot there would outlive the clear); try again"
-            )
-        with self._settler.hold(session_id):
-            self._core.clear(session_id)
-        self._settler.forget(session_id)
-        self._forget_stored(session_id, "cleared")
-
-    def remove(self, session_id: str, local_only: bool = False) -> None:
-        """Forgets the session entirely: here and, with a shared store, in the
-        store and so on every process that uses it (each drops its copy before
-        its next turn). A session only the shared store holds is removed there
-        (``KeyError`` if neither holds it). ``local_only``: only in this
-        process; a shared store keeps its snapshot for other processes (an idle
-        timeout on one server replica wants this).
-
-        With a shared store that cannot be reached, raises ``StoreUnavailable``
-        rather than report a delete that other processes would not see: before
-        removing anything when the store is known to be down, else after
-        removing the copy here (calling again then deletes it there)."""
-        check_session_id(session_id)
-        everywhere = self._tier.shared and not local_only
-        if everywhere and not self._tier.available():
-            raise StoreUnavailable(
-                f"session {session_id!r} was not removed: the shared store is unreachable "
-                f"(other processes would keep serving it); try again"
-            )
-        try:
-            with self._settler.hold(session_id):
-                self._core.remove(session_id)
-        except KeyError:
-            if not everywhere:
-                raise
-            owed = session_id in self._owed_deletes
-            try:
-                held = self._tier.forget(session_id, held_here=owed)
-            except StoreUnavailable as error:
-                raise StoreUnavailable(
-                    f"session {session_id!r} is not held here, and the shared store "
-                    f"could not be asked to delete it ({error}); try again"
-                ) from None
-            self._owed_deletes.discard(session_id)
-            if not (held or owed):
-                raise
-            return
-        self._settler.forget(session_id)
-        if everywhere or not self._tier.shared:
-            self._forget_stored(session_id, "removed")
-        else:
-            self._tier.released(session_id)
-
-    def _forget_stored(self, session_id: str, done: str) -> None:
-        try:
-            self._tier.forget(session_id)
-        except StoreUnavailable as error:
-            if done == "removed":
-                self._owed_deletes.add(session_id)
-            raise StoreUnavailable(
-                f"session {session_id!r} was {done} here, but not in the shared store "
-                f"({error}); other processes may still serve it: call again"
-            ) from None
-        self._owed_deletes.discard(session_id)
-
-    def drop_if_deleted(self, session_id: str) -> bool:
-        """With a shared store: whether the session was deleted (on any process)
-        since its copy here began; if so, removes that copy here (unless a turn
-        is running on it, which drops it itself first)."""
-        return session_id in self.drop_deleted([check_session_id(session_id)])
-
-    def drop_deleted(self, session_ids: list[str]) -> set[str]:
-        """``drop_if_deleted`` for many sessions at once (one store round trip):
-        the ids deleted elsewhere, whose copies here are dropped."""
-        if not self._tier.shared or not session_ids:
-            return set()
-        deleted = self._tier.deleted_among(list(session_ids))
-        for session_id in deleted:
-            try:
-                with self._settler.hold(session_id):
-                    self._core.remove(session_id)
-            except (KeyError, _C.SessionBusy):
-                continue
-            self._settler.forget(session_id)
-            self._tier.released(session_id)
-        return deleted
-
-    def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
-        """Waits until the tier has written every snapshot queued so far (the
-        Redis store writes in the background), or only ``session_id``'s.
-        False if ``timeout`` ran out."""
-        return self._tier.flush(timeout, session_id)
-
-    def close(self) -> None:
-        """Stops settling (a settle under way is dropped), writes what the
-        tier has queued and stops its writer. The manager should not be used
-        afterwards."""
-        self._settler.close()
-        self._tier.close()
-
-    # ------------------------------------------------------------ persistence
-    def save(self, session_id: str, path: str | os.PathLike) -> None:
-        """Writes the session (cache, token ids, messages) to a safetensors file.
-
-        The file names the model it came from; ``load`` refuses it for another.
-        The write is atomic: an existing file at ``path`` is replaced whole."""
-        check_session_id(session_id)
-        path = check_path(path)
-        # A consistent snapshot under the lease (UnknownSessionError, creating
-        # nothing, for an unknown id); stored states are never written in place,
-        # so the file is written after it, without blocking the session.
-        with (
-            self._settler.hold(session_id),
-            self._core.acquire(session_id, wait=self._wait, create=False) as session,
-        ):
-            messages = as_dicts(session.messages())
-            state = session.cached_state()
-        write_session(path, session_id, messages, state, self._fingerprint, self._bridge.slots)
-
-    def load(self, path: str | os.PathLike, session_id: str | None = None) -> str:
-        """Reads a file ``save`` wrote into session ``session_id`` (default: the
-        saved id), replacing that session's cache and messages. Returns the id.
-
-        The whole file is checked first (format, model fingerprint, checksum):
-        a bad file raises ``SessionFileError`` and changes nothing."""
-        if session_id is not None:
-            check_session_id(session_id)
-        path = check_path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"path {str(path)!r} is not a file")
-        saved = read_session(path, self._fingerprint, self._model.device, self._bridge)
-        try:
-            messages = validate_messages(saved.messages) if saved.messages else []
-            if saved.state is not None:
-                # Checked on a scratch session, so a bad cache never creates or touches `target`.
-                _C.ChatSession("load-check", self._bridge.num_layers).restore(saved.state)
-        except (TypeError, ValueError, IndexError) as error:
-            raise SessionFileError(
-                f"path {str(path)!r} holds an invalid session: {error}"
-            ) from error
-        target = session_id or saved.session_id
-        with self._settler.hold(target), self._core.acquire(target, wait=self._wait) as session:
-            if saved.state is None:
-                session.invalidate_cache()
-            else:
-                session.restore(saved.state)
-            session.set_messages(core_messages(messages))
-        self._flush_evicted()
-        return target
-
-    def _flush_evicted(self) -> None:
-        """Hands what eviction queued to the tier, then lets it go."""
-        for session_id, state in self._core.take_evicted():
-            self._tier.put(session_id, state)
 
     @property
     def model(self):
@@ -567,74 +305,3 @@ class SessionManager:
     def tier(self) -> Tier:
         """The storage tier (a ``Tier`` that keeps nothing, if none was given)."""
         return self._tier
-
-    # -------------------------------------------------------------- internals
-    def _chat_request(
-        self,
-        session_id,
-        messages,
-        tools,
-        template_kwargs,
-        settle,
-        kwargs,
-        streaming: bool,
-        skip_special_tokens: bool = True,
-    ):
-        """A chat turn, checked: (its TurnRequest, and for ``streaming`` the
-        ReplyStream whose streamer and stop its generate kwargs carry)."""
-        text, ids, messages = self._chat_text(
-            session_id, messages, kwargs["max_new_tokens"], tools, template_kwargs
-        )
-        check_bool(settle, "settle")
-        stream = self._reply_stream(kwargs, skip_special_tokens) if streaming else None
-        args = resolve_generate_args(self._model, stream.kwargs if stream else kwargs, ids.numel())
-        tail = self._rewritten_tail(tools, template_kwargs)
-        sendback = SendBack(messages, tools, template_kwargs, settle)
-        return TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail), stream
-
-    def _chat_text(self, session_id, messages, max_new_tokens, tools=None, template_kwargs=None):
-        """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
-        check_session_id(session_id)
-        positive_int(max_new_tokens, "max_new_tokens")
-        require_chat_template(self._tokenizer)
-        messages = validate_messages(messages)
-        check_tools(tools)
-        check_template_kwargs(template_kwargs, self._tokenizer)
-        # A text longer than this is over the context whatever its tokens:
-        # refused before tokenizing, which would cost time and memory for nothing.
-        limit = None
-        if self._max_context is not None:
-            limit = max_prompt_chars(self._tokenizer, self._max_context)
-
-        def render(messages):
-            text = render_text(self._tokenizer, messages, tools, template_kwargs)
-            if limit is not None and len(text) > limit:
-                return text, None
-            return text, tokenize_text(self._tokenizer, text)
-
-        def over(ids) -> bool:
-            return ids is None or ids.numel() + max_new_tokens > self._max_context
-
-        text, ids = render(messages)
-        if self._truncate and self._max_context is not None:
-            while over(ids) and (shorter := drop_oldest_turn(messages)):
-                messages = shorter
-                text, ids = render(messages)
-        if ids is None:
-            raise ContextLengthError(
-                f"prompt of {len(text)} characters (more than {self._max_context} tokens) plus "
-                f"max_new_tokens={max_new_tokens} exceeds max_context_length={self._max_context}"
-            )
-        return text, ids, messages
-
-    def _rewritten_tail(self, tools, template_kwargs) -> int:
-        """rewritten_tail() for these template arguments, probed once each:
-        only models that take checkpoints need it."""
-        if not self._bridge.needs_checkpoints:
-            return 0
-        key = json.dumps([tools, template_kwargs], sort_keys=True, default=repr)
-        if key not in self._rewrites:
-            if len(self._rewrites) >= _MAX_PROBED_TEMPLATES:
-                self._rewrites.clear()  # a server's clients may send endless tool sets
-            self._rewrites[key] = rewritten_tail(self._tokenizer, tools, template_kwargs)
-        return self._rewrites[key]

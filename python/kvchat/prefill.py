@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from . import _C
-from .cache_bridge import CacheBridge
+from .bridge import CacheBridge
 
 
 class ChunkedPrefill:

@@ -223,9 +223,9 @@ def test_dsa_indexed_layers_carry_keys_values_and_indexer_keys(
     generate's reply, from turn 2 at least 90% reused; a second session
     starts from the first one's system prompt, and a saved session
     continues exactly."""
-    from kvchat import cache_bridge
+    from kvchat.bridge import probe
 
-    monkeypatch.setattr(cache_bridge, "_split_problem", lambda model, arguments: None)
+    monkeypatch.setattr(probe, "_split_problem", lambda model, arguments: None)
     model = _dsa(variant, tokenizer, index_topk=1024)
     manager = SessionManager(model, tokenizer)
     layers = len(model.config.layer_types)
@@ -257,9 +257,9 @@ def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog, 
     turn as plain generate, passing no cache, with the same tokens. A hook
     makes GLM-MoE-DSA keep them, so the test needs no second tiny family; the
     split probe, which refuses GLM-MoE-DSA on its own, is bypassed."""
-    from kvchat import cache_bridge
+    from kvchat.bridge import probe
 
-    monkeypatch.setattr(cache_bridge, "_split_problem", lambda model, arguments: None)
+    monkeypatch.setattr(probe, "_split_problem", lambda model, arguments: None)
     model = _dsa("dense-float64", tokenizer)
 
     def keep_positions(module, args, kwargs):

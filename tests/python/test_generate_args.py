@@ -152,11 +152,11 @@ def test_a_model_kvchat_cannot_carry_runs_as_plain_generate_without_a_cache(toke
     # Mamba2's generate refuses a past_key_values argument: the fallback must
     # pass no cache at all (it used to crash). Its layers are hidden from the
     # bridge here, as kvchat carries them now.
-    from kvchat import cache_bridge
+    from kvchat.bridge import probe
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    parts = {k: v for k, v in cache_bridge._PARTS.items() if k.__name__ != "LinearAttentionLayer"}
-    monkeypatch.setattr(cache_bridge, "_PARTS", parts)
+    parts = {k: v for k, v in probe.PARTS.items() if k.__name__ != "LinearAttentionLayer"}
+    monkeypatch.setattr(probe, "PARTS", parts)
     torch.manual_seed(0)
     config = Mamba2Config(
         vocab_size=len(tokenizer),

@@ -317,10 +317,10 @@ def test_stats_count_checkpoints_only_where_layers_need_them(tokenizer):
 def test_unknown_layer_class_falls_back_to_no_reuse(monkeypatch, caplog, tokenizer):
     """A cache layer kvchat does not know (here: LFM2's conv layer, hidden from
     the bridge) means no reuse, with a warning; never a wrong answer."""
-    from kvchat import cache_bridge
+    from kvchat.bridge import probe
 
-    parts = {k: v for k, v in cache_bridge._PARTS.items() if k.__name__ != "LinearAttentionLayer"}
-    monkeypatch.setattr(cache_bridge, "_PARTS", parts)
+    parts = {k: v for k, v in probe.PARTS.items() if k.__name__ != "LinearAttentionLayer"}
+    monkeypatch.setattr(probe, "PARTS", parts)
     model = _model("lfm2")
     with caplog.at_level("WARNING", logger="kvchat"):
         mgr = SessionManager(model, tokenizer)

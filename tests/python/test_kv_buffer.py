@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from helpers import MAX_NEW, SYSTEM, user_message
 from kvchat import _C, SessionManager
-from kvchat.cache_bridge import BufferedLayer, CacheBridge
+from kvchat.bridge import BufferedLayer, CacheBridge
 from kvchat.prompting import render_prompt
 from transformers import DynamicCache
 

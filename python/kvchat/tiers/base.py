@@ -29,16 +29,21 @@ within their namespace.
 The manager restores what ``find_if_cheaper`` returns through the core, which
 checks it whole, and the turn then reuses only what is a true token prefix of
 the prompt: a tier can cost time, never correctness. ``bind`` hands the tier
-the model's fingerprint and cache bridge once, for checking what it reads.
+the model's fingerprint and ``ModelLayout`` once, for checking what it reads.
 A tier serves one manager and guards itself: its calls come from any thread.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import _C
 from .cost import ReloadCost
+
+if TYPE_CHECKING:
+    from ..bridge import ModelLayout
 
 
 class StoreUnavailable(RuntimeError):
@@ -76,9 +81,9 @@ class Tier:
             cost = self.__dict__["_kvchat_reload_cost"] = ReloadCost(self.default_ms_per_byte)
         return cost
 
-    def bind(self, fingerprint: dict, bridge, device: torch.device) -> None:
+    def bind(self, fingerprint: dict, layout: ModelLayout, device: torch.device) -> None:
         """The model this tier serves: what a stored cache must match."""
-        self.fingerprint, self.bridge, self.device = fingerprint, bridge, device
+        self.fingerprint, self.layout, self.device = fingerprint, layout, device
 
     def put(self, session_id: str, state: _C.CachedState) -> None:
         pass

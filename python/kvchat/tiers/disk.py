@@ -46,7 +46,7 @@ class Spill(Tier):
         try:
             with self._lock:
                 path = self.path_for(session_id)
-                write_session(path, session_id, [], state, self.fingerprint, self.bridge.slots)
+                write_session(path, session_id, [], state, self.fingerprint, self.layout.slots)
                 self.writes += 1
         except OSError as error:  # a full disk costs a prefill later, not correctness
             logger.warning("kvchat: could not spill session %r: %s", session_id, error)
@@ -77,7 +77,7 @@ class Spill(Tier):
                 if not self.reload_cost.worth_loading(nbytes, shared):
                     return None
                 started = time.perf_counter()
-                saved = read_session(path, self.fingerprint, self.device, self.bridge)
+                saved = read_session(path, self.fingerprint, self.device, self.layout)
             except (SessionFileError, OSError, ValueError, KeyError, TypeError) as error:
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)

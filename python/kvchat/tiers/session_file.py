@@ -5,7 +5,7 @@ version; the fingerprint of the model that wrote it (config, dtype, layer
 classes and every weight, see ``fingerprint``); a SHA-256 over everything else
 it holds (every metadata entry, and each tensor's name, dtype, shape and
 bytes); and every layer state against the layout the model itself fills
-(``CacheBridge.templates``). So a truncated, corrupted or foreign file raises
+(``ModelLayout.templates``). So a truncated, corrupted or foreign file raises
 ``SessionFileError`` and is never half-loaded, and a file never changes
 anything beyond the session it is loaded into.
 """
@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .. import _C
+from ..bridge.layout import ATTENTION, RECURRENT, ModelLayout, describe
 
 # 2: the checksum covers the metadata and tensor headers, not only tensor bytes.
 # 3: each layer state is stored as its own description (LayerState.meta).
@@ -54,10 +55,6 @@ def _encode(state, name: str, tensors: dict) -> dict | None:
     return state.meta
 
 
-# The state kind each part of a model's layer template calls for.
-_PART_KIND = {"attention": "attention", "sliding": "sliding_window", "recurrent": "recurrent"}
-
-
 def _check_kv(keys, values, template, where: str) -> None:
     expected = (1, template.kv_heads, keys.shape[2] if keys.dim() == 4 else -1)
     if (
@@ -81,7 +78,7 @@ def _check_kv(keys, values, template, where: str) -> None:
 
 def _check_part(part: str, tensors: list, template, where: str) -> None:
     """One part's tensors against the model's layout for it."""
-    if part == "recurrent":
+    if part == RECURRENT:
         if len(tensors) != len(template.recurrent):
             raise ValueError(
                 f"{where}: {len(tensors)} recurrent tensors, this model has "
@@ -105,9 +102,9 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
     parts = template.parts
     if meta is None:
         # Only a checkpoint may omit a layer, and only one that crops back.
-        if snapshot and parts == ("attention",):
+        if snapshot and parts == (ATTENTION,):
             return None
-        raise ValueError(f"{name}: a {'/'.join(parts)} layer has no state")
+        raise ValueError(f"{name}: a {describe(parts)} layer has no state")
     if not isinstance(meta, dict):
         raise ValueError(f"{name}: a state description must be a dict, got {meta!r}")
     # The parts the state must have, in tensor order. A hybrid checkpoint
@@ -115,16 +112,16 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
     # a shared prefix adopted as a checkpoint holds every part.
     names = list(parts)
     descs = meta.get("parts") or []
-    if len(parts) > 1 and snapshot and parts[0] == "attention" and len(descs) < len(parts):
+    if len(parts) > 1 and snapshot and parts[0] == ATTENTION and len(descs) < len(parts):
         names = names[1:]
     if len(parts) > 1:
-        expected = ("hybrid", [_PART_KIND[p] for p in names])
+        expected = ("hybrid", [p.name for p in names])
         got = (meta.get("kind"), [d.get("kind") if isinstance(d, dict) else d for d in descs])
     else:
-        expected, got = (_PART_KIND[parts[0]], []), (meta.get("kind"), descs)
+        expected, got = (parts[0].name, []), (meta.get("kind"), descs)
         descs = [meta]
     if got != expected:
-        raise ValueError(f"{name}: a {got[0]!r} state {got[1]} for a {'/'.join(parts)} layer")
+        raise ValueError(f"{name}: a {got[0]!r} state {got[1]} for a {describe(parts)} layer")
     count = meta.get("tensors")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"{name}: tensor count {count!r} is not a count")
@@ -231,11 +228,11 @@ def read_metadata(path) -> dict[str, str]:
     return metadata
 
 
-def read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
+def read_session(path, fingerprint: dict, device, model_layout: ModelLayout) -> SessionFile:
     """Reads and checks the whole file against the model (its ``fingerprint`` and
-    ``bridge``'s layer templates); raises SessionFileError, changing nothing."""
+    its layout's layer templates); raises SessionFileError, changing nothing."""
     try:
-        return _read_session(path, fingerprint, device, bridge)
+        return _read_session(path, fingerprint, device, model_layout)
     except SessionFileError:
         raise
     except Exception as error:  # any malformed content is the file's fault
@@ -258,14 +255,14 @@ def to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tenso
     return out
 
 
-def decode_state(layout: dict, tensors: dict[str, torch.Tensor], bridge, device):
+def decode_state(layout: dict, tensors: dict[str, torch.Tensor], model_layout: ModelLayout, device):
     """The ``CachedState`` an ``encode_state`` layout and its (CPU) tensors
     describe, every state checked against the model's layer templates; raises
     ValueError naming what does not fit."""
-    templates = bridge.templates
-    if layout["slots"] != bridge.slots:
+    templates, slots = model_layout.templates, model_layout.slots
+    if layout["slots"] != slots:
         raise ValueError(
-            f"it records recurrent tensors {layout['slots']}, this model fills {bridge.slots}"
+            f"it records recurrent tensors {layout['slots']}, this model fills {slots}"
         )
     if len(layout["layers"]) != len(templates):
         raise ValueError(f"it has {len(layout['layers'])} layers, the model {len(templates)}")
@@ -288,7 +285,7 @@ def decode_state(layout: dict, tensors: dict[str, torch.Tensor], bridge, device)
     return _C.CachedState(layout["ids"], layers, checkpoints, text, layout["trusted_tokens"])
 
 
-def _read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
+def _read_session(path, fingerprint: dict, device, model_layout: ModelLayout) -> SessionFile:
     metadata = read_metadata(path)
     saved = json.loads(metadata["fingerprint"])
     if not isinstance(saved, dict) or saved != fingerprint:
@@ -312,7 +309,7 @@ def _read_session(path, fingerprint: dict, device, bridge) -> SessionFile:
     state = None
     if layout is not None:
         try:
-            state = decode_state(layout, tensors, bridge, device)
+            state = decode_state(layout, tensors, model_layout, device)
         except ValueError as error:
             raise SessionFileError(f"path {str(path)!r}: {error}") from error
     session_id = metadata["session_id"]

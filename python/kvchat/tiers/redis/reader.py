@@ -94,7 +94,7 @@ class Reader:
         started = time.perf_counter()
         tensors = self._fetch(manifest["tensors"], held, self._keys.chunk("", session_id))
         try:
-            state = decode_state(layout, tensors, tier.bridge, tier.device)
+            state = decode_state(layout, tensors, tier.layout, tier.device)
         except (KeyError, TypeError, ValueError) as error:
             raise StoreMiss("malformed", f"does not fit this model: {error}") from None
         tier.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)

@@ -118,8 +118,8 @@ class RedisTier(Tier):
     def isolate_namespaces(self, value: bool) -> None:
         self.keys.isolate_namespaces = value
 
-    def bind(self, fingerprint, bridge, device) -> None:
-        super().bind(fingerprint, bridge, device)
+    def bind(self, fingerprint, layout, device) -> None:
+        super().bind(fingerprint, layout, device)
         self.keys.bind(fingerprint)
 
     def available(self) -> bool:
@@ -132,14 +132,14 @@ class RedisTier(Tier):
         """Eviction dropped this session (``write="evict"``): store what it held."""
         epoch = self.copies.epoch_of(session_id)
         if epoch is not GONE:  # else deleted since the copy began: never stored
-            self.writer.enqueue(session_id, (*encode_state(state, self.bridge.slots), [], epoch))
+            self.writer.enqueue(session_id, (*encode_state(state, self.layout.slots), [], epoch))
 
     def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
         """A turn finished (``write="turn"``): store the session as it now is,
         unless it was deleted since this turn's copy began."""
         epoch = self.copies.epoch_of(session_id, this_turn=True)
         if epoch is not GONE:
-            job = (*encode_state(state, self.bridge.slots), messages, epoch)
+            job = (*encode_state(state, self.layout.slots), messages, epoch)
             self.writer.enqueue(session_id, job)
 
     def flush(self, timeout: float | None = None, session_id: str | None = None) -> bool:
