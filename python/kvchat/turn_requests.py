@@ -13,6 +13,7 @@ import torch
 from .arguments import ContextLengthError, check_bool, check_session_id, positive_int
 from .conversation import SendBack, drop_oldest_turn
 from .generate_args import resolve_generate_args
+from .prediction import predicted_prefix
 from .prompting import (
     check_template_kwargs,
     check_tools,
@@ -24,7 +25,6 @@ from .prompting import (
     tokenize_text,
     validate_messages,
 )
-from .settling import predicted_prefix
 from .streaming import ReplyStream
 from .turn import TurnRequest
 
