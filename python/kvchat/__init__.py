@@ -33,7 +33,7 @@ from . import _C  # noqa: E402
 from .arguments import ContextLengthError  # noqa: E402
 from .manager import SessionManager  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
-from .tiers import SessionFileError, StoreUnavailable, Tier  # noqa: E402
+from .tiers import SessionFileError, SharedTier, StoreUnavailable, Tier  # noqa: E402
 from .tiers.redis import RedisTier  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
@@ -50,6 +50,7 @@ __all__ = [
     "SessionInfo",
     "RedisTier",
     "SessionManager",
+    "SharedTier",
     "StoreUnavailable",
     "Tier",
     "TurnReport",

@@ -12,6 +12,7 @@ from pathlib import Path
 from . import _C
 from .tiers.base import Tier
 from .tiers.disk import Spill
+from .tiers.shared import SharedTier
 from .units import parse_bytes
 
 # The core's sizes are signed 64-bit.
@@ -146,6 +147,12 @@ def choose_tier(spill_dir, tier, store) -> Tier:
     ``store`` (a Redis URL), or the tier that keeps nothing."""
     if tier is not None and not isinstance(tier, Tier):
         raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
+    if tier is not None and tier.shared and not isinstance(tier, SharedTier):
+        # The manager asks a shared tier what only a SharedTier answers.
+        raise TypeError(
+            f"tier: a tier with shared=True must subclass kvchat.SharedTier, got "
+            f"{type(tier).__name__}"
+        )
     if tier is not None and spill_dir is not None:
         raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
     if store is not None:

@@ -20,8 +20,8 @@ from .arguments import check_path, check_session_id
 from .conversation import as_dicts, core_messages
 from .prompting import validate_messages
 from .report import ManagerStats, SessionInfo, TurnReport
-from .tiers.base import StoreUnavailable
 from .tiers.session_file import SessionFileError, read_session, write_session
+from .tiers.shared import StoreUnavailable
 
 
 class SessionAdmin:

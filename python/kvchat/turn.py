@@ -170,7 +170,8 @@ class Turns:
                         )
                     run = self._model_run(plan, prompt, kwargs, request)
                     record = turn.finish(run.result(timer))
-                if self._tier.writes_turns and not plan.plain and record.cache_stored:
+                writes = self._tier.shared and self._tier.writes_turns  # a SharedTier's
+                if writes and not plan.plain and record.cache_stored:
                     # References, not copies: stored states are never written in place.
                     snapshot = (session.cached_state(), as_dicts(session.messages()))
                 # A prediction exists only for a chat turn (one with a send-back).

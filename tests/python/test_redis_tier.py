@@ -1137,7 +1137,7 @@ def test_a_refused_turn_is_released_off_the_event_loop(server):
     try:
         _, first, _ = replicas.ask(0, [user_message(0)])
         entered, release, order = threading.Event(), threading.Event(), []
-        original = tier.remember_route
+        original = tier.routes.remember
 
         def held(*args):
             entered.set()
@@ -1145,7 +1145,7 @@ def test_a_refused_turn_is_released_off_the_event_loop(server):
             order.append("route written")
             return original(*args)
 
-        tier.remember_route = held
+        tier.routes.remember = held
         body = {"model": "tiny", "max_tokens": 10**6, "messages": [*first, user_message(1)]}
         refused = {}
         asking = threading.Thread(
@@ -1391,7 +1391,7 @@ def test_a_deleted_session_leaves_no_route_generation_behind(llama, tokenizer, s
     a = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url))
     for session in ("s", "t"):
         _turns(a, session, [LONG_SYSTEM], llama, tokenizer, 1)
-        a.tier.remember_route("open", f"conversation of {session}", session)
+        a.tier.routes.remember("open", f"conversation of {session}", session)
     assert {"s", "t"} <= set(a.tier.routes.gens)
     a.remove("s")
     a.remove("t", local_only=True)
@@ -1404,13 +1404,13 @@ def test_a_route_is_put_back_outside_the_routers_lock(server):
     (every claim and release of every session takes it)."""
     replicas = _Replicas(server.redis_url, max_context_length=256)
     tier, router = replicas.managers[1].tier, replicas.apps[1].state.router
-    seen, original = [], tier.remember_route
+    seen, original = [], tier.routes.remember
 
     def watched(*args):
         seen.append(router._lock.locked())
         return original(*args)
 
-    tier.remember_route = watched
+    tier.routes.remember = watched
     try:
         _, first, _ = replicas.ask(0, [user_message(0)])
         body = {"model": "tiny", "max_tokens": 10**6, "messages": [*first, user_message(1)]}
@@ -1429,7 +1429,7 @@ def test_a_route_owed_at_close_is_made_before_the_writer_stops(llama, tokenizer)
         tier = RedisTier(server.redis_url, timeout=0.3, retry_after=1)
         SessionManager(llama, tokenizer, tier=tier)
         with _hung(server):
-            tier.remember_route("open", "a conversation", "open/s")
+            tier.routes.remember("open", "a conversation", "open/s")
         assert tier.owed_routes() == 1
         tier.close()
         client = redis.Redis.from_url(server.redis_url)
@@ -1532,7 +1532,7 @@ def test_close_keeps_to_its_timeout_with_redis_hung(llama, tokenizer):
         )
         _turns(manager, "s", [LONG_SYSTEM], llama, tokenizer, 1)
         with _hung(server):
-            manager.tier.remember_route("open", "a conversation", "s")
+            manager.tier.routes.remember("open", "a conversation", "s")
             manager.remove("s", local_only=True)
             started = time.monotonic()
             manager.tier.close(timeout=2)
@@ -1670,7 +1670,7 @@ def test_a_route_change_counts_as_owed_until_it_is_made(llama, tokenizer):
         tier = RedisTier(server.redis_url, timeout=0.3, retry_after=0.5)
         SessionManager(llama, tokenizer, tier=tier)
         with _hung(server):
-            tier.take_session_route("open/s")
+            tier.routes.take_session("open/s")
         assert tier.owed_routes() == 1
         seen = []
         _before(tier, "take_session", lambda: seen.append(tier.owed_routes()))

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
-from kvchat import SessionManager, Tier
+from kvchat import SessionManager, SharedTier, Tier
 
 
 class MemoryTier(Tier):
@@ -95,3 +95,46 @@ def test_a_tier_that_skips_super_init_or_keeps_a_cost_of_its_own_still_works(lla
         mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
         assert mgr.last_turn(sid).output_ids == expected
     assert mgr.last_turn("a").reason == "spill_reload"
+
+
+def test_a_shared_tier_must_be_a_shared_tier(llama, tokenizer):
+    # The manager asks a shared tier what only a SharedTier answers
+    # (deleted_since, available, ...): a plain Tier claiming shared=True is
+    # refused by name, not an AttributeError at its first turn.
+    class Claims(MemoryTier):
+        shared = True
+
+    with pytest.raises(TypeError, match="tier: a tier with shared=True must subclass"):
+        SessionManager(llama, tokenizer, tier=Claims())
+
+
+def test_a_shared_tier_written_to_the_interface_continues_sessions_exactly(llama, tokenizer):
+    """A SharedTier that overrides only put/find/forget (the defaults know of
+    no other process) is asked at every turn, gets every turn's result, and
+    a session it hands back continues exactly."""
+
+    class Memory(SharedTier):
+        def __init__(self):
+            super().__init__()
+            self.caches, self.asked = {}, []
+
+        def turn_finished(self, session_id, state, messages):
+            self.caches[session_id] = state
+
+        def find_if_cheaper(self, session_id, prompt, have=0, local=None):
+            self.asked.append((session_id, have))
+            state = self.caches.get(session_id)
+            return state if state is not None and len(state.ids) > have else None
+
+    tier = Memory()
+    mgr = SessionManager(llama, tokenizer, tier=tier)
+    messages = [LONG_SYSTEM, user_message(0)]
+    messages.append({"role": "assistant", "content": mgr.chat("s", messages, max_new_tokens=4)})
+    messages.append(user_message(1))
+    assert "s" in tier.caches  # every turn's result, not only evictions
+    mgr.remove("s", local_only=True)  # gone here; the shared tier still holds it
+    _, _, expected = reference_turn(llama, tokenizer, messages)
+    mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert mgr.last_turn("s").output_ids == expected
+    assert mgr.last_turn("s").reason == "spill_reload"
+    assert [sid for sid, _ in tier.asked] == ["s", "s"]

@@ -77,8 +77,9 @@ class SessionRouter:
 
     def __init__(self, manager):
         self._mgr = manager
-        # A tier other replicas share keeps the conversation map for them too.
-        self._shared = manager.tier if manager.tier.shared else None
+        # The map is the server's; a tier other replicas share may store it
+        # for them too (SharedTier.routes).
+        self._routes = manager.tier.routes if manager.tier.shared else None
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
@@ -117,9 +118,9 @@ class SessionRouter:
         if explicit is not None:
             return self._claim_by_id(ns, self.internal(ns, explicit))
         digests = _digests(messages)
-        if self._shared is not None:
+        if self._routes is not None:
             try:  # longest first, short of the last message
-                found = self._shared.take_route(ns, digests[len(messages) - 1 : 0 : -1])
+                found = self._routes.take(ns, digests[len(messages) - 1 : 0 : -1])
             except StoreUnavailable:
                 pass  # the map here stands in while the store cannot be reached
             else:
@@ -138,8 +139,8 @@ class SessionRouter:
                 self._drop(found_here)  # removed meanwhile: out of the map
         if session is None:
             return self._new(ns)
-        if self._shared is not None:  # its route in the store goes once the store is back
-            self._shared.take_session_route(session)
+        if self._routes is not None:  # its route in the store goes once the store is back
+            self._routes.take_session(session)
         return session
 
     def claim_text(self, ns: str, explicit: str | None, prompt: str) -> str:
@@ -172,8 +173,8 @@ class SessionRouter:
         replica's, or one whose route the shared store held), it leaves the
         map for the turn, as when found by its conversation."""
         routed, held = (False, None)
-        if self._shared is not None:
-            routed, held = self._shared.take_session_route(session)
+        if self._routes is not None:
+            routed, held = self._routes.take_session(session)
         with self._lock:
             if routed:  # routed by the store: release() writes its new route
                 self._auto.add(session)
@@ -225,8 +226,8 @@ class SessionRouter:
                     self._key_of.pop(other, None)  # one conversation, one session
                 self._open[key] = session
                 self._key_of[session] = key
-        if self._shared is not None:  # what it holds now (a failed turn: what it held)
-            self._shared.remember_route(ns, key[1], session)
+        if self._routes is not None:  # what it holds now (a failed turn: what it held)
+            self._routes.remember(ns, key[1], session)
 
     def _drop(self, session: str) -> None:
         self._running.pop(session, None)

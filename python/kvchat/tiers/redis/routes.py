@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import OrderedDict
 
-from ..base import StoreUnavailable
+from ..shared import StoreUnavailable
 from .copies import GONE, epoch_arg
 
 logger = logging.getLogger("kvchat")

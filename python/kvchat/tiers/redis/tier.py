@@ -40,8 +40,8 @@ import threading
 import torch
 
 from ... import _C
-from ..base import StoreUnavailable, Tier
 from ..session_file import encode_state
+from ..shared import SharedTier, StoreUnavailable
 from .connection import Connection
 from .copies import GONE, Copies
 from .keys import Keys
@@ -52,7 +52,7 @@ from .writer import Writer
 WRITE_POLICIES = ("turn", "evict")
 
 
-class RedisTier(Tier):
+class RedisTier(SharedTier):
     """Session snapshots in Redis (or Valkey), shared by every manager that
     serves the same model with the same ``prefix``.
 
@@ -72,7 +72,6 @@ class RedisTier(Tier):
     """
 
     reload_reason = "store_reload"
-    shared = True  # other processes write it: consulted even for resident sessions
     default_ms_per_byte = 5e-6  # before any load is measured: 200 MB/s, over a network
 
     def __init__(
@@ -215,16 +214,6 @@ class RedisTier(Tier):
         if digests:
             self.writer.collect(session_id, digests)
         return bool(existed)
-
-    # ------------------------------------------------------------ routes
-    def remember_route(self, namespace: str, conversation: str, session_id: str) -> None:
-        self.routes.remember(namespace, conversation, session_id)
-
-    def take_session_route(self, session_id: str) -> tuple[bool, str | None]:
-        return self.routes.take_session(session_id)
-
-    def take_route(self, namespace: str, conversations: list[str]) -> tuple[str, str] | None:
-        return self.routes.take(namespace, conversations)
 
     def owed_routes(self) -> int:
         """Route changes waiting for the store to be back."""
