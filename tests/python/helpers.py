@@ -1,10 +1,44 @@
-"""Helpers shared by the tests: the reference path and the conversation."""
+"""Helpers shared by the tests: the models, the reference path and the conversation.
+
+KVCHAT_TEST_DEVICE (default cpu) puts the models on another device, such as
+cuda; `make test-gpu` runs the exactness, hybrid, sharing, persistence and
+generate-argument tests that way."""
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
+import torch
 from kvchat.prompting import render_prompt
+from kvchat.tiny import tiny_model
+
+DEVICE = torch.device(os.environ.get("KVCHAT_TEST_DEVICE", "cpu"))
+
+# One family per layer mix: attention, sliding window, conv, DeltaNet, Mamba2
+# in its own layers (Bamba) and beside attention in every layer (FalconH1), and
+# stateless DummyLayers: MLP-only ones (NemotronH) and KV-shared ones (Gemma 3n).
+REUSE_FAMILIES = (
+    "llama",
+    "gemma3",
+    "lfm2",
+    "qwen3_5",
+    "bamba",
+    "falcon_h1",
+    "nemotron_h",
+    "gemma3n",
+)
+# The families whose layers cannot crop back, so take checkpoints.
+CHECKPOINT_FAMILIES = REUSE_FAMILIES[1:]
+
+
+@functools.cache
+def model_for(family: str, seed: int = 0):
+    """The tiny float64 model of ``family`` (one per family and seed, shared
+    by every test: tests never change a model's weights)."""
+    return tiny_model(family, dtype=torch.float64, seed=seed).to(DEVICE)
+
 
 MAX_NEW = 12
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
-from helpers import LONG_SYSTEM, MAX_NEW, user_message
+from helpers import DEVICE, LONG_SYSTEM, MAX_NEW, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model

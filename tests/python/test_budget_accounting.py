@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _model
-from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from transformers import StoppingCriteria
 
@@ -44,7 +43,7 @@ class CancellingStreamer:
 
 
 def test_cancelled_turns_pin_nothing(tokenizer):
-    model = _model("lfm2")  # conv layers: sessions hold checkpoints too
+    model = model_for("lfm2")  # conv layers: sessions hold checkpoints too
     probe = SessionManager(model, tokenizer, share_prefixes=False)
     conversation = [LONG_SYSTEM, user_message(0)]
     probe.chat("p", conversation, max_new_tokens=MAX_NEW)

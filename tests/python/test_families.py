@@ -13,8 +13,15 @@ import inspect
 
 import pytest
 import torch
-from conftest import DEVICE, _model
-from helpers import LONGER_SYSTEM, SYSTEM, assert_plain_turns, reference_turn, user_message
+from helpers import (
+    DEVICE,
+    LONGER_SYSTEM,
+    SYSTEM,
+    assert_plain_turns,
+    model_for,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -116,7 +123,7 @@ def test_stateless_layer_families_reuse_a_normal_conversation(family, tokenizer)
     """NemotronH (MLP-only layers) and Gemma 3n (KV-shared layers) hold
     DummyLayers: from turn 2 on, a normal conversation (a 400-token system
     prompt, short questions and replies) reuses at least 90% of each prompt."""
-    model = _model(family)
+    model = model_for(family)
     manager = SessionManager(model, tokenizer)
     _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=12, min_reuse=0.9)
 

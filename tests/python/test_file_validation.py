@@ -9,8 +9,7 @@ import re
 import struct
 
 import pytest
-from conftest import _model
-from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, model_for, reference_turn, user_message
 from kvchat import SessionFileError, SessionManager
 
 
@@ -22,7 +21,7 @@ def header_bounds(data: bytes) -> tuple[int, int]:
 
 def saved_lfm2(tokenizer, tmp_path, turns=2):
     """An LFM2 session (conv layers, so checkpoints) saved after ``turns`` turns."""
-    model = _model("lfm2")
+    model = model_for("lfm2")
     mgr = SessionManager(model, tokenizer)
     messages = [LONG_SYSTEM]
     for turn in range(turns):

@@ -7,8 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import _model
-from helpers import MAX_NEW, SYSTEM, user_message
+from helpers import MAX_NEW, SYSTEM, model_for, user_message
 from kvchat import SessionFileError, SessionManager
 from kvchat.fingerprint import weights_checksum
 
@@ -60,7 +59,7 @@ def test_file_from_a_model_differing_in_a_middle_layer_is_refused(llama, tokeniz
 
 def test_lora_adapters_loaded_or_merged_change_the_fingerprint(tokenizer, tmp_path):
     peft = pytest.importorskip("peft", reason="peft is in make test's dependencies")
-    base = _model("llama")
+    base = model_for("llama")
     config = peft.LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0
     )

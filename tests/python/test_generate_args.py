@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _model
-from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
+from helpers import MAX_NEW, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 
@@ -38,7 +37,7 @@ def test_prompt_lookup_decoding_is_exact(llama, tokenizer):
 
 
 def test_assistant_model_decoding_is_exact(llama, tokenizer):
-    draft = _model("llama", seed=1)
+    draft = model_for("llama", seed=1)
     mgr = SessionManager(llama, tokenizer)
     report = turns_match_plain(mgr, llama, tokenizer, assistant_model=draft)
     assert report.reason == "unsupported_generation"
@@ -46,7 +45,7 @@ def test_assistant_model_decoding_is_exact(llama, tokenizer):
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
 def test_use_cache_false_is_honoured(family, tokenizer):
-    model = _model(family)
+    model = model_for(family)
     mgr = SessionManager(model, tokenizer)
     report = turns_match_plain(mgr, model, tokenizer, turns=2, use_cache=False)
     assert report.reason == "unsupported_generation"
@@ -120,7 +119,7 @@ def test_misspelled_argument_leaves_every_session_as_it_was(llama, tokenizer):
 
 def test_a_turn_that_fails_in_generate_leaves_no_half_state(tokenizer):
     # Hybrid, so checkpoints and recurrent state are in play too.
-    model = _model("lfm2")
+    model = model_for("lfm2")
     mgr = SessionManager(model, tokenizer)
     messages = [SYSTEM, user_message(0)]
     messages.append(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHECKPOINT_FAMILIES, _model
 from helpers import (
+    CHECKPOINT_FAMILIES,
     LONG_SYSTEM,
     MAX_NEW,
     SYSTEM,
     assert_plain_turns,
+    model_for,
     reference_turn,
     user_message,
 )
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
     """One kvchat turn checked against the no-cache reference; returns (reply, report)."""
-    _, _, expected = reference_turn_with(model, tokenizer, messages, **generate_kwargs)
+    _, _, expected = reference_turn(model, tokenizer, messages, **generate_kwargs)
     reply = mgr.chat(session, messages, max_new_tokens=MAX_NEW, **generate_kwargs)
     report = mgr.last_turn(session)
     assert report.output_ids == expected, f"turn {len(messages) // 2} differs from generate"
@@ -51,19 +52,6 @@ def checked_turns(mgr, model, tokenizer, system, turns):
         reply, report = chat_turn(mgr, model, tokenizer, messages)
         messages.append({"role": "assistant", "content": reply})
     return messages, report
-
-
-def reference_turn_with(model, tokenizer, messages, **generate_kwargs):
-    if not generate_kwargs:
-        return reference_turn(model, tokenizer, messages)
-    prompt = render_prompt(tokenizer, messages)
-    out = model.generate(
-        prompt.unsqueeze(0).to(model.device),
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        **generate_kwargs,
-    )
-    return None, prompt, tuple(out[0, prompt.numel() :].tolist())
 
 
 def test_eight_turns_identical_when_replies_retokenize_differently(any_family, tokenizer):
@@ -270,7 +258,7 @@ def test_text_mode_keeps_the_whole_cache_when_retokenization_differs(any_family,
 @pytest.mark.parametrize("settle", [False, True])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "falcon_h1"])
 def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer, settle):
-    model = _model(family)
+    model = model_for(family)
     # One checkpoint's bytes, measured on a throwaway session.
     probe = SessionManager(model, tokenizer, max_checkpoints=1)
     probe.chat("p", [SYSTEM, user_message(0)], max_new_tokens=2)
@@ -301,7 +289,7 @@ def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer, settle
 
 def test_stats_count_checkpoints_only_where_layers_need_them(tokenizer):
     for family, expect_checkpoints in (("llama", False), ("lfm2", True)):
-        model = _model(family)
+        model = model_for(family)
         mgr = SessionManager(model, tokenizer)
         messages = [SYSTEM]
         for turn in range(3):
@@ -321,7 +309,7 @@ def test_unknown_layer_class_falls_back_to_no_reuse(monkeypatch, caplog, tokeniz
 
     parts = {k: v for k, v in probe.PARTS.items() if k.__name__ != "LinearAttentionLayer"}
     monkeypatch.setattr(probe, "PARTS", parts)
-    model = _model("lfm2")
+    model = model_for("lfm2")
     with caplog.at_level("WARNING", logger="kvchat"):
         mgr = SessionManager(model, tokenizer)
     assert "LinearAttentionLayer" in caplog.text
@@ -351,7 +339,10 @@ def test_a_hybrid_whose_scan_ignores_the_cache_runs_as_plain_generate(caplog, to
     construction finds that (here FalconH1, made to forget its state), and
     every turn is plain generate, exact. In the half dtypes too, where the
     probe allows more rounding."""
-    model = _model("falcon_h1") if dtype == torch.float64 else tiny_model("falcon_h1", dtype=dtype)
+    if dtype == torch.float64:
+        model = model_for("falcon_h1")
+    else:
+        model = tiny_model("falcon_h1", dtype=dtype)
     hook = model.register_forward_pre_hook(_forget_state_on_long_forwards, with_kwargs=True)
     try:
         with caplog.at_level("WARNING", logger="kvchat"):

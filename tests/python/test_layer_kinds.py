@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REUSE_FAMILIES, _model
-from helpers import LONG_SYSTEM, user_message
+from helpers import LONG_SYSTEM, REUSE_FAMILIES, model_for, user_message
 from kvchat import _C, SessionManager
 
 
@@ -44,7 +43,7 @@ def test_session_restores_a_checkpoint_through_the_bindings():
 @pytest.mark.parametrize("family", REUSE_FAMILIES)
 def test_every_stored_state_describes_itself_and_rebuilds_from_that(family, tokenizer):
     """`state.meta` and `state.tensors()` are all a session file keeps of a state."""
-    mgr = SessionManager(_model(family), tokenizer)
+    mgr = SessionManager(model_for(family), tokenizer)
     mgr.chat("s", [LONG_SYSTEM, user_message(0)], max_new_tokens=6)
     cached = mgr._core.find("s").cached_state()
     states = list(cached.layers)

@@ -10,8 +10,7 @@ import random
 import threading
 
 import pytest
-from conftest import _model
-from helpers import LONG_SYSTEM, reference_turn
+from helpers import LONG_SYSTEM, model_for, reference_turn
 from kvchat import SessionManager
 
 pytestmark = pytest.mark.slow
@@ -32,7 +31,7 @@ def user(session: int, turn: int) -> dict:
     ("family", "sessions", "turns"), [("llama", 40, 5), ("falcon_h1", 12, 3), ("qwen3_5", 12, 3)]
 )
 def test_budget_for_four_sessions_holds_under_many(family, sessions, turns, tokenizer):
-    model = _model(family)
+    model = model_for(family)
     probe = SessionManager(model, tokenizer)
     messages = [system_for(0, 1)]
     for turn in range(turns):
@@ -65,7 +64,7 @@ def test_budget_for_four_sessions_holds_under_many(family, sessions, turns, toke
 
 @pytest.mark.parametrize(("family", "sessions", "turns"), [("llama", 32, 6), ("falcon_h1", 12, 3)])
 def test_eight_threads_many_sessions_with_collisions(family, sessions, turns, tokenizer):
-    model = _model(family)
+    model = model_for(family)
     # At most 8 resident, so evictions race with turns and shares too.
     mgr = SessionManager(model, tokenizer, max_sessions=8)
     threads = 8

@@ -10,8 +10,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REUSE_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    MAX_NEW,
+    REUSE_FAMILIES,
+    SYSTEM,
+    model_for,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionFileError, SessionManager
 
 
@@ -35,7 +42,7 @@ def saved_after_two_turns(model, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("family", REUSE_FAMILIES)
 def test_save_load_continues_exactly(family, tokenizer, tmp_path):
-    model = _model(family)
+    model = model_for(family)
     stayed, messages, path = saved_after_two_turns(model, tokenizer, tmp_path)
 
     fresh = SessionManager(model, tokenizer)
@@ -56,7 +63,7 @@ def test_a_session_started_from_a_shared_prefix_saves_and_loads(family, tokenize
     """A hybrid session that started from another session's prefix holds that
     prefix as a checkpoint, attention part included; its file loads (it was
     refused as 'a hybrid state [attention, recurrent]' before)."""
-    model = _model(family)
+    model = model_for(family)
     stayed = SessionManager(model, tokenizer)
     run_turns(stayed, "donor", [LONG_SYSTEM], 1)
     messages = run_turns(stayed, "s", [LONG_SYSTEM], 1, start=3)
@@ -92,7 +99,7 @@ RESTART = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "falcon_h1"])
 def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path):
-    model = _model(family)
+    model = model_for(family)
     stayed, messages, path = saved_after_two_turns(model, tokenizer, tmp_path)
 
     here = str(Path(__file__).parent)
@@ -154,9 +161,9 @@ def test_garbage_and_foreign_files_are_rejected(llama, tokenizer, tmp_path):
 
 
 def test_a_different_model_is_rejected(tokenizer, saved):
-    other = _model("llama", seed=1)  # same config, other weights
+    other = model_for("llama", seed=1)  # same config, other weights
     bad_file_is_rejected(other, tokenizer, saved, "different model.*weights differ")
-    qwen = _model("qwen2")
+    qwen = model_for("qwen2")
     bad_file_is_rejected(qwen, tokenizer, saved, "different model")
 
 

@@ -29,8 +29,7 @@ import functools
 
 import pytest
 import torch
-from conftest import DEVICE
-from helpers import common_prefix, history_ids, user_message
+from helpers import DEVICE, common_prefix, history_ids, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model, words_only
@@ -113,7 +112,7 @@ def _suppressed(vocab: str) -> list[int]:
 
 
 @functools.cache
-def _model(family: str, vocab: str):
+def model_for(family: str, vocab: str):
     tokenizer = _vocabulary(vocab)
     return tiny_model(family, dtype=torch.float64, tokenizer=tokenizer).to(DEVICE)
 
@@ -139,7 +138,7 @@ def _sent_back(template, messages, turn, reply):
 def test_real_template_replay_is_exact_and_reuses_the_common_prefix(template, replies):
     vocab, family, _ = CASES[template]
     tokenizer = _tokenizer(template)
-    model = _model(family, vocab)
+    model = model_for(family, vocab)
     suppress = _suppressed(vocab) if replies == "words" else None
     tools = [WEATHER_TOOL] if template in WITH_TOOLS else None
     mgr = SessionManager(model, tokenizer)

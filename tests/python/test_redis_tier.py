@@ -26,8 +26,7 @@ import openai
 import pytest
 import redis
 import torch
-from conftest import _model
-from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, reference_turn, user_message
+from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, model_for, reference_turn, user_message
 from kvchat import _C, RedisTier, SessionManager, StoreUnavailable
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
@@ -123,7 +122,7 @@ def test_two_processes_alternate_the_turns_of_eight_conversations(family, tokeni
     B), turn 2 on the other, and so on. Every reply is plain generate's; from
     turn 2 on, every turn starts from the other process's snapshot and reuses
     at least 90% of its prompt."""
-    model = _model(family)
+    model = model_for(family)
     workers = [Worker(family, server.redis_url), Worker(family, server.redis_url)]
     try:
         # LONGER_SYSTEM: with 200 tokens, even one process reuses only 88%.
@@ -207,9 +206,9 @@ def test_another_models_snapshot_is_never_used(llama, tokenizer, server, caplog)
     """Another model's snapshot of the same session id lives under its own key
     (the key holds the fingerprint); copied over this model's key, the
     fingerprint in the manifest refuses it."""
-    other = SessionManager(_model("llama", seed=1), tokenizer, store=server.redis_url)
+    other = SessionManager(model_for("llama", seed=1), tokenizer, store=server.redis_url)
     a, b = _two_managers(server.redis_url, llama, tokenizer)
-    _turns(other, "s", [LONG_SYSTEM], _model("llama", seed=1), tokenizer, 1)
+    _turns(other, "s", [LONG_SYSTEM], model_for("llama", seed=1), tokenizer, 1)
     assert other._tier.keys.manifest("s") != a._tier.keys.manifest("s")
 
     def copy_over():
@@ -337,7 +336,7 @@ def test_two_writers_of_one_session_leave_one_whole_snapshot(llama, tokenizer, s
 def test_hybrid_snapshots_restore_recurrent_state(tokenizer, server):
     """FalconH1 (Mamba2 beside attention): the checkpoints travel, so the other
     manager restores the recurrent state at the last message boundary."""
-    model = _model("falcon_h1")
+    model = model_for("falcon_h1")
     a, b = _two_managers(server.redis_url, model, tokenizer)
     messages, _ = _turns(a, "s", [LONG_SYSTEM], model, tokenizer, 2)
     _, reports = _turns(b, "s", messages, model, tokenizer, 1, start=2)
@@ -933,7 +932,7 @@ class _Replicas:
         self.managers, self.apps, self.clients = [], [], []
         for _ in range(2):
             manager = SessionManager(
-                _model("llama"),
+                model_for("llama"),
                 tiny_tokenizer(),
                 isolate_namespaces=True,
                 max_context_length=max_context_length,

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import REUSE_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, REUSE_FAMILIES, model_for, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 
 
 @pytest.mark.parametrize("family", REUSE_FAMILIES)
 def test_running_the_returned_cache_on_leaves_the_session_exact(family, tokenizer):
-    model = _model(family)
+    model = model_for(family)
     mgr = SessionManager(model, tokenizer)
     messages = [LONG_SYSTEM, user_message(0)]
     prompt = render_prompt(tokenizer, messages).unsqueeze(0).to(model.device)

@@ -18,8 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import DEVICE, _model
-from helpers import LONG_SYSTEM, doc_table_rows, reference_turn, user_message
+from helpers import DEVICE, LONG_SYSTEM, doc_table_rows, model_for, reference_turn, user_message
 from kvchat.serve.process import ServerProcess
 from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
 
@@ -621,7 +620,7 @@ def test_a_model_that_fails_gets_500_and_the_session_keeps_its_history(tokenizer
     from kvchat import SessionManager
     from kvchat.serve import ServeConfig, create_app
 
-    model = _model("llama")
+    model = model_for("llama")
     manager = SessionManager(model, tokenizer, isolate_namespaces=True)
     app = create_app(manager, ServeConfig(model_name="tiny"))
     client = TestClient(app, raise_server_exceptions=False)
@@ -964,7 +963,7 @@ def test_the_idle_and_routing_tables_hold_only_sessions_that_exist(tokenizer):
     from kvchat.serve import ServeConfig, create_app
 
     manager = SessionManager(
-        _model("llama"), tokenizer, isolate_namespaces=True, max_context_length=256
+        model_for("llama"), tokenizer, isolate_namespaces=True, max_context_length=256
     )
     app = create_app(manager, ServeConfig(model_name="tiny", session_ttl=3600))
     client = TestClient(app, raise_server_exceptions=False)

@@ -17,13 +17,14 @@ import time
 
 import pytest
 import torch
-from conftest import CHECKPOINT_FAMILIES, _model
 from helpers import (
+    CHECKPOINT_FAMILIES,
     LONG_SYSTEM,
     MAX_NEW,
     SYSTEM,
     common_prefix,
     history_ids,
+    model_for,
     reference_turn,
     user_message,
 )
@@ -73,7 +74,7 @@ def test_every_family_prefills_only_the_new_message_once_settled(any_family, tok
 def test_without_settling_hybrids_fall_back_to_a_checkpoint(tokenizer):
     """The same conversation with settle=False: the next prompt departs inside
     the re-tokenized reply, and a hybrid reuses only up to a checkpoint there."""
-    model = _model("lfm2")
+    model = model_for("lfm2")
     mgr = SessionManager(model, tokenizer, settle=False)
     messages, short = [LONG_SYSTEM], 0
     for turn in range(4):
@@ -105,7 +106,7 @@ def _slow_settle(mgr, entered: threading.Event, release: threading.Event):
 def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
     """The turn waits for the chunk in progress, takes what was prefilled and
     prefills the rest itself; output unchanged."""
-    model = _model(family)
+    model = model_for(family)
     mgr = SessionManager(model, tokenizer)
     # Test-only: one token per chunk, never resized, so the turn lands part way.
     mgr._settler._adapt = lambda tokens, seconds: None
@@ -145,7 +146,7 @@ def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
 
 def test_settling_waits_while_any_turn_runs(tokenizer):
     """A settle of one session never runs beside a turn of another."""
-    model = _model("llama")
+    model = model_for("llama")
     mgr = SessionManager(model, tokenizer)
     first = [SYSTEM, user_message(0)]
     reply = mgr.chat("a", first, max_new_tokens=MAX_NEW)
@@ -202,7 +203,7 @@ def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_fami
 
 
 def test_a_failed_settle_leaves_the_cache_it_started_from(tokenizer):
-    model = _model("lfm2")
+    model = model_for("lfm2")
     mgr = SessionManager(model, tokenizer)
     messages = [LONG_SYSTEM, user_message(0)]
     reply, first = _checked(mgr, model, tokenizer, messages)
@@ -256,7 +257,7 @@ class _BlockingCore:
 def test_a_settle_never_makes_a_call_busy(tokenizer):
     """With busy="error", a call on a session the settler holds for a moment
     (planning or committing) waits for it instead of raising SessionBusy."""
-    model = _model("llama")
+    model = model_for("llama")
     mgr = SessionManager(model, tokenizer, busy="error")
     messages = [SYSTEM, user_message(0)]
     reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW)
@@ -278,7 +279,7 @@ def test_max_checkpoints_one_keeps_the_checkpoint_the_next_turn_needs(tokenizer)
     the next prompt depart inside it. With max_checkpoints=1, thinning kept
     the prompt's end, which lies past that: nothing was reused. Now it keeps
     the one the next turn restores. Settling off, so the turn itself restores it."""
-    model = _model("lfm2")
+    model = model_for("lfm2")
     tokenizer = tiny_tokenizer(THINK_OPENING_TEMPLATE)
     mgr = SessionManager(model, tokenizer, max_checkpoints=1, settle=False)
     messages = [SYSTEM]
@@ -293,7 +294,7 @@ def test_max_checkpoints_one_keeps_the_checkpoint_the_next_turn_needs(tokenizer)
 
 
 def test_settled_sessions_save_and_load_exactly(tmp_path, tokenizer):
-    model = _model("bamba")
+    model = model_for("bamba")
     mgr = SessionManager(model, tokenizer)
     messages = [LONG_SYSTEM, user_message(0)]
     reply, _ = _checked(mgr, model, tokenizer, messages)
@@ -358,7 +359,7 @@ def test_a_session_evicted_since_its_turn_is_not_settled(tokenizer):
     """kvchat serve settles after the turn's lease is gone; if another turn
     evicted the session meanwhile, settling would prefill it all from nothing
     (and evict it again)."""
-    model = _model("llama")
+    model = model_for("llama")
     mgr = SessionManager(model, tokenizer, max_sessions=1)
     messages = [LONG_SYSTEM, user_message(0)]
     reply = mgr.chat("a", messages, max_new_tokens=MAX_NEW, settle=False)
@@ -396,7 +397,7 @@ def test_an_interrupted_turn_does_not_stop_settling(tokenizer):
     for every session afterwards."""
     import _thread
 
-    model = _model("llama")
+    model = model_for("llama")
     mgr = SessionManager(model, tokenizer)
     entered, release = threading.Event(), threading.Event()
     _slow_settle(mgr, entered, release)
@@ -415,7 +416,7 @@ def test_an_interrupted_turn_does_not_stop_settling(tokenizer):
 
 
 def test_an_eviction_a_settle_causes_reaches_the_spill(tmp_path, tokenizer):
-    model = _model("llama")
+    model = model_for("llama")
     a = [LONG_SYSTEM, user_message(0)]
     b = [LONG_SYSTEM, {"role": "user", "content": "Something else entirely, about cats."}]
 

@@ -7,8 +7,7 @@ conversation (float64, greedy)."""
 from __future__ import annotations
 
 import pytest
-from conftest import _model
-from helpers import LONG_SYSTEM, reference_turn
+from helpers import LONG_SYSTEM, model_for, reference_turn
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 
@@ -111,7 +110,7 @@ def test_a_different_system_prompt_shares_nothing(llama, tokenizer):
 def test_hybrid_sessions_share_their_system_prompt(family, tokenizer):
     """Attention KV is shared; sliding-window, conv and recurrent state at the
     prefix's end comes from the donor's checkpoint there."""
-    model = _model(family)
+    model = model_for(family)
     mgr = SessionManager(model, tokenizer)
     system = long_system(tokenizer, 150)
     run_sessions(mgr, model, tokenizer, system, sessions=4, turns=2)

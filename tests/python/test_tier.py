@@ -38,9 +38,9 @@ class MemoryTier(Tier):
 
 @pytest.mark.parametrize("family_name", ["llama", "lfm2"])
 def test_sessions_evicted_to_a_tier_come_back_exactly(family_name, tokenizer):
-    from conftest import _model
+    from helpers import model_for
 
-    model = _model(family_name)
+    model = model_for(family_name)
     tier = MemoryTier()
     mgr = SessionManager(model, tokenizer, max_sessions=1, share_prefixes=False, tier=tier)
     conversations = {sid: [LONG_SYSTEM] for sid in ("a", "b", "c")}

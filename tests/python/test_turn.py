@@ -5,8 +5,7 @@ a turn, and the next turn is exact again."""
 from __future__ import annotations
 
 import pytest
-from conftest import REUSE_FAMILIES, _model
-from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, REUSE_FAMILIES, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from transformers import StoppingCriteria
 
@@ -36,7 +35,7 @@ def _two_turns(mgr, model, tokenizer):
 @pytest.mark.parametrize("family", REUSE_FAMILIES)
 @pytest.mark.parametrize("where", ["before decoding", "mid-decoding"])
 def test_a_turn_that_raises_in_generate_leaves_history_and_no_cache(family, where, tokenizer):
-    model = _model(family)
+    model = model_for(family)
     mgr = SessionManager(model, tokenizer)
     messages = _two_turns(mgr, model, tokenizer)
     history = mgr.messages("s")
