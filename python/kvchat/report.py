@@ -43,6 +43,43 @@ class TurnReport:
         )
 
 
+# The fields each view copies from the core object of the same names.
+_TOTALS = (  # _C.ManagerStats.totals: summed over every turn
+    "requests",
+    "reused_tokens",
+    "prefilled_tokens",
+    "generated_tokens",
+    "invalidations",
+    "checkpoint_restores",
+    "checkpoints_taken",
+    "settles",
+    "settled_tokens",
+)
+_MANAGER = (  # _C.ManagerStats: the manager now
+    "hit_rate",
+    "evictions",
+    "resident_bytes",
+    "checkpoint_bytes",
+    "sessions",
+    "resident_sessions",
+    "shared_prefixes",
+    "prefix_shares",
+    "shared_tokens",
+)
+_CACHE_INFO = (  # _C.ChatSession.cache_info()
+    "cached_tokens",
+    "trusted_tokens",
+    "nbytes",
+    "checkpoints",
+    "checkpoint_bytes",
+    "last_check",
+)
+
+
+def _read(source, names: tuple[str, ...]) -> dict:
+    return {name: getattr(source, name) for name in names}
+
+
 @dataclass(frozen=True)
 class ManagerStats:
     """Totals over all sessions, removed ones included."""
@@ -82,27 +119,7 @@ class ManagerStats:
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:
-        t = stats.totals
-        return cls(
-            requests=t.requests,
-            reused_tokens=t.reused_tokens,
-            prefilled_tokens=t.prefilled_tokens,
-            generated_tokens=t.generated_tokens,
-            hit_rate=stats.hit_rate,
-            invalidations=t.invalidations,
-            checkpoint_restores=t.checkpoint_restores,
-            checkpoints_taken=t.checkpoints_taken,
-            evictions=stats.evictions,
-            resident_bytes=stats.resident_bytes,
-            checkpoint_bytes=stats.checkpoint_bytes,
-            sessions=stats.sessions,
-            resident_sessions=stats.resident_sessions,
-            shared_prefixes=stats.shared_prefixes,
-            prefix_shares=stats.prefix_shares,
-            shared_tokens=stats.shared_tokens,
-            settles=t.settles,
-            settled_tokens=t.settled_tokens,
-        )
+        return cls(**_read(stats.totals, _TOTALS), **_read(stats, _MANAGER))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,15 +151,10 @@ class SessionInfo:
         return cls(
             session_id=session.id,
             resident=session.resident,
-            cached_tokens=info.cached_tokens,
-            trusted_tokens=info.trusted_tokens,
-            nbytes=info.nbytes,
-            checkpoints=info.checkpoints,
-            checkpoint_bytes=info.checkpoint_bytes,
+            **_read(info, _CACHE_INFO),
             dtype=info.dtype or None,
             device=info.device or None,
             system_prompt=system,
             messages=len(messages) - (system is not None),
             requests=session.counters().requests,
-            last_check=info.last_check,
         )
