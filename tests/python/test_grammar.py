@@ -57,7 +57,7 @@ ANSWER = {
     "required": ["ok"],
     "additionalProperties": False,
 }
-CONSTRAINABLE = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON]
+CONSTRAINABLE = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, QWEN_XML, GLM]
 
 
 def _grammars() -> Grammars:
@@ -65,12 +65,19 @@ def _grammars() -> Grammars:
     return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
-def _walk(grammars: Grammars, grammar: str, seed: int, limit: int = 1000) -> str:
-    """The text of a random walk through ``grammar`` to its end."""
+def _walk(grammars: Grammars, grammar: str, seed: int, limit: int = 1000, close="") -> str:
+    """The text of a random walk through ``grammar`` to its end. ``close``: a
+    text the walk sometimes writes when the grammar allows it (where free
+    text ends at a tag, as a model ends it; random tokens never spell it)."""
     tokenizer = grammars._tokenizer
     processor = grammars.processor(grammar, "x")
     matcher, rng, out = processor._matcher, random.Random(seed), []
+    closing = tokenizer(close, add_special_tokens=False)["input_ids"] if close else []
     for _ in range(limit):
+        if closing and rng.random() < 0.1 and matcher.validate_tokens(closing) == len(closing):
+            assert matcher.consume_tokens(closing)
+            out += closing
+            continue
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits[: len(tokenizer)])
         assert allowed.size, matcher.get_error()
@@ -139,11 +146,64 @@ def test_tools_beside_a_json_format_allow_a_call_or_the_json(fmt):
     assert kinds == {"call", "json"}
 
 
-@pytest.mark.parametrize("fmt", [QWEN_XML, GLM, LFM2], ids=lambda f: f.name)
-def test_markup_kvchat_cannot_constrain_is_refused_by_name(fmt):
-    with pytest.raises(GrammarError, match=fmt.name) as error:
-        _grammars().tool_calls(fmt, TOOLS)
+def test_markup_kvchat_cannot_constrain_is_refused_by_name():
+    with pytest.raises(GrammarError, match=LFM2.name) as error:  # Python call arguments
+        _grammars().tool_calls(LFM2, TOOLS)
     assert error.value.param == "tool_choice"
+
+
+# A string written as its text, an integer and a number as JSON, an optional
+# parameter, and a nested object: what the XML formats write untyped, read
+# back typed by the schema.
+BOOKING = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "nights": {"type": "integer"},
+                "budget": {"type": "number", "minimum": 0, "maximum": 1000},
+                "note": {"type": "string"},
+                "guests": {
+                    "type": "object",
+                    "properties": {"adults": {"type": "integer"}},
+                    "required": ["adults"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["city", "nights", "budget", "guests"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("fmt", [QWEN_XML, GLM], ids=lambda f: f.name)
+def test_xml_parameters_are_written_as_the_template_writes_them_and_read_back_typed(fmt):
+    grammars = _grammars()
+    grammar = grammars.tool_calls(fmt, [BOOKING], parallel=False)
+    notes, cities = set(), set()
+    for seed in range(16):
+        text = _walk(grammars, grammar, seed, close=fmt.grammar.xml[2])
+        parser = ToolCallParser(fmt, [BOOKING])
+        parser.feed(text)
+        parser.finish()
+        assert parser.content.strip() == "" and len(parser.calls) == 1, text
+        arguments = json.loads(parser.calls[0].arguments)
+        assert isinstance(arguments["city"], str), text
+        cities.add(arguments["city"].strip())
+        # The text the walk wrote for the city, up to its tag, is what is read back.
+        tag = fmt.grammar.xml[2].strip()
+        written = text.split(fmt.grammar.xml[1].join(("city", "")), 1)[1].split(tag, 1)[0]
+        assert written.strip() == arguments["city"].strip(), text
+        assert type(arguments["nights"]) is int, text
+        assert isinstance(arguments["budget"], (int, float)), text
+        assert type(arguments["guests"]["adults"]) is int, text
+        assert set(arguments) <= set(BOOKING["function"]["parameters"]["properties"]), text
+        notes.add("note" in arguments)
+    assert notes == {True, False}  # the optional one is sometimes written
+    assert len(cities) > 8  # free text, not one forced value
 
 
 def test_a_schema_llguidance_refuses_names_the_field():
@@ -151,3 +211,43 @@ def test_a_schema_llguidance_refuses_names_the_field():
     with pytest.raises(GrammarError) as error:
         grammars.processor(grammars.json_schema({"type": "nonsense"}), "response_format")
     assert error.value.param == "response_format" and "nonsense" in str(error.value)
+
+
+@pytest.mark.parametrize("template", ["Qwen3.5-4B", "GLM-4.6"])
+def test_a_forced_xml_call_is_plain_generates_and_reads_back(template):
+    """A forced call on a real XML template, with the tiny float64 model: the
+    turn is token for token plain generate with the same grammar, and its
+    reply is read back as a call of the forced tool."""
+    from helpers import SYSTEM, model_for, reference_turn
+    from kvchat import SessionManager
+    from kvchat.agents import detect
+    from kvchat.prompting import end_ids
+    from llama_cpp_models import fetch
+
+    path = fetch() / "templates" / f"{template}.jinja"
+    tokenizer = tiny_tokenizer(chat_template=path.read_text())
+    model = model_for("llama")
+    fmt = detect(tokenizer)
+    ends = end_ids(tokenizer, model.generation_config)
+    grammars = Grammars(tokenizer, model.config.vocab_size, ends)
+    grammar = grammars.tool_calls(fmt, TOOLS, parallel=False)
+    messages = [SYSTEM, {"role": "user", "content": "The weather in Paris?"}]
+    manager = SessionManager(model, tokenizer)
+    for turn in range(2):
+        processor = grammars.processor(grammar, "tool_choice")
+        manager.chat("s", messages, max_new_tokens=200, tools=TOOLS, logits_processor=[processor])
+        report = manager.last_turn("s")
+        fresh = grammars.processor(grammar, "tool_choice")
+        _, _, expected = reference_turn(
+            model, tokenizer, messages, 200, tools=TOOLS, logits_processor=[fresh]
+        )
+        assert report.output_ids == expected, f"turn {turn}"
+        text = tokenizer.decode(list(report.output_ids), skip_special_tokens=False)
+        text = text.split(tokenizer.eos_token)[0]
+        _, calls = _read(fmt, text)
+        assert len(calls) == 1 and _allowed(calls[0]), text
+        messages += [
+            {"role": "assistant", "content": "", "tool_calls": [calls[0].as_dict()]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+        ]
+    assert manager.last_turn("s").reused_tokens > 0

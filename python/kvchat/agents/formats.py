@@ -28,7 +28,10 @@ class CallGrammar:
     the calls (joined by ``separator``; None: one call only),
     ``section_close``. A call is ``call_open``, then either one JSON object
     ``{"name": NAME, arguments_key: ARGUMENTS}`` (``name_in_json``) or NAME,
-    ``name_close`` and the arguments' JSON, then ``call_close``."""
+    ``name_close`` and the arguments, then ``call_close``. The arguments are
+    one JSON object, or with ``xml`` (key_open, key_close, value_close) one
+    tagged parameter each: key_open KEY key_close VALUE value_close, a string
+    written as its text and any other value as JSON."""
 
     call_open: str
     call_close: str = ""
@@ -38,6 +41,7 @@ class CallGrammar:
     name_in_json: bool = True
     name_close: str = ""
     arguments_key: str = "arguments"
+    xml: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class ToolFormat:
     first character. ``spec``: the transformers ``response_template`` the
     section is parsed with; None for a reply that is one JSON object (Llama
     3.x), read whole. ``grammar``: how a constrained turn writes calls; None
-    where kvchat cannot constrain this markup (XML or Python arguments).
+    where kvchat cannot constrain this markup (LFM2's Python arguments).
     """
 
     name: str
@@ -113,6 +117,13 @@ QWEN_XML = ToolFormat(  # Qwen3.5, Qwen3-Coder: XML parameters inside <tool_call
             "tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"
         },
     ),
+    grammar=CallGrammar(
+        "<tool_call>\n<function=",
+        "</function>\n</tool_call>",
+        name_in_json=False,
+        name_close=">\n",
+        xml=("<parameter=", ">\n", "\n</parameter>\n"),
+    ),
 )
 GLM = ToolFormat(  # GLM-4.5/4.6: <tool_call>NAME <arg_key>k</arg_key><arg_value>v</arg_value>
     "glm",
@@ -127,6 +138,13 @@ GLM = ToolFormat(  # GLM-4.5/4.6: <tool_call>NAME <arg_key>k</arg_key><arg_value
                 r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
             )
         },
+    ),
+    grammar=CallGrammar(
+        "<tool_call>",
+        "</tool_call>",
+        name_in_json=False,
+        name_close="\n",
+        xml=("<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n"),
     ),
 )
 KIMI = ToolFormat(  # Kimi-K2: a section of calls named functions.NAME:INDEX

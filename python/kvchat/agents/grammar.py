@@ -109,8 +109,11 @@ class Grammars:
         else:
             alternatives = []
             for i, tool in enumerate(tools):
-                schema = {**_parameters(tool), "x-guidance": _JSON_STYLE}
-                rules.append(f"arguments_{i}: %json {json.dumps(schema)}")
+                if g.xml is None:
+                    schema = {**_parameters(tool), "x-guidance": _JSON_STYLE}
+                    rules.append(f"arguments_{i}: %json {json.dumps(schema)}")
+                else:
+                    rules.append(f"arguments_{i}: {self._xml_arguments(g.xml, tool, i, rules)}")
                 name = tool["function"]["name"]
                 alternatives.append(
                     self._seq(
@@ -129,6 +132,44 @@ class Grammars:
             rules.append(f"value: %json {json.dumps({**or_json, 'x-guidance': _JSON_STYLE})}")
             return "start: (" + section + ") | value\n" + "\n".join(rules) + "\n"
         return f"start: {section}\n" + "\n".join(rules) + "\n"
+
+    def _xml_arguments(self, tags: tuple[str, str, str], tool: dict, i: int, rules: list) -> str:
+        """Lark for a tool's parameters as tagged values, in the schema's
+        order, the required ones always: a string (or a choice of strings)
+        as its text, any other value as compact JSON. What the parser reads
+        back is typed by the tool's schema again."""
+        key_open, key_close, value_close = tags
+        schema = _parameters(tool)
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        parts = []
+        for j, (key, prop) in enumerate(properties.items()):
+            value, close = f"value_{i}_{j}", value_close
+            prop = prop if isinstance(prop, dict) else {}
+            choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
+            if choices and all(isinstance(c, str) and c for c in choices):
+                rules.append(f"{value}: " + " | ".join(self._literal(c) for c in choices))
+            elif prop.get("type") == "string" and not choices:
+                body, close = self._text_until(close)
+                rules.append(value + body)
+            else:
+                rules.append(f"{value}: %json {json.dumps({**prop, 'x-guidance': _JSON_STYLE})}")
+            part = self._seq(key_open + key + key_close, value, close)
+            parts.append(part if key in required else f"({part})?")
+        return " ".join(parts) or '""'
+
+    def _text_until(self, close: str) -> tuple[str, str]:
+        """(a rule body, after its name, for a string written as its text up
+        to ``close``; what of ``close`` is left to write after it). The text
+        ends at the first close tag, as the parser splits there: a lazy
+        lexeme through the tag (so no text holds it), then what follows the
+        tag. A tag that is a special token cannot appear in text: any text,
+        then the whole close."""
+        tag = close.strip()
+        if self._literal(tag).startswith("<["):
+            return ": /(?s:.+)/", close
+        pattern = "".join("\\/" if c == "/" else re.escape(c) for c in tag)
+        return f"[lazy]: /(?s:.*){pattern}/", close[close.index(tag) + len(tag) :]
 
     def json_schema(self, schema: dict) -> str:
         schema = dict(schema)
