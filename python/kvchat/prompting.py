@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _C
+from .call_arguments import as_the_template_wants
 
 logger = logging.getLogger("kvchat")
 
@@ -246,11 +247,12 @@ def render_text(tokenizer, messages: list[dict], tools=None, template_kwargs=Non
     """The conversation plus the generation prompt, as the chat template writes it.
 
     ``tools`` (OpenAI-style function specs) and ``template_kwargs`` (such as
-    ``enable_thinking``) go to the template, as transformers passes them."""
+    ``enable_thinking``) go to the template, as transformers passes them;
+    tool-call arguments as the template wants them (``call_arguments``)."""
     require_chat_template(tokenizer)
     try:
         return tokenizer.apply_chat_template(
-            messages,
+            as_the_template_wants(tokenizer, messages),
             tools=tools,
             tokenize=False,
             add_generation_prompt=True,

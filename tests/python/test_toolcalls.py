@@ -12,6 +12,7 @@ import json
 import pytest
 from kvchat.agents import Content, ToolCall, ToolCallParser, detect
 from kvchat.agents.formats import HERMES, LLAMA3_JSON, ToolFormat
+from kvchat.prompting import render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import fetch
 
@@ -283,3 +284,50 @@ def test_arguments_that_are_not_a_strict_json_object_stay_text(arguments):
     text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
     content, calls, _ = _parse(HERMES, [text])
     assert calls == [] and content == text
+
+
+@pytest.mark.parametrize("template", sorted(CASES))
+def test_arguments_sent_back_as_json_text_render_as_the_model_wrote_them(template):
+    """OpenAI clients send a call's arguments back as JSON text. Templates
+    that iterate them (Qwen3.5, GLM) or apply tojson to them (Qwen2.5,
+    Llama) get the object they hold: the history renders as it does with
+    object arguments, never refused and never an escaped string."""
+    tokenizer = _tokenizer(template)
+    user = [{"role": "user", "content": "The weather?"}]
+    count = _rendered_reply(template, "")[1]
+    as_objects, as_text = (
+        [*user, {"role": "assistant", "content": "", "tool_calls": calls}]
+        for calls in (
+            _calls(count),
+            [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"]),
+                    },
+                }
+                for c in _calls(count)
+            ],
+        )
+    )
+    want = render_text(tokenizer, as_objects, [WEATHER])
+    assert render_text(tokenizer, as_text, [WEATHER]) == want
+    assert '\\"city\\"' not in want
+
+
+def test_a_template_that_writes_text_arguments_keeps_them_as_sent():
+    """The tiny ChatML template writes text arguments as they are: compact
+    JSON the model wrote stays compact, so the history is what it wrote."""
+    tokenizer = tiny_tokenizer()
+    compact = '{"city":"Paris"}'
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": compact},
+    }
+    messages = [
+        {"role": "user", "content": "The weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    assert compact in render_text(tokenizer, messages, [WEATHER])

@@ -1,0 +1,86 @@
+"""Tool-call arguments as the chat template wants them.
+
+OpenAI clients send an assistant's ``tool_calls`` back with ``arguments`` as
+JSON text. Many templates iterate them as a mapping (Qwen3.5's and
+Qwen3-Coder's ``arguments|items``, GLM's), and refuse text; others apply
+``tojson`` to them, which writes text as an escaped JSON string, not the call
+the model wrote. The template decides: it is probed once with text
+arguments, and where it refuses them or escapes them, arguments that are a
+JSON object are passed to it as that object. Templates that write text as it
+is (Hermes-style ``is string`` checks) get the text, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+_PROBE_ARGUMENTS = '{"key": "value"}'
+_PROBE = [
+    {"role": "user", "content": "Alpha"},
+    {
+        "role": "assistant",
+        "content": "",
+        # Nine letters or digits: Mistral's templates refuse other ids.
+        "tool_calls": [
+            {
+                "id": "a1b2c3d4e",
+                "type": "function",
+                "function": {"name": "probe", "arguments": _PROBE_ARGUMENTS},
+            }
+        ],
+    },
+]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe",
+            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+        },
+    }
+]
+
+
+def as_the_template_wants(tokenizer, messages: list[dict]) -> list[dict]:
+    """``messages``, with text arguments that hold a JSON object passed as
+    that object where the template wants objects (a copy; the input is kept)."""
+    if not any(_text_arguments(m) for m in messages):
+        return messages
+    if not _wants_objects(tokenizer, str(getattr(tokenizer, "chat_template", None))):
+        return messages
+    return [_with_objects(m) if _text_arguments(m) else m for m in messages]
+
+
+def _text_arguments(message: dict) -> bool:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    return any(
+        isinstance(call, dict) and isinstance(call.get("function", {}).get("arguments"), str)
+        for call in calls or ()
+    )
+
+
+def _with_objects(message: dict) -> dict:
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None  # text that is no JSON stays text
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
+
+
+@functools.lru_cache(maxsize=32)
+def _wants_objects(tokenizer, template: str) -> bool:
+    """Whether ``template`` refuses text arguments or writes them escaped."""
+    try:
+        text = tokenizer.apply_chat_template(_PROBE, tools=_PROBE_TOOLS, tokenize=False)
+    except Exception:  # a template that iterates the arguments as a mapping
+        return True
+    return json.dumps(_PROBE_ARGUMENTS)[1:-1] in text  # '{\"key\": ...': tojson of text
