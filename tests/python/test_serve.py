@@ -735,7 +735,9 @@ def test_a_session_key_that_cannot_be_a_header_runs_nothing_and_leaks_no_slot():
         server.stop()
 
 
-def _slow_reader(server: Server, body: dict) -> socket.socket:
+def _slow_reader(
+    server: Server, body: dict, path: str = "/v1/chat/completions", key: str | None = None
+) -> socket.socket:
     """A request whose reader holds a tiny receive window and reads nothing
     until told: the server's writes then wait on it (small segments keep the
     server's send buffer small, as over a real network)."""
@@ -746,8 +748,9 @@ def _slow_reader(server: Server, body: dict) -> socket.socket:
     sock.connect(("127.0.0.1", server.port))
     payload = json.dumps(body).encode()
     head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + (f"Authorization: Bearer {key}\r\n" if key else "")
+        + f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         "Connection: close\r\n\r\n"
     )
     sock.sendall(head.encode() + payload)
@@ -791,6 +794,39 @@ def test_a_session_never_expires_while_its_reply_is_still_being_read():
             time.sleep(0.2)
     finally:
         server.stop()
+
+
+SLOW_STREAMS = {
+    # About 400 kB of events each, more than the buffers on the way hold.
+    "completions": (
+        "/v1/completions",
+        {"model": "tiny:llama", "prompt": "Once", "max_tokens": 1600, "min_tokens": 1600},
+        b"data: [DONE]",
+    ),
+}
+
+
+@pytest.mark.parametrize("stream", sorted(SLOW_STREAMS))
+def test_a_slow_reader_of_a_stream_holds_up_no_other_request(llama_server, stream):
+    """A client that reads its text completion or Responses stream slowly
+    holds its own connection only: the turn ends and commits, another
+    client's request runs meanwhile, and the slow one still gets every event
+    to the last."""
+    path, body, last = SLOW_STREAMS[stream]
+    sock = _slow_reader(llama_server, {**body, "stream": True}, path, KEY_A)
+    try:
+        first = sock.recv(2048)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        other = llama_server.post("/v1/chat/completions", json=_chat_body())
+        assert other.status_code == 200, other.text
+        time.sleep(1)  # the slow reader has still read nothing more
+        rest = bytearray(first)
+        while chunk := sock.recv(65536):
+            rest += chunk
+        assert len(rest) > 300_000, len(rest)  # the buffers on the way were full
+        assert last in rest[-2000:], bytes(rest[-300:])
+    finally:
+        sock.close()
 
 
 def test_a_session_id_with_a_slash_is_read_and_deleted_by_its_owner_alone(llama_server):
