@@ -14,6 +14,7 @@ whose own dependencies (``llm``, ``llama-cpp-python``) kvchat does not need.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 from pathlib import Path
@@ -58,6 +59,35 @@ def _quiet_imports():
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers parses a .gguf file's metadata three times (for the
+    tokenizer, the config and the weights: about 4 s each for SmolLM2's
+    49k-token vocabulary on a CPU) and builds gguf's tensor-name map once per
+    tensor (272 tensors, 5 s in all). Both are pure, so during one load each
+    is made once. Without gguf (a checkpoint folder) this does nothing."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def read_once(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    # transformers imports both names from gguf at each call, so these are seen.
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +105,7 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
                 "(or pip install 'gguf>=0.10')"
             )
         path, kwargs = path.parent, {"gguf_file": path.name}
-    with _quiet_imports():
+    with _quiet_imports(), _gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype or ("auto" if not kwargs else torch.float32), **kwargs
