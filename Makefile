@@ -31,7 +31,7 @@ help:
 	@echo "make demo   - build and replay a chat on SmolLM2-135M-Instruct: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
 	@echo "make test-fast - the pytest tests with no server, no redis-server, not slow (under a minute)"
-	@echo "make test-clients - LangChain, LiteLLM and pydantic-ai against kvchat serve (own venv)"
+	@echo "make test-clients - LangChain, LiteLLM, pydantic-ai, smolagents and the llm CLI against kvchat serve (own venv)"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
@@ -85,10 +85,13 @@ test-python: build $(BUILD)/llama-cpp/.complete
 test: test-cpp test-python
 
 # Client libraries against kvchat serve (tests/clients), in an environment of
-# their own that sees this one's torch and kvchat: LangChain, LiteLLM, pydantic-ai.
+# their own that sees this one's torch and kvchat: LangChain, LiteLLM, pydantic-ai,
+# smolagents and Simon Willison's llm CLI.
 CLIENTS_VENV := $(BUILD)/clients-venv
-CLIENT_DEPS := "langchain-openai>=0.3" "litellm>=1.50" "pydantic-ai-slim[openai]>=1.0"
-$(CLIENTS_VENV)/.complete:
+CLIENT_DEPS := "langchain-openai>=0.3" "litellm>=1.50" "pydantic-ai-slim[openai]>=1.0" \
+	"smolagents[openai]>=1.0" "llm>=0.19"
+# On the Makefile too: a venv made before CLIENT_DEPS changed gets what was added.
+$(CLIENTS_VENV)/.complete: Makefile
 	$(PY) -m venv --system-site-packages $(CLIENTS_VENV)
 	$(CLIENTS_VENV)/bin/python -m pip install -q $(CLIENT_DEPS)
 	touch $@

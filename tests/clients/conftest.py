@@ -1,6 +1,7 @@
 """Client-library tests (``make test-clients``): run in build/clients-venv,
-which sees the system's torch and kvchat and adds langchain-openai, LiteLLM and
-pydantic-ai. They reuse the server helpers of tests/python."""
+which sees the system's torch and kvchat and adds langchain-openai, LiteLLM,
+pydantic-ai, smolagents and the llm CLI. They reuse the server helpers of
+tests/python."""
 
 import os
 import sys
