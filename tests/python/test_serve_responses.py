@@ -17,7 +17,7 @@ from helpers import reference_turn
 from kvchat.agents import ToolCall, ToolCallParser, detect
 from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
-from kvchat.serve.responses import _tools
+from kvchat.serve.responses_request import _tools
 from kvchat.tiny import tiny_tokenizer
 from test_serve import KEY_A, KEY_B, Server, _reference
 

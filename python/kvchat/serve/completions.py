@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from . import protocol
+from ..prompting import check_json
+from . import chat_response
+from .chat_request import ChatRequest, parse_chat_request
 from .errors import APIError
 
 # The legacy API's fields; the chat request's checks take the rest.
@@ -33,7 +35,7 @@ _CHAT_ONLY = {
 }
 
 
-def parse_request(body) -> protocol.ChatRequest:
+def parse_request(body) -> ChatRequest:
     """Checks every field; raises APIError(400) naming the first bad one."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_value")
@@ -58,11 +60,11 @@ def parse_request(body) -> protocol.ChatRequest:
             code="missing_required_parameter" if "prompt" not in body else "invalid_value",
         )
     try:
-        protocol.check_json(prompt, "prompt")  # a lone surrogate, say
+        check_json(prompt, "prompt")  # a lone surrogate, say
     except ValueError as error:
         raise APIError(400, str(error), param="prompt", code="invalid_value") from None
     fields = {k: v for k, v in body.items() if k not in (*_REFUSED, "prompt")}
-    chat = protocol.parse_chat_request({**fields, "messages": [{"role": "user", "content": "-"}]})
+    chat = parse_chat_request({**fields, "messages": [{"role": "user", "content": "-"}]})
     chat.messages, chat.prompt = [], prompt
     chat.extra["session_field"] = "prompt_cache_key" if body.get("prompt_cache_key") else "user"
     return chat
@@ -73,7 +75,7 @@ def completion_id() -> str:
 
 
 def body(cid: str, model: str, text: str, finish_reason: str, report) -> dict:
-    return {**chunk(cid, model, text, finish_reason), "usage": protocol.usage(report)}
+    return {**chunk(cid, model, text, finish_reason), "usage": chat_response.usage(report)}
 
 
 def chunk(cid: str, model: str, text: str, finish_reason: str | None = None) -> dict:
@@ -87,4 +89,4 @@ def chunk(cid: str, model: str, text: str, finish_reason: str | None = None) -> 
 
 
 def usage_chunk(cid: str, model: str, report) -> dict:
-    return {**chunk(cid, model, ""), "choices": [], "usage": protocol.usage(report)}
+    return {**chunk(cid, model, ""), "choices": [], "usage": chat_response.usage(report)}

@@ -39,6 +39,11 @@ class APIError(Exception):
         }
 
 
+def bad_request(param: str | None, message: str, code: str | None = "invalid_value") -> APIError:
+    """A 400 naming the request field ``param`` that is wrong."""
+    return APIError(400, message, param=param, code=code)
+
+
 def _printable(text: str) -> str:
     """``text`` as UTF-8 can carry it: a client's lone surrogate (in a field
     name it sent, say) is written as its escape, never a failed response."""

@@ -8,7 +8,7 @@ import threading
 from starlette.responses import StreamingResponse
 
 from ..agents import Content, ToolCall, ToolCallParser, ToolFormat
-from . import protocol
+from . import chat_response
 
 DONE = object()
 
@@ -23,7 +23,7 @@ class Reply:
         self.max_tokens = max_tokens
         self._first = first
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
-        self._trim = protocol.StopTrimmer(chat.stop)
+        self._trim = StopTrimmer(chat.stop)
         self._parser = ToolCallParser(fmt, chat.tools) if fmt is not None else None
         self._ended = False  # the stream's end was seen: never ask it again
         self.text = ""  # the reply as sent, before tool calls are read out of it
@@ -80,7 +80,7 @@ class Reply:
         return items
 
     def message(self) -> dict:
-        return protocol.message(self.content, self.calls)
+        return chat_response.message(self.content, self.calls)
 
     @property
     def report(self):
@@ -115,3 +115,31 @@ class TurnStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_end()
+
+
+class StopTrimmer:
+    """Cuts the reply at the first stop string, as OpenAI does (the stop string
+    is not returned). Fed streamed pieces, it holds back only what could still
+    be the start of a stop string."""
+
+    def __init__(self, stop: list[str]):
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self._pending += piece
+        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self._pending, self.stopped = self._pending[:cut], "", True
+            return out
+        safe = len(self._pending) - self._hold
+        out, self._pending = self._pending[: max(safe, 0)], self._pending[max(safe, 0) :]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out

@@ -18,7 +18,7 @@ from ..agents import detect
 from ..agents.grammar import GrammarError, Grammars
 from ..arguments import ContextLengthError
 from ..prompting import end_ids
-from . import protocol
+from .chat_request import ChatRequest
 from .errors import APIError
 from .reply import DONE, Reply, tool_format
 
@@ -37,7 +37,7 @@ class TurnRunner:
         self.calls_format = detect(manager.tokenizer)  # the template's tool-call markup, if known
         self.grammars = Grammars(manager.tokenizer, _vocab_size(manager.model), self.stop_ids)
 
-    async def begin(self, ns: str, chat: protocol.ChatRequest, explicit: str | None) -> Reply:
+    async def begin(self, ns: str, chat: ChatRequest, explicit: str | None) -> Reply:
         """Claims the session (``explicit``, or found by the conversation) and
         starts the turn; what is refused before generation is an APIError."""
         fmt = tool_format(chat, self.calls_format)
@@ -73,7 +73,7 @@ class TurnRunner:
     def session_header(self, turn: Reply) -> dict:
         return {"X-Session-ID": self.router.external(turn.ns, turn.session) or turn.session}
 
-    async def _claim(self, ns: str, explicit: str | None, chat: protocol.ChatRequest) -> str:
+    async def _claim(self, ns: str, explicit: str | None, chat: ChatRequest) -> str:
         """self.router.claim, off the event loop when it asks the shared store (a
         network call). If the request is cancelled meanwhile (its client
         left), the claim is released as a failed turn once it is made: never
@@ -106,7 +106,7 @@ class TurnRunner:
             return done
         return asyncio.shield(loop.run_in_executor(None, self.router.release, ns, session, None))
 
-    def _constrain(self, chat: protocol.ChatRequest, fmt):
+    def _constrain(self, chat: ChatRequest, fmt):
         """The grammar's logits processor for a constrained request; 400 for a
         schema llguidance refuses or a tool-call markup it cannot write."""
         try:
@@ -131,9 +131,7 @@ class TurnRunner:
         except GrammarError as error:
             raise APIError(400, str(error), param=error.param, code="invalid_value") from None
 
-    async def _start(
-        self, session: str, chat: protocol.ChatRequest, max_tokens: int, fmt, processor
-    ):
+    async def _start(self, session: str, chat: ChatRequest, max_tokens: int, fmt, processor):
         """Starts the turn and waits for its first piece, so what is refused
         before generation (a context overflow, say) is an error status."""
         kwargs = dict(chat.generate_kwargs)

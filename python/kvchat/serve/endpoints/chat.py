@@ -1,0 +1,76 @@
+"""``POST /v1/chat/completions``: a chat turn on the session the request
+names (``prompt_cache_key``, ``user`` or the ``X-Session-ID`` header) or the
+one its conversation continues, answered whole or streamed as chunks."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ...agents import ToolCall
+from .. import chat_response
+from ..chat_request import header_value, parse_chat_request
+from ..errors import APIError
+from ..reply import DONE, Reply
+from ..turns import TurnRunner
+from .context import AppContext, sse
+
+
+def register(app: FastAPI, ctx: AppContext) -> None:
+    turns = ctx.turns
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        ns = ctx.caller(request)
+        chat = parse_chat_request(await ctx.read_json(request))
+        ctx.check_model(chat.model)
+        header = request.headers.get("x-session-id")
+        if header is not None and not (0 < len(header) <= 512 and header_value(header)):
+            raise APIError(
+                400,
+                "X-Session-ID must be 1 to 512 characters of printable ASCII with no space "
+                f"at either end (it is sent back as a header), got {header[:64]!r}",
+                param="X-Session-ID",
+                code="invalid_value",
+            )
+        explicit = chat.session_key or (header or None)
+        turn = await turns.begin(ns, chat, explicit)
+        # Made before the turn runs: a turn is never run for a reply that cannot be sent.
+        headers = turns.session_header(turn)
+        cid = chat_response.completion_id()
+        if chat.stream:
+            return ctx.streamed(turn, stream_body(turns, turn, cid), headers)
+        await ctx.collected(turn)
+        reason = turn.finish_reason(turns.stop_ids)
+        body = chat_response.completion(cid, chat.model, turn.message(), reason, turn.report)
+        return JSONResponse(body, headers=headers)
+
+
+async def stream_body(turns: TurnRunner, turn: Reply, cid: str):
+    model = turn.chat.model
+    finished = False
+    calls = 0
+    try:
+        yield sse(chat_response.chunk(cid, model, {"role": "assistant", "content": ""}))
+        while True:
+            items = await run_in_threadpool(turn.next_items)
+            if items is DONE:
+                break
+            for item in items:
+                if isinstance(item, ToolCall):
+                    for delta in chat_response.tool_call_deltas(calls, item):
+                        yield sse(chat_response.chunk(cid, model, delta))
+                    calls += 1
+                elif item.text:
+                    yield sse(chat_response.chunk(cid, model, {"content": item.text}))
+        # Committed and released before [DONE], so the client's next turn finds it.
+        await run_in_threadpool(turns.finish, turn)
+        finished = True
+        yield sse(chat_response.chunk(cid, model, {}, turn.finish_reason(turns.stop_ids)))
+        if turn.chat.include_usage and turn.stream.report is not None:
+            yield sse(chat_response.usage_chunk(cid, model, turn.stream.report))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away: stop within a token, commit on a thread
+            turns.abandon(turn)
