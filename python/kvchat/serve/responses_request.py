@@ -43,6 +43,7 @@ _HANDLED = {
     "text",
     "prompt_cache_key",
     "user",
+    "min_tokens",  # kvchat's own, as in chat completions
     "background",
     "conversation",
     "max_tool_calls",
@@ -122,7 +123,8 @@ def parse_request(body) -> ResponsesRequest:
     if not isinstance(stream, bool):
         raise bad_request("stream", f"stream must be a boolean, got {reprlib.repr(stream)}")
 
-    names = ("model", "temperature", "top_p", "prompt_cache_key", "user")
+    # min_tokens: kvchat's own, as in chat completions.
+    names = ("model", "temperature", "top_p", "prompt_cache_key", "user", "min_tokens")
     chat = {name: body[name] for name in names if body.get(name) is not None}
     chat.update(stream=stream)
     if body.get("max_output_tokens") is not None:
