@@ -1,5 +1,5 @@
 // Times the core's per-turn bookkeeping (begin_turn: plan, share lookup and
-// layers; finish_turn: checks, commit and record) for one session of 1k to 32k tokens,
+// layers; Turn::finish: checks, commit and record) for one session of 1k to 32k tokens,
 // SmolLM2-135M-shaped: 30 layers, 3 KV heads of 64; then what prefix sharing adds to a turn through
 // the manager (the share_prefix lookup, and the lease's reindex: the rebase and the radix-tree
 // update). Runs outside the test suite: `make bench-overhead`.
@@ -101,7 +101,7 @@ int main() {
       // and the reply's first token completes the 200 the cache grows by.
       const int64_t prompt = tokens + kNewTokens - 1;
       auto t0 = clock_type::now();
-      auto plan = mgr->begin_turn(session, ids.data(), prompt, 1);  // plan, share, layers
+      auto turn = mgr->begin_turn(*lease, ids.data(), prompt, 1);  // plan, share, layers
       auto t1 = clock_type::now();
       kvchat::TurnResult result;
       result.sequence.assign(ids.begin(), ids.end());
@@ -109,7 +109,7 @@ int main() {
       result.cached_tokens = tokens + kNewTokens;
       result.layers = grown;
       auto t2 = clock_type::now();
-      mgr->finish_turn(session, plan, std::move(result));  // checks, commit, record
+      turn.finish(std::move(result));  // checks, commit, record
       auto t3 = clock_type::now();
       begin_us.push_back(us_between(t0, t1));
       finish_us.push_back(us_between(t2, t3));

@@ -134,21 +134,7 @@ void bind_chat_session(py::module_& m) {
           },
           py::arg("prompt_ids"))
       .def("layers_for", &ChatSession::layers_for, py::arg("plan"), no_gil())
-      .def(
-          "commit",
-          [](ChatSession& s, const at::Tensor& token_ids, std::vector<LayerStatePtr> layers,
-             int64_t new_from, const TurnMarkers& markers, const RepetitionRule& rule,
-             std::vector<Checkpoint> checkpoints, std::string text) {
-            auto [data, n] = token_ids_view(token_ids, "token_ids");
-            py::gil_scoped_release release;
-            s.commit(data, n, std::move(layers), new_from, markers, rule, std::move(checkpoints),
-                     std::move(text));
-          },
-          py::arg("token_ids"), py::arg("layers"), py::arg("new_from"), py::arg("markers"),
-          py::arg("rule") = RepetitionRule{}, py::arg("checkpoints") = std::vector<Checkpoint>{},
-          py::arg("text") = std::string{})
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
-      .def("release_layers", &ChatSession::release_layers, no_gil())
       .def("cached_state", &ChatSession::cached_state, no_gil())
       .def("restore", &ChatSession::restore, py::arg("state"), no_gil())
       .def_property_readonly("resident", py::cpp_function(&ChatSession::resident, no_gil()))
@@ -156,7 +142,6 @@ void bind_chat_session(py::module_& m) {
       .def("cache_info", &ChatSession::cache_info, no_gil())
       .def("cached_ids", &ChatSession::cached_ids, no_gil())
       .def("cached_text", &ChatSession::cached_text, no_gil())
-      .def("record_turn", &ChatSession::record_turn, py::arg("turn"), no_gil())
       .def("last_turn", &ChatSession::last_turn, no_gil())
       .def("counters", &ChatSession::counters, no_gil());
 }

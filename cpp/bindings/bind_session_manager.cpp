@@ -63,15 +63,6 @@ void bind_session_manager(py::module_& m) {
              for (auto& e : evicted) out.emplace_back(e.id, std::move(e.state));
              return out;
            })
-      .def(
-          "share_prefix",
-          [](SessionManager& m, ChatSession& session, const at::Tensor& prompt_ids,
-             const ReusePlan& plan) {
-            auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
-            py::gil_scoped_release release;
-            return m.share_prefix(session, data, n, plan);
-          },
-          py::arg("session"), py::arg("prompt_ids"), py::arg("plan"))
       .def("acquire", &SessionManager::acquire, py::arg("session_id"), py::arg("wait") = true,
            py::arg("create") = true, py::arg("touch") = true, no_gil())
       .def("find", &SessionManager::find, py::arg("session_id"), no_gil())
@@ -80,7 +71,6 @@ void bind_session_manager(py::module_& m) {
       .def("clear", &SessionManager::clear, py::arg("session_id"), no_gil())
       .def("remove", &SessionManager::remove, py::arg("session_id"), no_gil())
       .def("stats", &SessionManager::stats, no_gil())
-      .def("enforce_limits", &SessionManager::enforce_limits, no_gil())
       .def_property_readonly("max_sessions",
                              [](const SessionManager& s) { return s.limits().max_sessions; })
       .def_property_readonly("max_cache_bytes",

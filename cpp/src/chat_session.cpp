@@ -196,27 +196,40 @@ void ChatSession::invalidate_cache() {
   const CachedState dropped = take_cache();  // dies here, after the lock
 }
 
+bool ChatSession::invalidate_cache_if(uint64_t version) {
+  CachedState dropped;  // dies after the lock
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (version_ != version) return false;
+  take_cache_locked(&dropped);
+  return true;
+}
+
 CachedState ChatSession::take_cache() {
   CachedState out;
   std::lock_guard<std::mutex> lock(mutex_);
-  out.ids.swap(cached_ids_);
-  out.layers.swap(layers_);
-  out.checkpoints.swap(checkpoints_);
-  out.text.swap(cached_text_);
-  out.trusted_tokens = trusted_tokens_;
-  trusted_tokens_ = 0;
-  last_check_.clear();
-  version_ = next_version();
+  take_cache_locked(&out);
   return out;
 }
 
-void ChatSession::release_layers() {
+void ChatSession::take_cache_locked(CachedState* out) {
+  out->ids.swap(cached_ids_);
+  out->layers.swap(layers_);
+  out->checkpoints.swap(checkpoints_);
+  out->text.swap(cached_text_);
+  out->trusted_tokens = trusted_tokens_;
+  trusted_tokens_ = 0;
+  last_check_.clear();
+  version_ = next_version();
+}
+
+uint64_t ChatSession::release_layers() {
   std::vector<LayerStatePtr> released;
   std::lock_guard<std::mutex> lock(mutex_);
   cached_ids_.clear();
   cached_text_.clear();
   released.swap(layers_);
   version_ = next_version();
+  return version_;
 }
 
 namespace {

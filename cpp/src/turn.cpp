@@ -22,19 +22,98 @@ std::vector<LayerStatePtr> SettlePlan::take_layers() {
   return out;
 }
 
-TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
-                                    int64_t max_new_tokens, std::optional<CachedState> reloaded,
-                                    std::optional<ReuseReason> plain, int64_t rewritten_tail) {
+Turn::Turn(std::shared_ptr<SessionManager> manager, std::shared_ptr<ChatSession> session)
+    : manager_(std::move(manager)), session_(std::move(session)) {}
+
+Turn::Turn(Turn&& other) noexcept
+    : manager_(std::move(other.manager_)),
+      session_(std::move(other.session_)),
+      plan_(std::move(other.plan_)),
+      taken_version_(other.taken_version_),
+      state_(other.state_.exchange(State::kMovedFrom)) {}
+
+Turn& Turn::operator=(Turn&& other) noexcept {
+  if (this != &other) {
+    abort();
+    manager_ = std::move(other.manager_);
+    session_ = std::move(other.session_);
+    plan_ = std::move(other.plan_);
+    taken_version_ = other.taken_version_;
+    state_.store(other.state_.exchange(State::kMovedFrom));
+  }
+  return *this;
+}
+
+Turn::~Turn() { abort(); }
+
+namespace {
+
+const char* closed_as(Turn::State state) {
+  switch (state) {
+    case Turn::State::kFinished:
+      return "finished";
+    case Turn::State::kAborted:
+      return "aborted";
+    default:
+      return "moved from";
+  }
+}
+
+}  // namespace
+
+bool Turn::close(State to) {
+  State open = State::kOpen;
+  return state_.compare_exchange_strong(open, to);
+}
+
+TurnRecord Turn::finish(TurnResult result) {
+  TORCH_CHECK(close(State::kFinished), "the turn was already ", closed_as(state_.load()),
+              "; a turn is finished once");
+  try {
+    return manager_->finish_turn(*session_, plan_, std::move(result));
+  } catch (...) {
+    state_.store(State::kAborted);
+    abort_session();
+    throw;
+  }
+}
+
+void Turn::abort() noexcept {
+  if (close(State::kAborted)) abort_session();
+}
+
+void Turn::abort_session() const noexcept {
+  // A plain turn never took the session's layers; anything else did, once
+  // taken_version_ is set (a begin_turn that threw before took nothing).
+  if (plan_.plain || taken_version_ == 0) return;
+  try {
+    session_->invalidate_cache_if(taken_version_);
+  } catch (...) {
+    // Only a failure to lock gets here, and an abort must not throw (it runs
+    // in destructors): the session is then left as the turn left it, with no
+    // layers, its history, and checkpoints that eviction still counts.
+  }
+}
+
+Turn SessionManager::begin_turn(const SessionLease& lease, const int64_t* prompt, int64_t n,
+                                int64_t max_new_tokens, std::optional<CachedState> reloaded,
+                                std::optional<ReuseReason> plain, int64_t rewritten_tail) {
+  TORCH_CHECK_VALUE(lease.manager_.get() == this,
+                    "the lease is another SessionManager's; begin the turn on that one");
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
   TORCH_CHECK_VALUE(rewritten_tail >= 0, "rewritten_tail must be >= 0, got ", rewritten_tail);
   TORCH_CHECK_VALUE(max_new_tokens > 0, "max_new_tokens must be a positive int, got ",
                     max_new_tokens);
-  TurnPlan turn;
+  // Open from here: should anything below throw once the session has handed
+  // its layers over, the Turn's destructor aborts it.
+  Turn out(shared_from_this(), lease.session());  // session(): throws once released
+  ChatSession& session = *out.session_;
+  TurnPlan& turn = out.plan_;
   turn.prompt.assign(prompt, prompt + n);
   if (plain) {
     turn.plain = true;
     turn.reason = *plain;
-    return turn;
+    return out;
   }
   bool reloaded_ok = false;
   if (reloaded) {
@@ -62,7 +141,7 @@ TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt,
   turn.layers = session.layers_for(plan);
   // The turn owns them now, so a buffer that moves to a larger arena frees
   // the old one at once instead of holding both (the turn's peak memory).
-  session.release_layers();
+  out.taken_version_ = session.release_layers();
   if (settings_.prefill_checkpoints) {
     turn.checkpoint_positions = checkpoint_positions(prompt, n, plan.kept_tokens, settings_.markers,
                                                      settings_.placement, rewritten_tail);
@@ -80,11 +159,11 @@ TurnPlan SessionManager::begin_turn(ChatSession& session, const int64_t* prompt,
   // Room for the prompt and some of the reply; decoding grows it in amortized
   // steps, so a large max_new_tokens reserves nothing up front.
   turn.reserve = std::min(n + max_new_tokens, KvBuffer::grown_capacity(n));
-  return turn;
+  return out;
 }
 
 TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& plan,
-                                       TurnResult result) {
+                                       TurnResult result) const {
   const int64_t n = plan.prompt_tokens();
   const auto total = static_cast<int64_t>(result.sequence.size());
   TORCH_CHECK_VALUE(
@@ -124,11 +203,6 @@ TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& pla
   return record;
 }
 
-void SessionManager::abort_turn(ChatSession& session, const TurnPlan& plan) {
-  // A plain turn never took the session's layers; anything else did.
-  if (!plan.plain) session.invalidate_cache();
-}
-
 SettlePlan SessionManager::begin_settle(ChatSession& session, const int64_t* target,
                                         int64_t n) const {
   TORCH_CHECK_VALUE(n > 0, "the settle target must not be empty");
@@ -151,8 +225,8 @@ SettlePlan SessionManager::begin_settle(ChatSession& session, const int64_t* tar
   if (settings_.prefill_checkpoints) {
     // The checkpoints a turn with this prompt would take, so the settled
     // cache is the one a turn builds from the same tokens.
-    settle.checkpoint_positions = checkpoint_positions(target, n, plan.kept_tokens,
-                                                       settings_.markers, settings_.placement);
+    settle.checkpoint_positions =
+        checkpoint_positions(target, n, plan.kept_tokens, settings_.markers, settings_.placement);
     const bool start_is_new = plan.kept_tokens > 0 && plan.checkpoint_position != plan.kept_tokens;
     if (settings_.placement == CheckpointPlacement::kLastMessage && start_is_new) {
       Checkpoint start{plan.kept_tokens, {}};
@@ -173,10 +247,9 @@ bool SessionManager::finish_settle(ChatSession& session, const SettlePlan& plan,
   for (auto& cp : result.checkpoints) {
     if (cp.position <= result.settled_tokens) checkpoints.push_back(std::move(cp));
   }
-  const bool done =
-      session.commit(plan.target.data(), result.settled_tokens, std::move(result.layers),
-                     plan.kept_tokens, settings_.markers, settings_.repetition,
-                     std::move(checkpoints), {}, -1, plan.version);
+  const bool done = session.commit(
+      plan.target.data(), result.settled_tokens, std::move(result.layers), plan.kept_tokens,
+      settings_.markers, settings_.repetition, std::move(checkpoints), {}, -1, plan.version);
   if (done) session.record_settle(result.settled_tokens - plan.kept_tokens);
   return done;
 }

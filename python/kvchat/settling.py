@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from .prediction import predicted_prefix  # noqa: F401  (turn.py's import, until it moves)
 
 logger = logging.getLogger("kvchat")
 

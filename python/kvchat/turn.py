@@ -6,12 +6,13 @@ checked and tokenized its input:
 1. pause any settle of the session, lease it, and take over what the settle
    prefilled (see settling.py);
 2. drop a copy another process deleted, and ask the tier once for a cache;
-3. ``CoreTurn``: the core's ``begin_turn`` plans what to reuse; leaving the
-   block without ``finish`` aborts the turn, so a failure leaves the session
-   with its history and no cache, never half a turn;
+3. the core's ``begin_turn``, given the lease, plans what to reuse and returns
+   a ``Turn`` (a context manager): leaving its block without ``finish`` aborts
+   the turn, so a failure leaves the session with its history and no cache,
+   never half a turn;
 4. ``_model_run``: build the cache from the plan's layers, prefill to each
    checkpoint, run ``generate``, and read the cache back (a ``ModelRun``);
-5. ``finish_turn`` commits it; then the tier gets the turn's snapshot and the
+5. ``Turn.finish`` commits it; then the tier gets the turn's snapshot and the
    settler the ids the next prompt is predicted to start with.
 """
 
@@ -28,9 +29,9 @@ from . import _C
 from .arguments import ContextLengthError
 from .conversation import SendBack, as_dicts, core_messages
 from .generate_args import GenerateArgs
+from .prediction import predicted_prefix
 from .prefill import FeedOnlyTail, PromptEndSnapshot
 from .prompting import tokenize_text
-from .settling import predicted_prefix
 from .timing import FirstTokenTimer
 
 logger = logging.getLogger("kvchat")
@@ -55,7 +56,7 @@ class TurnRequest:
 @dataclass
 class ModelRun:
     """The model's half of a turn: what ``generate`` returned, and what the
-    core's ``finish_turn`` takes (see ``result``)."""
+    core's ``Turn.finish`` takes (see ``result``)."""
 
     output: object  # generate's output: a tensor or a ModelOutput
     sequence: torch.Tensor  # prompt and generated ids, 1-D, on the CPU
@@ -82,28 +83,6 @@ class ModelRun:
             prefill_ms=timer.prefill_ms,
             total_ms=(time.perf_counter() - timer.started) * 1e3,
         )
-
-
-class CoreTurn:
-    """The core's ``begin_turn`` as a context manager: ``finish`` commits the
-    turn; leaving the block without it (an exception, a return) aborts it."""
-
-    def __init__(self, core, session, prompt, max_new_tokens: int, **begin):
-        self._core, self._session = core, session
-        self.plan = core.begin_turn(session, prompt, max_new_tokens, **begin)
-        self.record = None
-
-    def __enter__(self) -> CoreTurn:
-        return self
-
-    def finish(self, result: _C.TurnResult):
-        self.record = self._core.finish_turn(self._session, self.plan, result)
-        return self.record
-
-    def __exit__(self, *exc) -> bool:
-        if self.record is None:
-            self._core.abort_turn(self._session, self.plan)
-        return False
 
 
 class Turns:
@@ -142,7 +121,7 @@ class Turns:
             # The turn takes over a settle of this session (see settling.py).
             with (
                 self._settler.hold(session_id, fresh) as handover,
-                self._core.acquire(session_id, wait=self._wait) as session,
+                (lease := self._core.acquire(session_id, wait=self._wait)) as session,
             ):
                 self._drop_if_deleted(session)
                 # Text mode reads the session's cached text, so it matches under the lease.
@@ -152,9 +131,9 @@ class Turns:
                 self.check_context(prompt.numel(), args.max_new_tokens)
                 self._settler.take_over(session, prompt, handover)  # empties it
                 reloaded = self._from_tier(session, prompt) if plain is None else None
-                with CoreTurn(
-                    self._core,
-                    session,
+                # Leaving this block without finish aborts the turn.
+                with self._core.begin_turn(
+                    lease,
                     prompt,
                     args.max_new_tokens,
                     reloaded=reloaded,

@@ -215,7 +215,7 @@ TEST(SharedPrefixManager, AStateHeldOutsideTheSessionsDoesNotKeepThePrefix) {
 }
 
 TEST(SharedPrefixManager, ATurnInFlightKeepsThePrefixItsPlanHolds) {
-  // Between begin_turn and finish_turn the layers are the plan's, not the
+  // Between begin_turn and Turn::finish the layers are the plan's, not the
   // session's: a release elsewhere must not drop the prefix under them.
   auto mgr = sharing_manager();
   commit(*mgr, "a", conversation(50, 12));

@@ -1,9 +1,12 @@
 // One turn through the manager: begin_turn, the model's part (faked here),
-// then finish_turn or abort_turn.
+// then Turn::finish, or Turn::abort (which the Turn's destructor does).
 #include "kvchat/turn.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
 
 #include "kvchat/kv_buffer.h"
 #include "kvchat/session_manager.h"
@@ -40,9 +43,8 @@ TurnResult model_output(const std::vector<int64_t>& prompt, int64_t generated) {
 TurnRecord run_turn(SessionManager& mgr, const std::string& id, const std::vector<int64_t>& prompt,
                     int64_t generated = 3) {
   auto lease = mgr.acquire(id);
-  auto& session = *lease->session();
-  auto plan = mgr.begin_turn(session, prompt.data(), prompt.size(), 16);
-  return mgr.finish_turn(session, plan, model_output(prompt, generated));
+  auto turn = mgr.begin_turn(*lease, prompt.data(), prompt.size(), 16);
+  return turn.finish(model_output(prompt, generated));
 }
 
 TEST(Turn, FirstTurnPrefillsAllAndCommits) {
@@ -50,13 +52,15 @@ TEST(Turn, FirstTurnPrefillsAllAndCommits) {
   const auto prompt = iota_ids(10);
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), 10, 1000);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), 10, 1000);
+  const auto& plan = turn.plan();
   EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
   EXPECT_EQ(plan.kept_tokens, 0);
   EXPECT_TRUE(plan.layers.empty());
   EXPECT_TRUE(plan.checkpoint_positions.empty());  // not asked for
   EXPECT_EQ(plan.reserve, KvBuffer::grown_capacity(10));
-  auto record = mgr->finish_turn(session, plan, model_output(prompt, 3));
+  auto record = turn.finish(model_output(prompt, 3));
+  EXPECT_FALSE(turn.open());
   EXPECT_EQ(record.prompt_tokens, 10);
   EXPECT_EQ(record.reused_tokens, 0);
   EXPECT_EQ(record.prefilled_tokens, 10);
@@ -76,7 +80,8 @@ TEST(Turn, NextTurnKeepsTheCacheAndTheSessionHandsItsLayersOver) {
   prompt.insert(prompt.end(), {500, 501, 502, 7, 8});
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  auto& plan = turn.plan();
   EXPECT_EQ(plan.reason, ReuseReason::kExtend);
   EXPECT_EQ(plan.kept_tokens, 12);
   ASSERT_EQ(plan.layers.size(), 2u);
@@ -85,7 +90,7 @@ TEST(Turn, NextTurnKeepsTheCacheAndTheSessionHandsItsLayersOver) {
   EXPECT_FALSE(session.resident());  // the turn holds the layers now
   auto layers = plan.take_layers();
   EXPECT_TRUE(plan.layers.empty());
-  auto record = mgr->finish_turn(session, plan, model_output(prompt, 2));
+  auto record = turn.finish(model_output(prompt, 2));
   EXPECT_EQ(record.reused_tokens, 12);
   EXPECT_EQ(record.prefilled_tokens, 3);
   EXPECT_EQ(session.cached_ids().size(), 16u);
@@ -99,8 +104,9 @@ TEST(Turn, AbortLeavesTheHistoryAndNoCache) {
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   const auto before = session.messages();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
-  mgr->abort_turn(session, plan);  // say generate raised
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  turn.abort();  // say generate raised
+  EXPECT_FALSE(turn.open());
   EXPECT_FALSE(session.resident());
   EXPECT_TRUE(session.cached_ids().empty());
   EXPECT_EQ(session.messages().size(), before.size());
@@ -114,18 +120,21 @@ TEST(Turn, PlainTurnLeavesTheCacheAlone) {
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   const auto ids = session.cached_ids();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4, std::nullopt,
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4, std::nullopt,
                               ReuseReason::kMultipleSequences);
-  EXPECT_TRUE(plan.plain);
-  EXPECT_TRUE(plan.layers.empty());
+  EXPECT_TRUE(turn.plan().plain);
+  EXPECT_TRUE(turn.plan().layers.empty());
   EXPECT_TRUE(session.resident());
-  auto record = mgr->finish_turn(session, plan, model_output(prompt, 2));
+  auto record = turn.finish(model_output(prompt, 2));
   EXPECT_EQ(record.reason, ReuseReason::kMultipleSequences);
   EXPECT_EQ(record.reused_tokens, 0);
   EXPECT_EQ(record.prefilled_tokens, 10);
   EXPECT_FALSE(record.cache_stored);
   EXPECT_EQ(session.cached_ids(), ids);
-  mgr->abort_turn(session, plan);  // a plain turn that failed keeps the cache too
+  // A plain turn that failed keeps the cache too.
+  mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4, std::nullopt,
+                  ReuseReason::kMultipleSequences)
+      .abort();
   EXPECT_EQ(session.cached_ids(), ids);
 }
 
@@ -134,11 +143,11 @@ TEST(Turn, ACacheThatDoesNotMatchTheSequenceIsDropped) {
   const auto prompt = iota_ids(10);
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), 10, 4);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), 10, 4);
   auto result = model_output(prompt, 3);
   result.cached_tokens -= 1;
   result.layers = attention_layers(2, result.cached_tokens);
-  auto record = mgr->finish_turn(session, plan, std::move(result));
+  auto record = turn.finish(std::move(result));
   EXPECT_FALSE(record.cache_stored);
   EXPECT_FALSE(session.resident());
   EXPECT_EQ(session.messages().size(), 2u);  // the reply is still history
@@ -151,14 +160,22 @@ TEST(Turn, ACommitThatFailsInvalidatesAndThrows) {
   prompt.push_back(9);
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
   auto result = model_output(prompt, 2);
   result.layers = attention_layers(3, result.cached_tokens);  // the model has 2
-  EXPECT_THROW(mgr->finish_turn(session, plan, std::move(result)), c10::ValueError);
+  EXPECT_THROW(turn.finish(std::move(result)), c10::ValueError);
+  EXPECT_FALSE(turn.open());  // a finish that throws aborts
   EXPECT_FALSE(session.resident());
   EXPECT_EQ(session.counters().requests, 1);
+  lease.reset();
+  run_turn(*mgr, "a", prompt);
+  lease = mgr->acquire("a");
+  auto next = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
   auto wrong = model_output(iota_ids(11, 7), 2);  // not this plan's prompt
-  EXPECT_THROW(mgr->finish_turn(session, plan, std::move(wrong)), c10::ValueError);
+  EXPECT_THROW(next.finish(std::move(wrong)), c10::ValueError);
+  EXPECT_FALSE(next.open());
+  EXPECT_FALSE(lease->session()->resident());  // checked first, then aborted
+  EXPECT_EQ(lease->session()->counters().requests, 2);
 }
 
 TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
@@ -166,15 +183,15 @@ TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
   const auto prompt = iota_ids(10);
   CachedState good{iota_ids(8), attention_layers(2, 8), {}, "", 8};
   auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), 10, 4, good);
-  EXPECT_EQ(plan.reason, ReuseReason::kTierReload);
-  EXPECT_EQ(plan.kept_tokens, 8);
-  EXPECT_TRUE(plan.reload_error.empty());
-  mgr->abort_turn(session, plan);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), 10, 4, good);
+  EXPECT_EQ(turn.plan().reason, ReuseReason::kTierReload);
+  EXPECT_EQ(turn.plan().kept_tokens, 8);
+  EXPECT_TRUE(turn.plan().reload_error.empty());
+  turn.abort();
 
   CachedState bad{iota_ids(8), attention_layers(3, 8), {}, "", 8};
-  plan = mgr->begin_turn(session, prompt.data(), 10, 4, bad);
+  turn = mgr->begin_turn(*lease, prompt.data(), 10, 4, bad);
+  const auto& plan = turn.plan();
   EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
   EXPECT_EQ(plan.kept_tokens, 0);
   EXPECT_NE(plan.reload_error.find("layers"), std::string::npos) << plan.reload_error;
@@ -184,8 +201,8 @@ TEST(Turn, CheckpointPositionsCoverTheUncachedTail) {
   auto mgr = make_manager(/*prefill_checkpoints=*/true, CheckpointPlacement::kEveryMessage);
   std::vector<int64_t> prompt{10, 11, 2, 12, 13, 2, 14, 15};
   auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  const auto& plan = turn.plan();
   // After each end-of-turn id, and before the last prompt token.
   EXPECT_EQ(plan.checkpoint_positions, (std::vector<int64_t>{3, 6, 7}));
   EXPECT_FALSE(plan.snapshot_prompt_end);
@@ -197,20 +214,20 @@ TEST(Turn, LastMessagePlacementTakesTheTurnsStartForFree) {
   const auto prompt = iota_ids(10);
   {
     auto lease = mgr->acquire("a");
-    auto& session = *lease->session();
-    auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
-    EXPECT_TRUE(plan.snapshot_prompt_end);
-    EXPECT_TRUE(plan.checkpoints.empty());  // nothing cached: no start to keep
+    auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+    EXPECT_TRUE(turn.plan().snapshot_prompt_end);
+    EXPECT_TRUE(turn.plan().checkpoints.empty());  // nothing cached: no start to keep
     auto result = model_output(prompt, 3);
     result.layers = {recurrent_layer(result.cached_tokens), recurrent_layer(result.cached_tokens)};
-    mgr->finish_turn(session, plan, std::move(result));
+    turn.finish(std::move(result));
   }
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   // The next prompt extends the 12 cached tokens (the prompt, 2 generated).
   auto next = iota_ids(10);
   for (int64_t id : {500, 501, 7}) next.push_back(id);
-  auto plan = mgr->begin_turn(session, next.data(), next.size(), 4);
+  auto turn = mgr->begin_turn(*lease, next.data(), next.size(), 4);
+  auto& plan = turn.plan();
   ASSERT_EQ(plan.kept_tokens, 12);
   ASSERT_EQ(plan.checkpoints.size(), 1u);
   const auto& start = plan.checkpoints[0];
@@ -221,7 +238,7 @@ TEST(Turn, LastMessagePlacementTakesTheTurnsStartForFree) {
   EXPECT_TRUE(start.states[0]->tensors()[0].is_same(layers[0]->tensors()[0]));
   auto result = model_output(next, 2);
   result.layers = {recurrent_layer(result.cached_tokens), recurrent_layer(result.cached_tokens)};
-  mgr->finish_turn(session, plan, std::move(result));
+  turn.finish(std::move(result));
   EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{12}));
 }
 
@@ -231,11 +248,163 @@ TEST(Turn, BadArgumentsAreRefusedBeforeAnythingChanges) {
   run_turn(*mgr, "a", prompt);
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  EXPECT_THROW(mgr->begin_turn(session, prompt.data(), 0, 4), c10::ValueError);
-  EXPECT_THROW(mgr->begin_turn(session, prompt.data(), 10, 0), c10::ValueError);
+  EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 0, 4), c10::ValueError);
+  EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 10, 0), c10::ValueError);
+  EXPECT_TRUE(session.resident());
+  // A turn begins only under a lease of this manager's that is still held.
+  auto other = make_manager();
+  auto foreign = other->acquire("a");
+  EXPECT_THROW(mgr->begin_turn(*foreign, prompt.data(), 10, 4), c10::ValueError);
+  lease->release();
+  EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 10, 4), c10::Error);
   EXPECT_TRUE(session.resident());
   EXPECT_THROW(SessionManager(ManagerLimits{}, TurnSettings{TurnMarkers{{-1}, {}}}),
                c10::ValueError);
+}
+
+// The Turn is RAII: what it does when it dies, and what it refuses.
+
+// A session "a" after one turn of a model with checkpoints, so a turn that
+// takes its layers leaves it holding checkpoints that only an abort drops.
+std::shared_ptr<SessionManager> after_a_hybrid_turn(const std::string& id = "a") {
+  auto mgr = make_manager(/*prefill_checkpoints=*/true);
+  auto lease = mgr->acquire(id);
+  const auto prompt = iota_ids(10);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  auto result = model_output(prompt, 3);
+  result.layers = {recurrent_layer(12), recurrent_layer(12)};
+  result.checkpoints = {Checkpoint{10, {recurrent_layer(10), recurrent_layer(10)}}};
+  turn.finish(std::move(result));
+  return mgr;
+}
+
+std::vector<int64_t> next_prompt() {
+  auto next = iota_ids(10);
+  next.insert(next.end(), {500, 501, 7});
+  return next;
+}
+
+TEST(Turn, ATurnDestroyedUnfinishedAbortsIt) {
+  // One session aborts explicitly, the other's turn just dies: the same state.
+  auto mgr = after_a_hybrid_turn();
+  const auto prompt = next_prompt();
+  auto explicit_lease = mgr->acquire("a");
+  auto& aborted = *explicit_lease->session();
+  auto turn = mgr->begin_turn(*explicit_lease, prompt.data(), prompt.size(), 4);
+  EXPECT_EQ(aborted.cache_info().checkpoints, 1);  // the layers went, checkpoints stay
+  turn.abort();
+
+  auto other = after_a_hybrid_turn("b");
+  auto lease = other->acquire("b");
+  auto& session = *lease->session();
+  const auto history = session.messages().size();
+  {
+    auto dropped = other->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+    EXPECT_TRUE(dropped.open());
+    EXPECT_FALSE(dropped.plan().layers.empty());
+    EXPECT_EQ(session.cache_info().checkpoints, 1);
+  }  // say the adapter threw before finish
+  for (ChatSession* s : {&aborted, &session}) {
+    EXPECT_FALSE(s->resident());
+    EXPECT_TRUE(s->cached_ids().empty());
+    EXPECT_EQ(s->cache_info().checkpoints, 0);
+    EXPECT_EQ(s->messages().size(), history);
+    EXPECT_EQ(s->counters().requests, 1);  // the failed turn is not counted
+  }
+}
+
+TEST(Turn, AFinishedTurnsDestructionDoesNothingMore) {
+  auto mgr = after_a_hybrid_turn();
+  const auto prompt = next_prompt();
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  uint64_t version = 0;
+  {
+    auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+    auto result = model_output(prompt, 2);
+    result.layers = {recurrent_layer(14), recurrent_layer(14)};
+    EXPECT_TRUE(turn.finish(std::move(result)).cache_stored);
+    version = session.version();
+    turn.abort();  // nothing once finished
+    EXPECT_EQ(session.version(), version);
+  }
+  EXPECT_EQ(session.version(), version);
+  EXPECT_EQ(session.cached_ids().size(), 14u);
+  EXPECT_EQ(session.counters().requests, 2);
+}
+
+TEST(Turn, ATurnIsFinishedOnceAndNeverAfterAnAbort) {
+  auto mgr = make_manager();
+  const auto prompt = iota_ids(10);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  turn.finish(model_output(prompt, 3));
+  const auto version = session.version();
+  try {
+    turn.finish(model_output(prompt, 3));
+    ADD_FAILURE() << "a second finish did not throw";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("already finished"), std::string::npos);
+  }
+  EXPECT_EQ(session.version(), version);  // the second finish changed nothing
+  EXPECT_EQ(session.counters().requests, 1);
+
+  auto next = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  next.abort();
+  next.abort();  // idempotent
+  EXPECT_THROW(next.finish(model_output(prompt, 3)), c10::Error);
+  EXPECT_FALSE(session.resident());
+  EXPECT_EQ(session.counters().requests, 1);
+}
+
+TEST(Turn, AMovedFromTurnsDestructionDoesNothing) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  prompt.push_back(9);
+  auto lease = mgr->acquire("a");
+  auto& session = *lease->session();
+  std::optional<Turn> moved_to;
+  {
+    auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+    const auto version = session.version();
+    moved_to.emplace(std::move(turn));
+    EXPECT_FALSE(turn.open());  // NOLINT(bugprone-use-after-move): what is left
+    EXPECT_TRUE(moved_to->open());
+    EXPECT_EQ(moved_to->plan().kept_tokens, 10);
+    EXPECT_THROW(turn.finish(model_output(prompt, 2)), c10::Error);
+    turn.abort();  // nothing: it holds no turn
+    EXPECT_EQ(session.version(), version);
+  }
+  EXPECT_TRUE(moved_to->open());
+  EXPECT_TRUE(moved_to->finish(model_output(prompt, 2)).cache_stored);
+  EXPECT_EQ(session.cached_ids().size(), 12u);
+
+  // Assigning over an open turn aborts it first, as a destruction would.
+  auto other = mgr->acquire("b");
+  run_turn(*mgr, "c", prompt);
+  auto c = mgr->acquire("c");
+  auto replaced = mgr->begin_turn(*c, prompt.data(), prompt.size(), 4);
+  const auto taken = c->session()->version();
+  replaced = mgr->begin_turn(*other, prompt.data(), prompt.size(), 4);
+  EXPECT_NE(c->session()->version(), taken);  // aborted: the cache it left was dropped
+  EXPECT_TRUE(replaced.open());
+}
+
+TEST(Turn, ATurnThatOutlivesItsLeaseDropsNoLaterCache) {
+  auto mgr = make_manager();
+  auto prompt = iota_ids(10);
+  run_turn(*mgr, "a", prompt);
+  prompt.push_back(9);
+  auto lease = mgr->acquire("a");
+  auto stale = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  lease.reset();                   // let go with the turn still open (a caller's bug)
+  run_turn(*mgr, "a", prompt, 2);  // the next turn commits
+  const auto held = mgr->find("a")->cached_ids();
+  EXPECT_EQ(held.size(), 12u);
+  stale.abort();  // the session moved on: its cache is not this turn's to drop
+  EXPECT_EQ(mgr->find("a")->cached_ids(), held);
 }
 
 // Settling: the session after a turn (12 tokens cached: the prompt 100..109,
@@ -320,12 +489,11 @@ TEST(Turn, SettlingAHybridRestoresTheCheckpointBeforeTheDeparture) {
   auto first = iota_ids(10);
   {
     auto lease = mgr->acquire("a");
-    auto& session = *lease->session();
-    auto plan = mgr->begin_turn(session, first.data(), first.size(), 4);
+    auto turn = mgr->begin_turn(*lease, first.data(), first.size(), 4);
     auto result = model_output(first, 3);
     result.layers = {recurrent_layer(12), recurrent_layer(12)};
     result.checkpoints = {Checkpoint{10, {recurrent_layer(10), recurrent_layer(10)}}};
-    mgr->finish_turn(session, plan, std::move(result));
+    turn.finish(std::move(result));
   }
   const auto target = settle_target();
   auto lease = mgr->acquire("a");
@@ -342,19 +510,19 @@ TEST(Turn, SettlingAHybridRestoresTheCheckpointBeforeTheDeparture) {
 }
 
 TEST(Turn, ThinningKeepsTheCheckpointTheTurnSaysTheNextOneNeeds) {
-  auto mgr = std::make_shared<SessionManager>(
-      ManagerLimits{16, 0, 2, CheckpointPolicy{1, 0}}, TurnSettings{kMarkers, {}, true});
+  auto mgr = std::make_shared<SessionManager>(ManagerLimits{16, 0, 2, CheckpointPolicy{1, 0}},
+                                              TurnSettings{kMarkers, {}, true});
   const auto prompt = iota_ids(10);
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_turn(session, prompt.data(), prompt.size(), 4);
+  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
   auto result = model_output(prompt, 3);
   result.layers = {recurrent_layer(12), recurrent_layer(12)};
   // A template that renders the generation prompt's last two tokens otherwise.
   result.checkpoints = {Checkpoint{8, {recurrent_layer(8), recurrent_layer(8)}},
                         Checkpoint{10, {recurrent_layer(10), recurrent_layer(10)}}};
   result.needed_checkpoint = 9;
-  mgr->finish_turn(session, plan, std::move(result));
+  turn.finish(std::move(result));
   EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{8}));
 }
 

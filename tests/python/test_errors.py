@@ -165,18 +165,22 @@ def test_core_tensor_checks_name_the_argument():
         _C.AttentionState(ok, ok.double())
     with pytest.raises(ValueError, match="values device meta"):
         _C.AttentionState(ok, torch.zeros(1, 2, 3, 4, device="meta"))
-    session = _C.ChatSession("s", num_layers=2)
-    markers = _C.TurnMarkers([2], [])
-    ids = torch.arange(3)
-    with pytest.raises(ValueError, match="model has 2 layers"):
-        session.commit(ids, [_C.AttentionState(ok, ok)], 0, markers)
-    with pytest.raises(ValueError, match="token_ids must be int64"):
-        session.commit(ids.int(), [_C.AttentionState(ok, ok)] * 2, 0, markers)
-    with pytest.raises(ValueError, match="prompt_ids must be a 1-D"):
-        session.plan(ids.view(1, 3))
-    with pytest.raises(IndexError, match="new_from"):
-        session.commit(ids, [_C.AttentionState(ok, ok)] * 2, 9, markers)
-    assert session.cache_info().cached_tokens == 0  # nothing half-updated
+    # A turn's cache of 3 tokens (the prompt's 2 and the first reply token).
+    core = _C.SessionManager(num_layers=2, markers=_C.TurnMarkers([2], []))
+    ids = torch.arange(4)
+    with (lease := core.acquire("s")) as session:
+        with pytest.raises(ValueError, match="model has 2 layers"):
+            with core.begin_turn(lease, ids[:2], 2) as turn:
+                turn.finish(
+                    _C.TurnResult(sequence=ids, layers=[_C.AttentionState(ok, ok)], cached_tokens=3)
+                )
+        with pytest.raises(ValueError, match="sequence must be int64"):
+            _C.TurnResult(sequence=ids.int())
+        with pytest.raises(ValueError, match="prompt_ids must be a 1-D"):
+            session.plan(ids.view(2, 2))
+        with pytest.raises(ValueError, match="prompt_ids must be a 1-D"):
+            core.begin_turn(lease, ids.view(2, 2), 2)
+        assert session.cache_info().cached_tokens == 0  # the refused turn left nothing
 
 
 def test_core_positions_out_of_range():
@@ -185,16 +189,24 @@ def test_core_positions_out_of_range():
     for n in (-1, 4):
         with pytest.raises(IndexError, match=f"cannot crop an attention layer of 3 tokens to {n}"):
             state.cropped(n)
-    session = _C.ChatSession("s", num_layers=1)
+    # (A commit's new_from is no argument from Python any more: a turn passes its
+    # own kept tokens; tests/cpp/chat_session_test.cpp checks the range.)
     markers = _C.TurnMarkers([2], [])
-    ids = torch.arange(3)
-    with pytest.raises(IndexError, match="new_from must be in"):
-        session.commit(ids, [state], -1, markers)
-    with pytest.raises(IndexError, match="checkpoint position"):
-        session.commit(ids, [state], 0, markers, checkpoints=[_C.Checkpoint(7, [None])])
-    with pytest.raises(IndexError, match="begin must be in"):
-        _C.checkpoint_positions(ids, 5, markers)
-    assert not session.resident
+    core = _C.SessionManager(num_layers=1, markers=markers)
+    ids = torch.arange(4)  # a turn's prompt of 2, and 3 tokens cached after it
+    with (lease := core.acquire("s")) as session:
+        with pytest.raises(IndexError, match="checkpoint position"):
+            with core.begin_turn(lease, ids[:2], 2) as turn:
+                result = _C.TurnResult(
+                    sequence=ids,
+                    layers=[state],
+                    cached_tokens=3,
+                    checkpoints=[_C.Checkpoint(7, [None])],
+                )
+                turn.finish(result)
+        with pytest.raises(IndexError, match="begin must be in"):
+            _C.checkpoint_positions(ids, 5, markers)
+        assert not session.resident
 
 
 # docs/errors.md table row (its first cell) -> the tests that cover it.

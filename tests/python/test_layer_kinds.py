@@ -26,10 +26,17 @@ def test_session_restores_a_checkpoint_through_the_bindings():
         kv = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
         return [_C.AttentionState(kv, kv), _C.RecurrentState([torch.full((1, 3), float(n))], n)]
 
-    session = _C.ChatSession("h", num_layers=2, max_checkpoints=4)
+    core = _C.SessionManager(num_layers=2, max_checkpoints=4, markers=_C.TurnMarkers([2], []))
     ids = torch.arange(100, 130)
     checkpoint = _C.Checkpoint(12, [None, layers(12)[1]])
-    session.commit(ids, layers(30), 0, _C.TurnMarkers([2], []), checkpoints=[checkpoint])
+    # A turn whose prompt is `ids` but its last, and whose reply caches the rest.
+    with (lease := core.acquire("h")) as session, core.begin_turn(lease, ids[:-1], 2) as turn:
+        sequence = torch.cat([ids, torch.tensor([3])])
+        result = _C.TurnResult(
+            sequence=sequence, layers=layers(30), cached_tokens=30, checkpoints=[checkpoint]
+        )
+        assert turn.finish(result).cache_stored
+    assert list(session.cached_ids()) == ids.tolist()
     prompt = torch.cat([ids[:20], torch.tensor([1, 2, 3])])
     plan = session.plan(prompt)
     assert (plan.kept_tokens, plan.checkpoint_position) == (12, 12)

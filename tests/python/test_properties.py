@@ -122,9 +122,9 @@ def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
             continue
         prompt = edit(conversations.get(sid, []), kind, at, new)
         ids = torch.tensor(prompt, dtype=torch.long)
-        with mgr.acquire(sid) as session:
+        with (lease := mgr.acquire(sid)), mgr.begin_turn(lease, ids, 2) as turn:
             # The turn path itself: begin_turn plans, shares and hands out layers.
-            plan = mgr.begin_turn(session, ids, 2)
+            plan = turn.plan
             if plan.reason == _C.ReuseReason.shared_prefix:
                 event("started from a shared prefix")
             kept = plan.kept_tokens
@@ -145,7 +145,7 @@ def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
                 layers=[encoded(full) for _ in range(LAYERS)],
                 cached_tokens=len(full),
             )
-            record = mgr.finish_turn(session, plan, result)
+            record = turn.finish(result)
             assert record.cache_stored and record.reused_tokens == kept
             conversations[sid] = full
         stats = mgr.stats()

@@ -111,8 +111,8 @@ class ChatSession {
   // (nothing changed it since it was read) and returns whether it did.
   bool commit(const int64_t* ids, int64_t n, std::vector<LayerStatePtr> layers, int64_t new_from,
               const TurnMarkers& markers, const RepetitionRule& rule,
-              std::vector<Checkpoint> checkpoints = {}, std::string text = {},
-              int64_t needed = -1, std::optional<uint64_t> expected_version = std::nullopt);
+              std::vector<Checkpoint> checkpoints = {}, std::string text = {}, int64_t needed = -1,
+              std::optional<uint64_t> expected_version = std::nullopt);
   // Drops the tensors and cached ids; keeps messages and counters.
   void invalidate_cache();
   // Like invalidate_cache, but hands the cache to the caller (to spill it, or
@@ -121,8 +121,13 @@ class ChatSession {
   // Hands the layers to the turn in progress (after layers_for): drops the
   // session's references to its ids and tensors, so storage the turn moves
   // is freed at once, not held twice. Checkpoints stay for the commit. A turn
-  // that fails after this must invalidate_cache().
-  void release_layers();
+  // that fails after this must invalidate the cache. Returns the version it
+  // leaves, for invalidate_cache_if.
+  uint64_t release_layers();
+  // invalidate_cache, but only while the cache is still `version` (nothing
+  // has changed it since); whether it dropped anything. An aborted turn drops
+  // what it left, never the cache of whatever changed the session after it.
+  bool invalidate_cache_if(uint64_t version);
   // Whether the session holds any tensors (layers or checkpoints).
   bool resident() const;
   // Changes whenever the cache does (a commit, restore, take, release or
@@ -160,17 +165,21 @@ class ChatSession {
   std::optional<TurnRecord> last_turn() const;
   SessionCounters counters() const;
 
+ private:
+  // The manager leases sessions (SessionManager::acquire) and, sharing a
+  // prefix, rebases an idle donor; nothing else may take the turn lock (see
+  // the lock order in session_manager.h).
+  friend class SessionManager;
   // Held for a whole turn so that two calls on one session run one at a time.
   std::mutex& turn_mutex() { return turn_mutex_; }
-
- private:
   void collect_storage_locked(StorageBytes* seen) const;
+  void take_cache_locked(CachedState* out);
 
   const std::string id_;
   const int64_t num_layers_;
   const CheckpointPolicy policy_;
-  mutable std::mutex mutex_;  // guards everything below
-  std::mutex turn_mutex_;
+  mutable std::mutex mutex_;  // guards everything below but turn_mutex_
+  std::mutex turn_mutex_;     // held by a SessionLease (session_manager.h)
   std::optional<std::string> system_prompt_;
   std::vector<Message> messages_;
   std::vector<int64_t> cached_ids_;

@@ -1,5 +1,24 @@
 // Sessions by id, with LRU eviction by count and by bytes. Thread-safe; a
 // session in use (leased) is never evicted.
+//
+// Lock order. Three kinds of mutex, always taken in this order:
+//   1. ChatSession::turn_mutex_, one per session: held by a SessionLease for
+//      a whole turn (or settle step), across the model's run in Python. It is
+//      waited for only in SessionManager::acquire, holding no other core lock
+//      and with the GIL released. While holding its own, a turn may try_lock
+//      another session's (share_prefix, to rebase an idle donor), never wait.
+//   2. SessionManager::mutex_: the manager's tables; held briefly, and no
+//      turn lock is taken under it.
+//   3. ChatSession::mutex_, one per session: the session's cache, history and
+//      counters; held briefly, taken alone or under the manager's (eviction,
+//      stats, clear, remove); never two sessions' at once, and never with
+//      the manager's taken after it.
+// And the GIL: a thread holding a turn lock runs Python, so it takes the GIL;
+// hence nothing waits for a turn lock holding the GIL (the bindings release
+// it first). No tensor dies under locks 2 or 3 (a dying tensor with a Python
+// object takes the GIL; what a locked section drops dies after it, see
+// Graveyard and ChatSession), so their holders never wait for the GIL, and
+// the bindings release the GIL before taking them all the same.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +99,7 @@ class SessionLease {
   bool active() const { return session_ != nullptr; }
 
  private:
+  friend class SessionManager;
   std::shared_ptr<SessionManager> manager_;
   std::shared_ptr<ChatSession> session_;
   std::unique_lock<std::mutex> turn_lock_;
@@ -94,8 +114,8 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // create=false an unknown id raises UnknownSessionError and creates nothing;
   // with touch=false the lease leaves the LRU order alone (background work,
   // such as settling, is no use of the session).
-  std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true,
-                                        bool create = true, bool touch = true);
+  std::unique_ptr<SessionLease> acquire(const std::string& id, bool wait = true, bool create = true,
+                                        bool touch = true);
 
   std::shared_ptr<ChatSession> find(const std::string& id) const;  // UnknownSessionError
   bool contains(const std::string& id) const;
@@ -113,25 +133,20 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // The caches evicted since the last call (with limits.keep_evicted).
   std::vector<EvictedCache> take_evicted();
 
-  // --- one turn (see turn.h); call with `session` leased ---
+  // --- one turn (see turn.h) on the session `lease` holds ---
   // Decides what the turn starts from. With `plain` (a reason), nothing is
   // touched: the turn runs as plain generate. Otherwise: restores `reloaded`
   // (a storage tier's copy of a non-resident session; one that does not fit is
   // refused and named in reload_error), plans, starts from another session's
   // prefix when that keeps more, and hands the layer states at the plan's
-  // point to the turn. After this, finish_turn or abort_turn must follow.
+  // point to the turn. The Turn returned is finished or aborted (its
+  // destructor aborts it); one that throws here leaves nothing to abort.
   // `rewritten_tail`: how many of the prompt's last tokens the chat template
   // renders differently once the reply follows (see checkpoint_positions).
-  TurnPlan begin_turn(ChatSession& session, const int64_t* prompt, int64_t n,
-                      int64_t max_new_tokens, std::optional<CachedState> reloaded = std::nullopt,
-                      std::optional<ReuseReason> plain = std::nullopt, int64_t rewritten_tail = 0);
-  // Checks and commits what the model left (a cache whose token count does
-  // not match the sequence is dropped, not stored), sets the messages, and
-  // records the turn. A commit that throws leaves the session with no cache.
-  TurnRecord finish_turn(ChatSession& session, const TurnPlan& plan, TurnResult result);
-  // A turn that failed after begin_turn: the session drops its cache (it
-  // handed its layers to the turn) and keeps its history.
-  void abort_turn(ChatSession& session, const TurnPlan& plan);
+  // Throws c10::Error for a released lease, or another manager's.
+  Turn begin_turn(const SessionLease& lease, const int64_t* prompt, int64_t n,
+                  int64_t max_new_tokens, std::optional<CachedState> reloaded = std::nullopt,
+                  std::optional<ReuseReason> plain = std::nullopt, int64_t rewritten_tail = 0);
 
   // --- settling between turns (see turn.h); call each with `session` leased,
   // and run the prefill between them without the lease ---
@@ -152,6 +167,7 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
 
  private:
   friend class SessionLease;
+  friend class Turn;
   struct Entry {
     std::shared_ptr<ChatSession> session;
     int64_t in_use = 0;
@@ -165,6 +181,9 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
     std::vector<std::shared_ptr<ChatSession>> sessions;
   };
   void release(const std::string& id);
+  // Turn::finish: checks and commits what the model left, sets the messages
+  // and records the turn. A commit that throws leaves the session no cache.
+  TurnRecord finish_turn(ChatSession& session, const TurnPlan& plan, TurnResult result) const;
   // Before any lease lets go: dedupes the session onto the longest shared
   // prefix of its ids and indexes its ids for others.
   void reindex(ChatSession& session);

@@ -1,12 +1,15 @@
-// One turn, as the core sees it: SessionManager::begin_turn decides what the
-// turn starts from and hands out the layer states; the adapter runs the model;
-// SessionManager::finish_turn checks and commits what the model left and
-// records the turn. Between the two the session holds no layers, so a turn
-// that fails there calls abort_turn and the session keeps its history and no
-// cache: never half a turn.
+// One turn, as the core sees it: SessionManager::begin_turn, given the
+// session's lease, decides what the turn starts from and returns a Turn that
+// holds the plan (and the layer states); the adapter runs the model;
+// Turn::finish checks and commits what the model left and records the turn.
+// Between the two the session holds no layers, so a turn that fails there is
+// aborted (Turn::abort, or the Turn's destructor) and the session keeps its
+// history and no cache: never half a turn.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,7 +48,7 @@ struct TurnPlan {
   // prefilled it (before the first token is sampled): a copy, no forward.
   bool snapshot_prompt_end = false;
   // Taken here: the state at kept_tokens, sharing the layers' storage (the
-  // adapter copies what the model updates in place). finish_turn adds them.
+  // adapter copies what the model updates in place). Turn::finish adds them.
   std::vector<Checkpoint> checkpoints;
   std::vector<LayerStatePtr> layers;  // at kept_tokens; empty when nothing is kept
 
@@ -54,7 +57,7 @@ struct TurnPlan {
   std::vector<LayerStatePtr> take_layers();
 };
 
-// What the model produced, for finish_turn.
+// What the model produced, for Turn::finish.
 struct TurnResult {
   std::vector<int64_t> sequence;      // the prompt, then the generated ids
   std::vector<LayerStatePtr> layers;  // the cache after generation (ignored if plain)
@@ -68,6 +71,57 @@ struct TurnResult {
   // Where the next prompt is predicted to depart from the sequence (-1:
   // unknown): thinning keeps the checkpoint settling or that turn restores.
   int64_t needed_checkpoint = -1;
+};
+
+class SessionManager;
+
+// One turn in progress (from SessionManager::begin_turn): move-only, and
+// aborted when destroyed unless it was finished or aborted. Use it while the
+// lease it was begun under is held. Not thread-safe beyond finish and abort
+// racing each other (one wins; the other throws or does nothing).
+class Turn {
+ public:
+  Turn(Turn&& other) noexcept;
+  Turn& operator=(Turn&& other) noexcept;  // aborts this turn first if open
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
+  ~Turn();  // abort(), unless finished or aborted; never throws
+
+  // What begin_turn decided; take_layers() hands its layers to the adapter.
+  const TurnPlan& plan() const { return plan_; }
+  TurnPlan& plan() { return plan_; }
+  // Neither finished nor aborted (nor moved from).
+  bool open() const { return state_.load() == State::kOpen; }
+
+  // Checks and commits what the model left (a cache whose token count does
+  // not match the sequence is dropped, not stored), sets the messages, and
+  // records the turn. A finish that throws leaves the turn aborted (a commit
+  // that failed leaves the session with no cache). Throws c10::Error on a
+  // turn already finished, aborted or moved from.
+  TurnRecord finish(TurnResult result);
+  // A turn that failed after begin_turn: the session drops its cache (it
+  // handed its layers to the turn) and keeps its history; a plain turn
+  // changes nothing. Only the cache this turn left is dropped: once anything
+  // else changed the session (after the lease was let go, say), nothing is.
+  // Does nothing on a turn already finished, aborted or moved from.
+  void abort() noexcept;
+
+  enum class State : uint8_t { kOpen, kFinished, kAborted, kMovedFrom };
+
+ private:
+  friend class SessionManager;
+  Turn(std::shared_ptr<SessionManager> manager, std::shared_ptr<ChatSession> session);
+  // Open -> `to`, atomically; false (nothing changes) when it was not open.
+  bool close(State to);
+  void abort_session() const noexcept;
+
+  std::shared_ptr<SessionManager> manager_;
+  std::shared_ptr<ChatSession> session_;
+  TurnPlan plan_;
+  // The session's cache version once it handed its layers over (0, which no
+  // cache has, until then): what abort drops.
+  uint64_t taken_version_ = 0;
+  std::atomic<State> state_{State::kOpen};
 };
 
 // Settling, between two turns: the session is brought to `target`, the ids
