@@ -70,7 +70,7 @@ CASES = {
     "LFM2.5-Instruct": ("gpt-2", "lfm2", "LFM2's own turns"),
     "ibm-granite-granite-4.0": ("gpt-2", "bamba", "a default system prompt"),
     # "template@case": the same template with another vocabulary or family:
-    # the two raw-reply cases issue 24 measured losing reuse (0% and 68.7%),
+    # the two raw-reply cases that lost reuse before settling (0% and 68.7%),
     # and tool calls sent back on a hybrid.
     "LFM2.5-Instruct@qwen2": ("qwen2", "lfm2", "LFM2's own turns"),
     "ibm-granite-granite-4.0@llama-bpe": ("llama-bpe", "falcon_h1", "a default system prompt"),
