@@ -218,6 +218,7 @@ def test_dsa_sparse_selection_runs_as_plain_generate_exactly(variant, tokenizer,
         assert report.prompt_tokens > 8 * DSA["index_topk"], report  # the selection is real
 
 
+@pytest.mark.slow  # prompts of hundreds of tokens through sparse attention
 @pytest.mark.parametrize("variant", DSA_VARIANTS)
 def test_dsa_indexed_layers_carry_keys_values_and_indexer_keys(
     variant, tokenizer, tmp_path, monkeypatch
@@ -300,6 +301,7 @@ RECURRENT_ONLY = dict(
 )
 
 
+@pytest.mark.slow  # its float64 chunked scan: tens of seconds on a CPU
 def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer, tmp_path):
     """Mamba2 takes its cache as cache_params (cache from transformers 5.24),
     and its chunked scan starts from the cached state: from turn 2 on every
