@@ -277,3 +277,52 @@ def test_forced_calls_in_half_precision_stay_calls_and_reuse(family, dtype):
     from kvchat.tiny import tiny_model
 
     _forced_loop(None, tiny_model(family, dtype=dtype, seed=0), turns=3, exact=range(1))
+
+
+def _accepts(grammars: Grammars, grammar: str, text: str) -> bool:
+    matcher = grammars.processor(grammar, "x")._matcher
+    ids = grammars._tokenizer(text, add_special_tokens=False)["input_ids"]
+    return matcher.validate_tokens(ids) == len(ids) and (
+        matcher.consume_tokens(ids) and matcher.is_accepting()
+    )
+
+
+def _one(props: dict) -> list[dict]:
+    parameters = {"type": "object", "properties": props, "required": list(props)}
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def test_xml_values_are_written_as_the_parser_reads_them_back():
+    """What the grammar lets a model write in the XML formats is what the
+    parser reads back: a value that may be a string (pydantic's Optional[str],
+    no type) as bare text, not JSON it would keep quoted; no text holding a
+    closing tag the parser would split at; Qwen's booleans as its templates
+    write them; keys the parser could not read refused by name."""
+    grammars = _grammars()
+    optional = _one({"s": {"anyOf": [{"type": "string"}, {"type": "null"}]}})
+    untyped = _one({"s": {"description": "anything"}})
+    for tools in (optional, untyped):
+        grammar = grammars.tool_calls(QWEN_XML, tools, parallel=False)
+        text = "<tool_call>\n<function=f>\n<parameter=s>\nhello\n</parameter>\n"
+        text += "</function>\n</tool_call>"
+        assert _accepts(grammars, grammar, text)
+        parser = ToolCallParser(QWEN_XML, tools)
+        parser.feed(text)
+        parser.finish()
+        assert json.loads(parser.calls[0].arguments) == {"s": "hello"}
+    strings = _one({"s": {"type": "string"}})
+    for fmt, text in (
+        (QWEN_XML, "<tool_call>\n<function=f>\n<parameter=s>\na</tool_call>b\n</parameter>\n"),
+        (GLM, "<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a</tool_call>b</arg_value>\n"),
+    ):
+        grammar = grammars.tool_calls(fmt, strings, parallel=False)
+        assert not _accepts(grammars, grammar, text + "</function>\n</tool_call>"), fmt.name
+    flags = _one({"b": {"type": "boolean"}})
+    grammar = grammars.tool_calls(QWEN_XML, flags, parallel=False)
+    written = (
+        "<tool_call>\n<function=f>\n<parameter=b>\n{}\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert _accepts(grammars, grammar, written.format("True"))
+    assert not _accepts(grammars, grammar, written.format("true"))
+    with pytest.raises(GrammarError, match="'a>b'"):
+        grammars.tool_calls(QWEN_XML, _one({"a>b": {"type": "integer"}}))

@@ -42,6 +42,9 @@ class CallGrammar:
     name_close: str = ""
     arguments_key: str = "arguments"
     xml: tuple[str, str, str] | None = None
+    # Booleans as the template writes them: Qwen's XML templates apply |string
+    # to a scalar (True, False), GLM's tojson (true, false).
+    python_scalars: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ QWEN_XML = ToolFormat(  # Qwen3.5, Qwen3-Coder: XML parameters inside <tool_call
         name_in_json=False,
         name_close=">\n",
         xml=("<parameter=", ">\n", "\n</parameter>\n"),
+        python_scalars=True,
     ),
 )
 GLM = ToolFormat(  # GLM-4.5/4.6: <tool_call>NAME <arg_key>k</arg_key><arg_value>v</arg_value>

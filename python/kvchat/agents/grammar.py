@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from .formats import ToolFormat
+from .formats import CallGrammar, ToolFormat
 
 # Compact JSON with the spaces json.dumps and Jinja's tojson write: no free
 # whitespace, which a random or weak model can repeat until max_tokens, and
@@ -113,7 +113,8 @@ class Grammars:
                     schema = {**_parameters(tool), "x-guidance": _JSON_STYLE}
                     rules.append(f"arguments_{i}: %json {json.dumps(schema)}")
                 else:
-                    rules.append(f"arguments_{i}: {self._xml_arguments(g.xml, tool, i, rules)}")
+                    arguments = self._xml_arguments(g, tool, i, rules)
+                    rules.append(f"arguments_{i}: {arguments}")
                 name = tool["function"]["name"]
                 alternatives.append(
                     self._seq(
@@ -133,43 +134,67 @@ class Grammars:
             return "start: (" + section + ") | value\n" + "\n".join(rules) + "\n"
         return f"start: {section}\n" + "\n".join(rules) + "\n"
 
-    def _xml_arguments(self, tags: tuple[str, str, str], tool: dict, i: int, rules: list) -> str:
+    def _xml_arguments(self, g: CallGrammar, tool: dict, i: int, rules: list) -> str:
         """Lark for a tool's parameters as tagged values, in the schema's
-        order, the required ones always: a string (or a choice of strings)
-        as its text, any other value as compact JSON. What the parser reads
-        back is typed by the tool's schema again."""
-        key_open, key_close, value_close = tags
+        order, the required ones always. The parser reads each value back as
+        text, cast by the tool's schema only where it allows no string: so a
+        value that may be a string (or has no type) is written as its text, a
+        choice of strings as one of them, a boolean as the template writes
+        it, and anything else as compact JSON."""
+        key_open, key_close, value_close = g.xml
         schema = _parameters(tool)
         properties = schema.get("properties") or {}
         required = set(schema.get("required") or ())
         parts = []
         for j, (key, prop) in enumerate(properties.items()):
+            if not isinstance(key, str) or not key or re.search(r"[<>\n]", key):
+                # The parser reads a key up to the first '>' or newline.
+                raise GrammarError(
+                    "tool_choice",
+                    f"tools: parameter {key!r} of {tool['function']['name']!r} cannot be "
+                    "written in this model's tool-call markup (it holds '<', '>' or a newline)",
+                )
             value, close = f"value_{i}_{j}", value_close
             prop = prop if isinstance(prop, dict) else {}
             choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
-            if choices and all(isinstance(c, str) and c for c in choices):
-                rules.append(f"{value}: " + " | ".join(self._literal(c) for c in choices))
-            elif prop.get("type") == "string" and not choices:
+            types = _types(prop)
+            if choices and all(isinstance(c, str) for c in choices):
+                literals = (self._literal(c) or '""' for c in choices)
+                rules.append(f"{value}: " + " | ".join(literals))
+            elif types and "string" not in types:  # the parser casts the text back
+                if types == {"boolean"} and g.python_scalars:
+                    rules.append(f'{value}: "True" | "False"')
+                else:
+                    schema_text = json.dumps({**prop, "x-guidance": _JSON_STYLE})
+                    rules.append(f"{value}: %json {schema_text}")
+            elif choices:  # text the parser would not cast back to these values
+                raise GrammarError(
+                    "tool_choice",
+                    f"tools: parameter {key!r} of {tool['function']['name']!r}: a choice of "
+                    "values that are not all strings needs a 'type' other than string in "
+                    "this model's tool-call markup",
+                )
+            else:
                 body, close = self._text_until(close)
                 rules.append(value + body)
-            else:
-                rules.append(f"{value}: %json {json.dumps({**prop, 'x-guidance': _JSON_STYLE})}")
             part = self._seq(key_open + key + key_close, value, close)
             parts.append(part if key in required else f"({part})?")
         return " ".join(parts) or '""'
 
     def _text_until(self, close: str) -> tuple[str, str]:
         """(a rule body, after its name, for a string written as its text up
-        to ``close``; what of ``close`` is left to write after it). The text
-        ends at the first close tag, as the parser splits there: a lazy
-        lexeme through the tag (so no text holds it), then what follows the
-        tag. A tag that is a special token cannot appear in text: any text,
-        then the whole close."""
+        to ``close``; what of ``close`` is left to write after it). The parser
+        splits a call at the first closing tag of any kind (this value's, the
+        call's), so the text holds no "</" at all: text then the tag, as one
+        lexeme that ends at the tag. A tag that is a special token ends the
+        text where the model writes it (its characters spelled as text
+        would still be read as it, hence no "</" there either)."""
+        text = "(?s:[^<]|<[^\\/<])*"
         tag = close.strip()
         if self._literal(tag).startswith("<["):
-            return ": /(?s:.+)/", close
+            return f": /{text}/", close
         pattern = "".join("\\/" if c == "/" else re.escape(c) for c in tag)
-        return f"[lazy]: /(?s:.*){pattern}/", close[close.index(tag) + len(tag) :]
+        return f"[lazy]: /{text}{pattern}/", close[close.index(tag) + len(tag) :]
 
     def json_schema(self, schema: dict) -> str:
         schema = dict(schema)
@@ -205,6 +230,21 @@ class Grammars:
             elif piece:
                 parts.append(json.dumps(piece))
         return " ".join(parts)
+
+
+def _types(prop: dict) -> set[str]:
+    """The JSON types a property allows, from ``type`` (one or a list) and
+    the branches of ``anyOf`` / ``oneOf`` (empty: any type)."""
+    types = prop.get("type")
+    found = set([types] if isinstance(types, str) else types or ())
+    for branch in (prop.get("anyOf") or []) + (prop.get("oneOf") or []):
+        if not isinstance(branch, dict):
+            continue
+        branch_types = _types(branch)
+        if not branch_types:
+            return set()  # a branch of any type
+        found |= branch_types
+    return found
 
 
 def _parameters(tool: dict) -> dict:
