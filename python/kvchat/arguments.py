@@ -147,12 +147,17 @@ def choose_tier(spill_dir, tier, store) -> Tier:
     ``store`` (a Redis URL), or the tier that keeps nothing."""
     if tier is not None and not isinstance(tier, Tier):
         raise TypeError(f"tier must be a kvchat.Tier, got {type(tier).__name__}")
-    if tier is not None and tier.shared and not isinstance(tier, SharedTier):
-        # The manager asks a shared tier what only a SharedTier answers.
-        raise TypeError(
-            f"tier: a tier with shared=True must subclass kvchat.SharedTier, got "
-            f"{type(tier).__name__}"
-        )
+    shared_only = ("writes_turns", "turn_finished", "deleted_since", "remember_route")
+    if tier is not None and not isinstance(tier, SharedTier):
+        # The manager asks only a SharedTier these: on a plain Tier they would
+        # be silently never called.
+        claims = [n for n in shared_only if getattr(tier, n, None)]
+        if tier.shared or claims:
+            what = "shared=True" if tier.shared else claims[0]
+            raise TypeError(
+                f"tier: a tier with {what} must subclass kvchat.SharedTier (its routes "
+                f"go in SharedTier.routes), got {type(tier).__name__}"
+            )
     if tier is not None and spill_dir is not None:
         raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
     if store is not None:

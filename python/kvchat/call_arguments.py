@@ -16,30 +16,28 @@ import functools
 import json
 
 _PROBE_ARGUMENTS = '{"key": "value"}'
-_PROBE = [
-    {"role": "user", "content": "Alpha"},
-    {
-        "role": "assistant",
-        "content": "",
-        # Nine letters or digits: Mistral's templates refuse other ids.
-        "tool_calls": [
-            {
-                "id": "a1b2c3d4e",
-                "type": "function",
-                "function": {"name": "probe", "arguments": _PROBE_ARGUMENTS},
-            }
-        ],
-    },
-]
 _PROBE_TOOLS = [
     {
         "type": "function",
         "function": {
             "name": "probe",
+            "description": "A probe.",  # Hermes' templates read it
             "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
         },
     }
 ]
+
+
+def _probe(arguments) -> list[dict]:
+    call = {
+        "id": "a1b2c3d4e",  # nine letters or digits: Mistral's templates refuse other ids
+        "type": "function",
+        "function": {"name": "probe", "arguments": arguments},
+    }
+    return [
+        {"role": "user", "content": "Alpha"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
 
 
 def as_the_template_wants(tokenizer, messages: list[dict]) -> list[dict]:
@@ -78,9 +76,18 @@ def _with_objects(message: dict) -> dict:
 
 @functools.lru_cache(maxsize=32)
 def _wants_objects(tokenizer, template: str) -> bool:
-    """Whether ``template`` refuses text arguments or writes them escaped."""
+    """Whether ``template`` refuses text arguments that it takes as an
+    object (it iterates them as a mapping), or writes them escaped."""
+
+    def render(arguments) -> str:
+        return tokenizer.apply_chat_template(_probe(arguments), tools=_PROBE_TOOLS, tokenize=False)
+
     try:
-        text = tokenizer.apply_chat_template(_PROBE, tools=_PROBE_TOOLS, tokenize=False)
-    except Exception:  # a template that iterates the arguments as a mapping
+        text = render(_PROBE_ARGUMENTS)
+    except Exception:
+        try:  # refused for another reason too (the probe's own shape): leave it be
+            render(json.loads(_PROBE_ARGUMENTS))
+        except Exception:
+            return False
         return True
     return json.dumps(_PROBE_ARGUMENTS)[1:-1] in text  # '{\"key\": ...': tojson of text

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -59,18 +60,27 @@ def _quiet_imports():
             logger.setLevel(level)
 
 
+_GGUF_LOAD = threading.Lock()
+
+
 @contextlib.contextmanager
 def _gguf_read_once():
     """transformers parses a .gguf file's metadata three times (for the
     tokenizer, the config and the weights: about 4 s each for SmolLM2's
     49k-token vocabulary on a CPU) and builds gguf's tensor-name map once per
     tensor (272 tensors, 5 s in all). Both are pure, so during one load each
-    is made once. Without gguf (a checkpoint folder) this does nothing."""
+    is made once. Without gguf (a checkpoint folder) this does nothing.
+    Loads take turns: two at once would each restore the other's patch."""
     try:
         import gguf
     except ImportError:
         yield
         return
+    with _GGUF_LOAD:
+        yield from _patched(gguf)
+
+
+def _patched(gguf):
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict = {}
 

@@ -206,7 +206,7 @@ class SessionAdmin:
         return target
 
     def _flush_evicted(self) -> None:
-        """Hands what eviction queued to the tier (after a turn, a settle, a load)."""
-        """Hands what eviction queued to the tier, then lets it go."""
+        """Hands what eviction queued to the tier (after a turn, a settle, a
+        load), then lets it go."""
         for session_id, state in self._core.take_evicted():
             self._tier.put(session_id, state)

@@ -107,6 +107,24 @@ def test_a_shared_tier_must_be_a_shared_tier(llama, tokenizer):
     with pytest.raises(TypeError, match="tier: a tier with shared=True must subclass"):
         SessionManager(llama, tokenizer, tier=Claims())
 
+    # A tier written to the old base, which took every turn's result on a
+    # plain Tier: refused by name, not silently never called.
+    class WritesTurns(MemoryTier):
+        writes_turns = True
+
+        def turn_finished(self, session_id, state, messages):
+            pass
+
+    with pytest.raises(TypeError, match="tier: a tier with writes_turns must subclass"):
+        SessionManager(llama, tokenizer, tier=WritesTurns())
+
+
+def test_a_tier_reading_the_old_bridge_attribute_gets_the_layout(llama, tokenizer):
+    tier = MemoryTier()
+    SessionManager(llama, tokenizer, tier=tier)
+    with pytest.warns(DeprecationWarning, match="Tier.layout"):
+        assert tier.bridge is tier.layout and tier.layout.slots == [None, None]
+
 
 def test_a_shared_tier_written_to_the_interface_continues_sessions_exactly(llama, tokenizer):
     """A SharedTier that overrides only put/find/forget (the defaults know of

@@ -170,3 +170,25 @@ def test_chunks_are_shared_across_namespaces_only_without_isolation():
     assert keys.chunk("d", "alice/s") != keys.chunk("d", "bob/s")
     assert keys.chunk("d", "alice/s") == keys.chunk("d", "alice/t")
     assert keys.index("alice/s") != keys.index("bob/s")
+
+
+def test_a_model_layout_checks_its_invariants():
+    """The value every tier and file checks state against refuses to be
+    built inconsistent, so nothing downstream trusts a wrong one."""
+    from kvchat.bridge import ATTENTION, RECURRENT, LayerTemplate, ModelLayout
+
+    attention = LayerTemplate((ATTENTION,), torch.float32, 2, 8, 8)
+    ok = ModelLayout(("DynamicLayer", "DummyLayer"), ((ATTENTION,), ()), (), (attention,))
+    assert ok.supported and ok.num_layers == 1 and not ok.needs_checkpoints
+    bad = [
+        (("DynamicLayer",), (None,), (), (attention,)),  # an unknown layer, supported
+        (("DynamicLayer",), ((RECURRENT,),), (), (attention,)),  # template disagrees
+        (("DynamicLayer",), ((ATTENTION,),), (3,), (attention, attention)),  # no layer 3
+        (("DynamicLayer",), (("attention",),), (), (attention,)),  # not the core's kinds
+        (("DynamicLayer",), ((ATTENTION,),), (), ()),  # no template
+    ]
+    for fields in bad:
+        with pytest.raises(ValueError):
+            ModelLayout(*fields)
+    unsupported = ModelLayout(("Mystery",), (None,), problem="cache layers ['Mystery']")
+    assert not unsupported.supported and unsupported.num_layers == 1  # its stateful layers

@@ -316,10 +316,20 @@ def test_arguments_sent_back_as_json_text_render_as_the_model_wrote_them(templat
     assert '\\"city\\"' not in want
 
 
-def test_a_template_that_writes_text_arguments_keeps_them_as_sent():
-    """The tiny ChatML template writes text arguments as they are: compact
-    JSON the model wrote stays compact, so the history is what it wrote."""
-    tokenizer = tiny_tokenizer()
+@pytest.mark.parametrize(
+    "template",
+    [
+        None,  # kvchat's tiny ChatML
+        "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+        "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+    ],
+)
+def test_a_template_that_writes_text_arguments_keeps_them_as_sent(template):
+    """Templates that write text arguments as they are (an ``is string``
+    check) get them as sent: compact JSON the model wrote stays compact, so
+    the history is what it wrote. Hermes' templates read the tool's
+    description, which the probe must not trip on."""
+    tokenizer = tiny_tokenizer() if template is None else _tokenizer(template)
     compact = '{"city":"Paris"}'
     call = {
         "id": "c1",

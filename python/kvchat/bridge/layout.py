@@ -26,6 +26,8 @@ SLIDING = LayerKind.sliding_window
 RECURRENT = LayerKind.recurrent
 
 Parts = tuple  # of LayerKind: () for a stateless layer
+# Every layer kvchat carries: none, one part, or a hybrid's attention then recurrent.
+_SHAPES = {(), (ATTENTION,), (SLIDING,), (RECURRENT,), (ATTENTION, RECURRENT), (SLIDING, RECURRENT)}
 
 
 def describe(parts: Parts) -> str:
@@ -77,9 +79,19 @@ class ModelLayout:
     def __post_init__(self):
         if len(self.parts) != len(self.layer_classes):
             raise ValueError(f"{len(self.parts)} parts for {len(self.layer_classes)} layers")
+        for i, parts in enumerate(self.parts):
+            if parts not in _SHAPES and not (parts is None and not self.supported):
+                raise ValueError(f"layer {i}: parts {parts!r} are no layer kvchat carries")
         expected = len(self.stateful) + len(self.indexed) if self.supported else 0
         if len(self.templates) != expected:
             raise ValueError(f"{len(self.templates)} templates for {expected} core layers")
+        if self.supported:
+            for j, i in enumerate(self.stateful):
+                if self.templates[j].parts != self.parts[i]:
+                    raise ValueError(f"layer {i}: a template of {self.templates[j].parts}")
+            for i in self.indexed:
+                if not 0 <= i < len(self.parts) or self.parts[i] != (ATTENTION,):
+                    raise ValueError(f"indexed layer {i} is no attention layer")
 
     @property
     def supported(self) -> bool:

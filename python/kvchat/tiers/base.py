@@ -29,6 +29,7 @@ manager and guards itself: its calls come from any thread.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +69,13 @@ class Tier:
         if cost is None:
             cost = self.__dict__["_kvchat_reload_cost"] = ReloadCost(self.default_ms_per_byte)
         return cost
+
+    @property
+    def bridge(self) -> ModelLayout:
+        """Deprecated: ``self.layout`` (what tiers were given before; it has the
+        ``slots`` and ``templates`` they read)."""
+        warnings.warn("Tier.bridge is Tier.layout now", DeprecationWarning, stacklevel=2)
+        return self.layout
 
     def bind(self, fingerprint: dict, layout: ModelLayout, device: torch.device) -> None:
         """The model this tier serves: what a stored cache must match."""
