@@ -40,10 +40,13 @@ def _wanted(member: str) -> str | None:
 
 
 def download_sdist(folder: Path) -> Path:
-    """The llama-cpp-python sdist, downloaded from PyPI into ``folder``."""
+    """The llama-cpp-python sdist, downloaded from PyPI into ``folder``.
+    Only it is taken as source: pip reads its metadata in an isolated build
+    environment, and with ``:all:`` that environment's cmake was compiled
+    from source too (half an hour on 2 cores, once a PyPI cmake is about)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
-        + ["--no-binary", ":all:", SDIST, "-d", str(folder)],
+        + ["--no-binary", "llama-cpp-python", SDIST, "-d", str(folder)],
         check=True,
     )
     (sdist,) = Path(folder).glob("llama_cpp_python-*.tar.gz")
