@@ -25,7 +25,7 @@ from kvchat import SessionManager
 from kvchat.bridge import ForwardArguments
 from kvchat.timing import FirstTokenTimer
 from memory import PeakMemory, tensor_bytes
-from transformers import DynamicCache, NoRepeatNGramLogitsProcessor
+from transformers import CompileConfig, DynamicCache, NoRepeatNGramLogitsProcessor
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 
@@ -95,6 +95,22 @@ class Baseline(Mode):
         return Measured(ttft, _decode_tps(len(new), ttft, total), prompt.numel(), 0, new, 0, peak)
 
 
+class StaticCompiled(Mode):
+    """Plain generate on the whole conversation, as transformers compiles it:
+    ``cache_implementation="static"`` (a StaticCache as long as the turn) and
+    its decode compiled, on the CPU too."""
+
+    name = "static+compile"
+
+    def turn(self, session, messages, prompt, generate_kwargs, reference=None):
+        config = CompileConfig()
+        config._compile_all_devices = True
+        new, ttft, total, peak = self._generate(
+            prompt, generate_kwargs, cache_implementation="static", compile_config=config
+        )
+        return Measured(ttft, _decode_tps(len(new), ttft, total), prompt.numel(), 0, new, 0, peak)
+
+
 class HfReuse(Mode):
     name = "hf-reuse"
 
@@ -143,8 +159,9 @@ class HfReuse(Mode):
 class Kvchat(Mode):
     name = "kvchat"
 
-    def __init__(self, model, tokenizer, sessions: int, **options):
+    def __init__(self, model, tokenizer, sessions: int, name: str = "kvchat", **options):
         super().__init__(model, tokenizer)
+        self.name = name
         self.manager = SessionManager(model, tokenizer, max_sessions=max(sessions, 1), **options)
 
     def held_bytes(self):

@@ -21,11 +21,14 @@ from pathlib import Path
 import torch
 from kvchat.prompting import render_prompt
 from kvchat.tiny import words_only
-from modes import Baseline, HfReuse, Kvchat, Limit, recurrent_only
+from modes import Baseline, HfReuse, Kvchat, Limit, StaticCompiled, recurrent_only
 from tqdm import tqdm
 from workload import PRESETS, TINY, load_model, make_conversation
 
-MODES = ("baseline", "hf-reuse", "kvchat", "limit")
+MODES = ("baseline", "hf-reuse", "kvchat", "limit", "static+compile", "kvchat+compile")
+# The compiled modes (docs/compiled-decode.md) run only when asked (--modes):
+# their first turns compile, which takes minutes on a CPU.
+DEFAULT_MODES = MODES[:4]
 # What the client sends back after each reply (--replies): "words", replies
 # kept to whole-word tokens, so they re-tokenize as generated; "raw", the
 # model's own tokens, which mostly do not; "agent", raw replies in an agent
@@ -67,7 +70,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="chat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replies", choices=REPLIES, default="words")
@@ -130,13 +133,23 @@ def _replay(args, model, tokenizer, suppress, repeat: int, steps) -> list[dict]:
             tokenizer.apply_chat_template([system], tokenize=False), add_special_tokens=False
         )["input_ids"]
     )
-    modes = {
-        "baseline": Baseline(model, tokenizer),
-        "hf-reuse": HfReuse(model, tokenizer, system_ids),
-        "kvchat": Kvchat(model, tokenizer, args.sessions, checkpoints=args.checkpoints),
-        "limit": Limit(model, tokenizer),
+    # Built only when asked: each kvchat mode probes the model once.
+    factories = {
+        "baseline": lambda: Baseline(model, tokenizer),
+        "hf-reuse": lambda: HfReuse(model, tokenizer, system_ids),
+        "kvchat": lambda: Kvchat(model, tokenizer, args.sessions, checkpoints=args.checkpoints),
+        "limit": lambda: Limit(model, tokenizer),
+        "static+compile": lambda: StaticCompiled(model, tokenizer),
+        "kvchat+compile": lambda: Kvchat(
+            model,
+            tokenizer,
+            args.sessions,
+            name="kvchat+compile",
+            checkpoints=args.checkpoints,
+            compile=True,
+        ),
     }
-    modes = {name: modes[name] for name in args.modes}
+    modes = {name: factories[name]() for name in args.modes}
     histories = {f"s{s}": [system] for s in range(args.sessions)}
     following = {session: "user" for session in histories}  # the role of each next message
     rows = []

@@ -7,10 +7,12 @@ import logging
 import os
 
 import torch
+from transformers import CompileConfig
 
 from . import _C
 from .arguments import ManagerOptions, check_session_id, choose_tier
 from .bridge import CacheBridge
+from .compiled import CompiledDecode
 from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill
 from .prompting import turn_markers
@@ -52,6 +54,7 @@ class SessionManager(SessionAdmin):
         isolate_namespaces: bool = False,
         store: str | None = None,
         settle: bool = True,
+        compile: bool | CompileConfig | None = None,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -101,6 +104,11 @@ class SessionManager(SessionAdmin):
             when the reply re-tokenizes otherwise or the template rewrites it.
             See docs/settling.md. Off with ``match="text"``, which already
             reuses re-tokenized replies.
+        compile: whether decoding runs compiled (``torch.compile``; CUDA graphs
+            on a GPU) in a fixed-capacity cache. None (default): as transformers
+            does for a StaticCache, on an accelerator and not on the CPU; True:
+            on every device; a ``transformers.CompileConfig``: on every device,
+            with it; False: never. See docs/compiled-decode.md.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -154,6 +162,7 @@ class SessionManager(SessionAdmin):
             placement=options.placement,
             isolate_namespaces=options.isolate_namespaces,
         )
+        self._compiled = CompiledDecode(compile, model.device, self._bridge.static_problem)
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
         self._settler = Settler(
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted

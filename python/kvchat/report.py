@@ -116,6 +116,10 @@ class ManagerStats:
     settle_misses: int = 0  # turns whose prompt did not start with the prediction
     settles_taken_over: int = 0  # settles a turn on the session took over (and committed)
     settles_pending: int = 0  # waiting or running now
+    # Compiled decode (docs/compiled-decode.md).
+    compiled_turns: int = 0  # turns whose decode ran compiled, in a StaticCache
+    static_caches_built: int = 0  # one per capacity bucket; more only under concurrency
+    static_cache_bytes: int = 0  # held by idle static caches between turns
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

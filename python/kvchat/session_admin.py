@@ -35,7 +35,12 @@ class SessionAdmin:
 
     def stats(self) -> ManagerStats:
         stats = ManagerStats.from_core(self._core.stats())
-        return replace(stats, **self._tier.counters(), **self._settler.counters())
+        return replace(
+            stats,
+            **self._tier.counters(),
+            **self._settler.counters(),
+            **self._compiled.counters(self._bridge.static_pool),
+        )
 
     def info(self, session_id: str) -> SessionInfo:
         return SessionInfo.from_core(self._core.find(check_session_id(session_id)))

@@ -95,6 +95,7 @@ class Turns:
         self._settler, self._flush_evicted = m._settler, m._flush_evicted
         self._match, self._wait, self._settles = m._match, m._wait, m._settles
         self._max_context = m._max_context
+        self._compiled = m._compiled
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
@@ -217,7 +218,7 @@ class Turns:
             output = self._model.generate(model_input, **kwargs)
             run = ModelRun(output, _sequences(output)[0].to("cpu", torch.long).contiguous())
         else:
-            run = self._cached_run(plan, model_input, kwargs)
+            run = self._cached_run(plan, model_input, kwargs, request.args.max_new_tokens)
         if self._match == "text" and request.text is not None and not plan.plain:
             # The text of the cached ids, for the next turn's prefix match.
             cached_ids = run.sequence[prompt.numel() : run.cached_tokens]
@@ -226,11 +227,37 @@ class Turns:
             self._send_back(run, plan, prompt.numel(), request.sendback)
         return run
 
-    def _cached_run(self, plan, model_input, kwargs) -> ModelRun:
+    def _cached_run(self, plan, model_input, kwargs, max_new_tokens: int) -> ModelRun:
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
-        # Consumed: a buffer that moves to a larger arena frees the old one.
-        cache = bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
+        compile_config = self._compiled.config_for(kwargs)
+        if compile_config is None:
+            # Consumed: a buffer that moves to a larger arena frees the old one.
+            cache = bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
+        else:
+            capacity = self._compiled.capacity(prompt_tokens + max_new_tokens, self._max_context)
+            cache = bridge.to_static_cache(plan.take_layers(), capacity)
+            kwargs = dict(kwargs, compile_config=compile_config)
+        returned = False
+        try:
+            run = self._run_on(cache, plan, model_input, kwargs)
+            self._compiled.turns += compile_config is not None
+            returned = not isinstance(run.output, torch.Tensor) and (
+                run.output.get(bridge.cache_argument) is cache
+            )
+        finally:
+            # A pooled cache the caller got back is theirs: the pool forgets it.
+            if compile_config is not None and not returned:
+                bridge.give_back(cache)
+        if returned and compile_config is None:
+            # The caller may run the returned cache on; the session must not see that.
+            bridge.detach_recurrent(cache)
+        return run
+
+    def _run_on(self, cache, plan, model_input, kwargs) -> ModelRun:
+        """Prefills to each checkpoint, runs generate on ``cache``, reads it back."""
+        prompt_tokens = model_input.shape[-1]
+        bridge = self._bridge
         positions = plan.checkpoint_positions
         checkpoints = []
         if positions:
@@ -249,17 +276,13 @@ class Turns:
             checkpoints.append(at_end.checkpoint)
         sequences = _sequences(output)
         cached = bridge.cached_tokens(cache, sequences.shape[-1])
-        run = ModelRun(
+        return ModelRun(
             output,
             sequences[0].to("cpu", torch.long).contiguous(),
             layers=bridge.from_cache(cache, cached),
             cached_tokens=cached,
             checkpoints=checkpoints,
         )
-        if not isinstance(output, torch.Tensor) and output.get(argument) is cache:
-            # The caller may run the returned cache on; the session must not see that.
-            bridge.detach_recurrent(cache)
-        return run
 
     def _send_back(self, run: ModelRun, plan, prompt_tokens: int, sendback: SendBack) -> None:
         """A chat turn: the reply, the history with it, and what the next prompt

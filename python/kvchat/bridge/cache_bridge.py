@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import logging
 
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicIndexedLayer
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicIndexedLayer
 
 from .. import _C
 from .forward import ForwardArguments
@@ -48,6 +48,12 @@ from .layers import (
 )
 from .layout import ATTENTION, RECURRENT, SLIDING, ModelLayout
 from .probe import probe_layout
+from .static_cache import (
+    StaticCachePool,
+    read_static_attention,
+    read_static_recurrent,
+    static_problem,
+)
 
 logger = logging.getLogger("kvchat")
 
@@ -64,6 +70,9 @@ class CacheBridge:
         self._indexed_layers = {
             i for i, layer in enumerate(layers) if type(layer) is DynamicIndexedLayer
         }
+        # Why decoding cannot compile over this model's layers (None: it can).
+        self.static_problem = static_problem(self.layout)
+        self._static_pool = StaticCachePool(model.config, self.layout)
         if not self.layout.supported:
             logger.warning(
                 "kvchat: %s: not supported; every turn will prefill the whole prompt "
@@ -111,7 +120,7 @@ class CacheBridge:
         """How many tokens ``cache`` holds once generate returned a sequence of
         ``sequence_length``: the cache's own count where it keeps one, otherwise
         all but the last token, which generate samples and never feeds."""
-        return cache.get_seq_length() if self.knows_length else sequence_length - 1
+        return int(cache.get_seq_length()) if self.knows_length else sequence_length - 1
 
     def to_cache(self, states: list[_C.LayerState], reserve: int = 0) -> DynamicCache:
         """A cache holding ``states`` (empty: none), with room for ``reserve`` tokens
@@ -147,29 +156,60 @@ class CacheBridge:
                         write_attention(layer, part_state, sliding=part == SLIDING)
         return cache
 
-    def from_cache(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState]:
-        """The cache's tensors as core layer states (by reference), after ``tokens`` tokens."""
+    def to_static_cache(self, states: list[_C.LayerState], capacity: int) -> StaticCache:
+        """A ``StaticCache`` of ``capacity`` positions holding ``states`` (copies),
+        which ``generate`` can compile; ``give_back`` it once read back."""
+        if self.static_problem is not None:
+            raise ValueError(f"this model cannot decode in a StaticCache: {self.static_problem}")
+        return self._static_pool.take(states, capacity)
+
+    def give_back(self, cache: StaticCache) -> None:
+        self._static_pool.give_back(cache)
+
+    @property
+    def static_pool(self) -> StaticCachePool:
+        return self._static_pool
+
+    def from_cache(self, cache: Cache, tokens: int, copy: bool = True) -> list[_C.LayerState]:
+        """The cache's tensors as core layer states, after ``tokens`` tokens: by
+        reference from a DynamicCache, copied from a StaticCache (whose tensors
+        the next turn overwrites) unless ``copy=False``, which only ``snapshot``
+        passes."""
         layout = self.layout
         if len(cache.layers) != len(layout.parts):
             raise ValueError(
                 f"cache has {len(cache.layers)} layers but the model has {len(layout.parts)}"
             )
-        states = [self._read(j, cache.layers[i], tokens) for j, i in enumerate(layout.stateful)]
+        pooled = isinstance(cache, StaticCache)
+        states = [
+            self._read(j, cache.layers[i], tokens, pooled, copy)
+            for j, i in enumerate(layout.stateful)
+        ]
         return states + [read_indexer(cache.layers[i]) for i in layout.indexer_of]
 
-    def snapshot(self, cache: DynamicCache, tokens: int) -> list[_C.LayerState | None]:
+    def snapshot(self, cache: Cache, tokens: int) -> list[_C.LayerState | None]:
         """Owned copies of what cannot be cropped back to ``tokens`` later."""
-        return [state.snapshot() for state in self.from_cache(cache, tokens)]
+        # An attention part's snapshot is nothing (it crops by views), so a
+        # static cache's attention need not be copied just to be dropped.
+        return [state.snapshot() for state in self.from_cache(cache, tokens, copy=False)]
 
-    def _read(self, j: int, layer, tokens: int) -> _C.LayerState:
-        """Core layer ``j``'s state, from its cache ``layer``."""
+    def _read(self, j: int, layer, tokens: int, pooled: bool, copy: bool) -> _C.LayerState:
+        """Core layer ``j``'s state, from its cache ``layer`` (``pooled``: of a
+        StaticCache, whose tensors are copied out)."""
         index = self.layout.stateful[j]
         parts = self.layout.parts[index]
         attention = None
         if parts[0] != RECURRENT:
-            attention = read_attention(layer, sliding=parts[0] == SLIDING)
+            sliding = parts[0] == SLIDING
+            if pooled:
+                attention = read_static_attention(layer, sliding, copy)
+            else:
+                attention = read_attention(layer, sliding=sliding)
             if RECURRENT not in parts:
                 return attention
+        if pooled:
+            recurrent = read_static_recurrent(layer, tokens, self.layout.templates[j].slots)
+            return recurrent if attention is None else _C.HybridState(attention, recurrent)
         slots = recurrent_slots(layer)
         expected = self.layout.templates[j].slots
         if slots != expected:

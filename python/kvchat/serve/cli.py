@@ -25,6 +25,9 @@ _DTYPES = {
 }
 
 
+_COMPILE = {"auto": None, "on": True, "off": False}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model",
@@ -61,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-settle",
         action="store_true",
         help="do not settle sessions between turns (see docs/settling.md)",
+    )
+    limits.add_argument(
+        "--compile",
+        choices=sorted(_COMPILE),
+        default="auto",
+        help="compiled decode: auto (on a GPU, not on the CPU), on (everywhere), off "
+        "(see docs/compiled-decode.md)",
     )
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
     store.add_argument(
@@ -151,6 +161,7 @@ def build_app(args: argparse.Namespace):
         spill_dir=args.spill_dir,
         share_prefixes=not args.no_share_prefixes,
         settle=not args.no_settle,
+        compile=_COMPILE[args.compile],
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     config = ServeConfig(

@@ -62,6 +62,16 @@ class _ManagerCollector:
         yield GaugeMetricFamily(
             "kvchat_settles_pending", "Settles waiting or running", value=stats.settles_pending
         )
+        yield CounterMetricFamily(
+            "kvchat_compiled_turns",
+            "Turns whose decode ran compiled in a StaticCache",
+            value=stats.compiled_turns,
+        )
+        yield GaugeMetricFamily(
+            "kvchat_static_cache_bytes",
+            "Bytes held by idle static caches for compiled decode",
+            value=stats.static_cache_bytes,
+        )
 
 
 class _TablesCollector:

@@ -1,0 +1,248 @@
+"""Compiled decode: a turn decodes in a StaticCache that generate compiles
+(docs/compiled-decode.md), exactly as plain generate with a compiled
+StaticCache does, and compiles once, not once a turn.
+
+The exactness tests compile with inductor, as users run it, in float64 on the
+CPU (``compile=True``), one family per layer kind: attention, sliding window
+(past its window), conv, DeltaNet, and Mamba beside attention in one layer.
+The recompile tests count the graphs torch.compile builds with a backend that
+only counts, so they need no compiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, SYSTEM, model_for, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.bridge.static_cache import bucket
+from kvchat.compiled import CompiledDecode
+from kvchat.tiny import tiny_model
+from transformers import CompileConfig, StaticCache
+
+MAX_NEW = 12
+TURNS = 4
+# Attention, sliding window (4 layers of 16 tokens; turns run past it), conv
+# (LFM2), DeltaNet (Qwen3.5), Mamba2 beside attention in every layer (FalconH1).
+EXACT_FAMILIES = ["llama", "gemma3", "lfm2", "qwen3_5", "falcon_h1"]
+
+
+def _all_devices() -> CompileConfig:
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
+def _compiled_reference(model, tokenizer, messages, capacity):
+    """Plain generate on the whole conversation, in a compiled StaticCache of
+    the capacity kvchat's turn used (so both run the same compiled graph)."""
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    return reference_turn(
+        model, tokenizer, messages, MAX_NEW, past_key_values=cache, compile_config=_all_devices()
+    )
+
+
+def _conversation(manager, model, tokenizer, check, session="s", turns=TURNS):
+    """Turns with the raw replies fed back; ``check(turn, messages, reply)`` after each."""
+    messages = [SYSTEM]
+    for turn in range(turns):
+        messages.append(user_message(turn))
+        reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
+        check(turn, messages, reply)
+        messages.append({"role": "assistant", "content": reply})
+    return messages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", EXACT_FAMILIES)
+def test_compiled_turns_match_compiled_static_cache(family, tokenizer):
+    torch._dynamo.reset()
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, compile=True)
+
+    def check(turn, messages, reply):
+        report = manager.last_turn("s")
+        prompt_tokens = report.prompt_tokens
+        capacity = bucket(prompt_tokens + MAX_NEW)
+        static_reply, _, _ = _compiled_reference(model, tokenizer, messages, capacity)
+        plain_reply, _, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
+        assert reply == static_reply == plain_reply, (family, turn)
+        if turn:
+            assert report.reused_tokens > 0, (family, turn, report)
+
+    _conversation(manager, model, tokenizer, check)
+    stats = manager.stats()
+    assert stats.compiled_turns == TURNS
+    assert stats.static_caches_built == 1  # one bucket, reused every turn
+    assert stats.static_cache_bytes > 0
+
+
+class CountingBackend:
+    """A torch.compile backend that runs graphs eagerly and counts them: one
+    call per graph dynamo captures, so a recompile is one more call.
+    (torch.compile wants a function, not a callable object.)"""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def config(self) -> CompileConfig:
+        def backend(graph_module, example_inputs):
+            self.graphs += 1
+            return graph_module.forward
+
+        return CompileConfig(backend=backend, mode=None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
+def test_next_turns_and_sessions_never_recompile(family, tokenizer):
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, compile=backend.config())
+    compiled = []
+    _conversation(manager, model, tokenizer, lambda *_: compiled.append(backend.graphs))
+    first = compiled[0]
+    assert first >= 1, "the first turn's decode did not compile"
+    # The same bucket: the next turns replay the first turn's graphs.
+    assert compiled == [first] * TURNS, compiled
+    # Another session in the same bucket too.
+    manager.chat("other", [SYSTEM, user_message(5)], max_new_tokens=MAX_NEW)
+    assert backend.graphs == first
+    assert manager.stats().compiled_turns == TURNS + 1
+
+
+def test_eager_unless_asked_on_cpu(tokenizer):
+    model = model_for("llama")
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    manager = SessionManager(model, tokenizer)  # compile=None: eager on the CPU
+    config = backend.config()
+    manager.chat("s", [SYSTEM, user_message(0)], max_new_tokens=4, compile_config=config)
+    assert manager.stats().compiled_turns == 0 and backend.graphs == 0
+
+
+def test_disable_compile_decodes_eagerly(tokenizer):
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=backend.config())
+    messages = [SYSTEM, user_message(0)]
+    reply = manager.chat("s", messages, max_new_tokens=MAX_NEW, disable_compile=True)
+    assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    assert manager.stats().compiled_turns == 0 and backend.graphs == 0
+    # A compiled turn after an eager one starts from the eager turn's cache.
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    reply = manager.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert manager.last_turn("s").reused_tokens > 0
+    assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    assert manager.stats().compiled_turns == 1
+
+
+def test_returned_cache_is_never_reused_by_the_pool(tokenizer):
+    """generate's output can carry the cache; a caller who keeps it must not
+    see the next turn overwrite it."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]], device=DEVICE)
+    out = manager.generate(
+        ids, "s", max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+    )
+    kept = out.past_key_values
+    keys = kept.layers[0].keys.clone()
+    manager.generate(ids + 1, "t", max_new_tokens=4, do_sample=False)
+    assert torch.equal(kept.layers[0].keys, keys)
+    assert manager.stats().static_caches_built == 2
+
+
+def test_sliding_window_full_and_not_full_round_trip(tokenizer):
+    """Loading a session's sliding-window state and reading it back gives the
+    same tokens, before the window fills and after."""
+    from kvchat.bridge import CacheBridge
+
+    model = tiny_model("gemma3", dtype=torch.float64, seed=0).to(DEVICE)
+    bridge = CacheBridge(model)
+    for tokens in (5, 40):  # the window is 16
+        ids = torch.arange(3, 3 + tokens, device=DEVICE)[None]
+        dynamic = bridge.new_cache()
+        with torch.no_grad():
+            model(ids, past_key_values=dynamic)
+        states = bridge.from_cache(dynamic, tokens)
+        static = bridge.to_static_cache(list(states), 64)
+        back = bridge.from_cache(static, tokens)
+        for before, after in zip(states, back, strict=True):
+            assert before.num_tokens == after.num_tokens == tokens
+            for a, b in zip(before.tensors(), after.tensors(), strict=True):
+                assert torch.equal(a, b)
+        bridge.give_back(static)
+
+
+def test_compile_setting_is_checked():
+    with pytest.raises(TypeError, match="compile must be None, True, False"):
+        CompiledDecode("yes", torch.device("cpu"), None)
+    assert not CompiledDecode(None, torch.device("cpu"), None).enabled
+    assert CompiledDecode(None, torch.device("cuda"), None).enabled
+    assert not CompiledDecode(False, torch.device("cuda"), None).enabled
+    assert not CompiledDecode(True, torch.device("cpu"), "indexer keys").enabled
+    assert CompiledDecode(True, torch.device("cpu"), None).config_for({})._compile_all_devices
+
+
+def test_capacity_buckets():
+    sizes = (1, 256, 257, 1000, 1089, 2048, 2049, 4161, 40000)
+    assert [bucket(n) for n in sizes] == [256, 256, 512, 1024, 1280, 2048, 2304, 4352, 40960]
+    for n in range(1, 40000, 7):  # never less, and never much more, than asked
+        assert n <= bucket(n) < n + max(256, n / 16 + 1)
+    assert CompiledDecode.capacity(1000, 1500) == 1024
+    assert CompiledDecode.capacity(1100, 1200) == 1200  # never past the context
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        bucket(0)
+
+
+def test_sessions_on_two_threads_stay_exact(tokenizer):
+    """Two conversations' compiled turns at once: each takes its own pooled
+    cache, and neither sees the other's tokens."""
+    import threading
+
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    failures = []
+
+    def converse(session, offset):
+        messages = [SYSTEM]
+        try:
+            for turn in range(3):
+                messages.append(user_message(turn + offset))
+                reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
+                if reply != reference_turn(model, tokenizer, messages, MAX_NEW)[0]:
+                    failures.append((session, turn))
+                messages.append({"role": "assistant", "content": reply})
+        except Exception as error:  # reported below, not lost in the thread
+            failures.append((session, repr(error)))
+
+    threads = [threading.Thread(target=converse, args=(f"s{i}", 3 * i)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert manager.stats().compiled_turns == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_first_turn_is_the_compiled_static_cache(dtype, tokenizer):
+    """In bfloat16 and float16 a turn that reuses nothing runs exactly the
+    computation of generate with a compiled StaticCache of its capacity, so
+    its reply is the same; later turns reuse and stay finite (their logits
+    differ from a full prefill's by rounding: see test_bfloat16.py)."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=dtype, seed=0).to(DEVICE)
+    manager = SessionManager(model, tokenizer, compile=True)
+    messages = [SYSTEM, user_message(0)]
+    reply = manager.chat("s", messages, max_new_tokens=MAX_NEW)
+    capacity = bucket(manager.last_turn("s").prompt_tokens + MAX_NEW)
+    assert reply == _compiled_reference(model, tokenizer, messages, capacity)[0]
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    manager.chat("s", messages, max_new_tokens=MAX_NEW)
+    report = manager.last_turn("s")
+    assert report.reused_tokens > 0 and report.generated_tokens == MAX_NEW
+    assert manager.stats().compiled_turns == 2 and manager.stats().invalidations == 0
