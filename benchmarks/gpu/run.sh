@@ -36,7 +36,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/python/test_exactness.py tests/python/test_hybrid.py tests/python/test_sharing.py \
     tests/python/test_persistence.py tests/python/test_generate_args.py \
     tests/python/test_returned_cache.py tests/python/test_bfloat16.py \
-    tests/python/test_families.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+    tests/python/test_families.py tests/python/test_compiled_decode.py 2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -60,6 +60,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --device cuda --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn-mamba2.txt" | tail -20
   python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 32768 \
     --device cuda --dtype bfloat16 --out "$out" \
-    --caches DynamicCache kvchat StaticCache StaticCache+compile \
+    --caches DynamicCache kvchat StaticCache StaticCache+compile kvchat+compile \
     2>&1 | tee "$out/decode.txt" | tail -20
 fi

@@ -2,18 +2,21 @@
 
 ``generate`` compiles its decode step over a cache that can be compiled
 (``Cache.is_compileable``), on CUDA and other accelerators by itself and on
-the CPU only when ``compile_config._compile_all_devices`` says so. A compiled
+the CPU only when ``compile_config._compile_all_devices`` says so, which
+kvchat sets. A compiled
 turn decodes in a ``StaticCache`` from the bridge's pool (see
 ``bridge/static_cache.py``); any other turn decodes in kvchat's growable
 buffers, eagerly.
 
 ``SessionManager(compile=...)``:
 
-- ``None`` (the default): as transformers does with a ``StaticCache``:
-  compiled on an accelerator, eager on the CPU;
-- ``True``: compiled on every device (on the CPU too);
-- a ``transformers.CompileConfig``: compiled on every device, with it;
-- ``False``: never.
+- ``False`` (the default): never; decoding runs in kvchat's growable buffers;
+- ``True``: compiled on every device (the CPU too), with transformers'
+  default ``CompileConfig`` (on a GPU, CUDA graphs);
+- a ``transformers.CompileConfig``: compiled on every device, with it.
+
+Why not compiled by default on a GPU, as transformers does for a StaticCache:
+no GPU has run this path yet (docs/compiled-decode.md, "Open").
 
 A turn that passes ``disable_compile=True`` decodes eagerly; one that passes
 ``compile_config`` compiles with it wherever this manager compiles.
@@ -30,32 +33,26 @@ from .bridge.static_cache import bucket
 
 logger = logging.getLogger("kvchat")
 
-ACCELERATORS = ("cuda", "xpu")
-
 
 class CompiledDecode:
     """One manager's compile setting, applied to each turn."""
 
-    def __init__(self, setting, device, static_problem: str | None):
-        if not (setting is None or isinstance(setting, (bool, CompileConfig))):
+    def __init__(self, setting, static_problem: str | None):
+        if not isinstance(setting, (bool, CompileConfig)):
             raise TypeError(
-                f"compile must be None, True, False or a transformers.CompileConfig, "
-                f"got {setting!r}"
+                f"compile must be True, False or a transformers.CompileConfig, got {setting!r}"
             )
         self._config = setting if isinstance(setting, CompileConfig) else None
-        wanted = setting is True or self._config is not None
-        self.enabled = setting is not False and (wanted or device.type in ACCELERATORS)
-        self._all_devices = wanted
+        self.enabled = setting is not False
         self.problem = static_problem
         self.turns = 0  # turns that decoded compiled
         if self.enabled and static_problem is not None:
-            if wanted:
-                logger.warning(
-                    "kvchat: compile=%r, but this model's decode cannot compile (%s); "
-                    "it decodes eagerly",
-                    setting,
-                    static_problem,
-                )
+            logger.warning(
+                "kvchat: compile=%r, but this model's decode cannot compile (%s); "
+                "it decodes eagerly",
+                setting,
+                static_problem,
+            )
             self.enabled = False
 
     def config_for(self, kwargs: dict) -> CompileConfig | None:
@@ -70,9 +67,18 @@ class CompiledDecode:
             config = generation_config.compile_config
         # A shallow copy: the backend may be an object the caller keeps (a counter).
         config = copy.copy(config) if config is not None else CompileConfig()
-        if self._all_devices:
-            config._compile_all_devices = True
+        config._compile_all_devices = True
         return config
+
+    def failed(self) -> None:
+        """torch.compile failed in a turn (a backend this machine lacks, say):
+        that turn raised and aborted (the session keeps its history); later
+        turns decode eagerly rather than fail the same way."""
+        if self.enabled:
+            logger.warning(
+                "kvchat: compiling the decode failed; this manager decodes eagerly from now on"
+            )
+        self.enabled = False
 
     def counters(self, pool) -> dict:
         return dict(

@@ -54,7 +54,7 @@ class SessionManager(SessionAdmin):
         isolate_namespaces: bool = False,
         store: str | None = None,
         settle: bool = True,
-        compile: bool | CompileConfig | None = None,
+        compile: bool | CompileConfig = False,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -104,11 +104,10 @@ class SessionManager(SessionAdmin):
             when the reply re-tokenizes otherwise or the template rewrites it.
             See docs/settling.md. Off with ``match="text"``, which already
             reuses re-tokenized replies.
-        compile: whether decoding runs compiled (``torch.compile``; CUDA graphs
-            on a GPU) in a fixed-capacity cache. None (default): as transformers
-            does for a StaticCache, on an accelerator and not on the CPU; True:
-            on every device; a ``transformers.CompileConfig``: on every device,
-            with it; False: never. See docs/compiled-decode.md.
+        compile: True (or a ``transformers.CompileConfig``): each turn decodes
+            compiled (``torch.compile``; CUDA graphs on a GPU) in a pooled
+            ``StaticCache``, on any device. False (default): eagerly, in
+            kvchat's growable buffers. See docs/compiled-decode.md.
         """
         if not (hasattr(model, "generate") and hasattr(model, "config")):
             raise TypeError(
@@ -162,7 +161,7 @@ class SessionManager(SessionAdmin):
             placement=options.placement,
             isolate_namespaces=options.isolate_namespaces,
         )
-        self._compiled = CompiledDecode(compile, model.device, self._bridge.static_problem)
+        self._compiled = CompiledDecode(compile, self._bridge.static_problem)
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
         self._settler = Settler(
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted

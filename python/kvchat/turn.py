@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 from . import _C
 from .arguments import ContextLengthError
@@ -240,7 +241,12 @@ class Turns:
             kwargs = dict(kwargs, compile_config=compile_config)
         returned = False
         try:
-            run = self._run_on(cache, plan, model_input, kwargs)
+            try:
+                run = self._run_on(cache, plan, model_input, kwargs)
+            except TorchDynamoException:
+                if compile_config is not None:
+                    self._compiled.failed()  # later turns decode eagerly
+                raise
             self._compiled.turns += compile_config is not None
             returned = not isinstance(run.output, torch.Tensor) and (
                 run.output.get(bridge.cache_argument) is cache

@@ -111,14 +111,47 @@ def test_next_turns_and_sessions_never_recompile(family, tokenizer):
     assert manager.stats().compiled_turns == TURNS + 1
 
 
-def test_eager_unless_asked_on_cpu(tokenizer):
+def test_default_decodes_eagerly_on_every_device(tokenizer):
+    """compile=False (the default): a turn's own compile_config does not turn
+    compiling on, on the CPU or a GPU (KVCHAT_TEST_DEVICE=cuda)."""
     model = model_for("llama")
     torch._dynamo.reset()
     backend = CountingBackend()
-    manager = SessionManager(model, tokenizer)  # compile=None: eager on the CPU
+    manager = SessionManager(model, tokenizer)
     config = backend.config()
     manager.chat("s", [SYSTEM, user_message(0)], max_new_tokens=4, compile_config=config)
     assert manager.stats().compiled_turns == 0 and backend.graphs == 0
+
+
+def test_a_second_capacity_compiles_once_and_no_later_one_does(tokenizer):
+    """A conversation that outgrows its bucket: the second capacity compiles
+    once more (the capacity becomes a dynamic size), the third not at all."""
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=backend.config())
+    messages = [SYSTEM, user_message(0)]
+    graphs = []
+    for max_new in (12, 300, 560):  # capacities 256, 512 and 768 for this prompt
+        manager.chat("s", messages, max_new_tokens=max_new, eos_token_id=None)
+        graphs.append(backend.graphs)
+        assert manager.last_turn("s").generated_tokens == max_new
+    assert manager.stats().static_caches_built == 3
+    assert graphs[0] >= 1 and graphs[1] == 2 * graphs[0] and graphs[2] == graphs[1], graphs
+
+
+def test_sessions_on_a_shared_prefix_stay_exact(tokenizer):
+    """A second session starts from the first one's system prompt (a shared
+    prefix the core holds once) and decodes compiled from it."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    system = {"role": "system", "content": " ".join(["You answer in short plain words."] * 8)}
+    for session in ("a", "b"):
+        messages = [system, user_message(ord(session))]
+        reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
+        assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    assert manager.last_turn("b").reused_tokens > 32
+    assert manager.stats().prefix_shares == 1
 
 
 def test_disable_compile_decodes_eagerly(tokenizer):
@@ -177,13 +210,13 @@ def test_sliding_window_full_and_not_full_round_trip(tokenizer):
 
 
 def test_compile_setting_is_checked():
-    with pytest.raises(TypeError, match="compile must be None, True, False"):
-        CompiledDecode("yes", torch.device("cpu"), None)
-    assert not CompiledDecode(None, torch.device("cpu"), None).enabled
-    assert CompiledDecode(None, torch.device("cuda"), None).enabled
-    assert not CompiledDecode(False, torch.device("cuda"), None).enabled
-    assert not CompiledDecode(True, torch.device("cpu"), "indexer keys").enabled
-    assert CompiledDecode(True, torch.device("cpu"), None).config_for({})._compile_all_devices
+    for bad in ("yes", None, 1):
+        with pytest.raises(TypeError, match="compile must be True, False or a transformers"):
+            CompiledDecode(bad, None)
+    assert not CompiledDecode(False, None).enabled
+    assert not CompiledDecode(True, "indexer keys").enabled
+    assert CompiledDecode(True, None).config_for({})._compile_all_devices
+    assert CompiledDecode(True, None).config_for({"disable_compile": True}) is None
 
 
 def test_capacity_buckets():
@@ -246,3 +279,23 @@ def test_low_precision_first_turn_is_the_compiled_static_cache(dtype, tokenizer)
     report = manager.last_turn("s")
     assert report.reused_tokens > 0 and report.generated_tokens == MAX_NEW
     assert manager.stats().compiled_turns == 2 and manager.stats().invalidations == 0
+
+
+def test_a_failing_compiler_fails_one_turn_then_decodes_eagerly(tokenizer, caplog):
+    """A backend that cannot compile (a GPU without its compiler, say) fails
+    the turn it meets, which aborts cleanly; later turns decode eagerly."""
+
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend=broken, mode=None))
+    messages = [SYSTEM, user_message(0)]
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        manager.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert "decodes eagerly from now on" in caplog.text
+    assert manager.messages("s") == []  # nothing half-done
+    reply = manager.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    assert manager.stats().compiled_turns == 0

@@ -51,6 +51,9 @@ logger = logging.getLogger("kvchat")
 
 SMALLEST_BUCKET = 256
 STEPS_PER_DOUBLING = 16
+# Idle caches kept between turns: a conversation's bucket and the one before
+# it; an older one is freed, so the pool never holds more than this.
+MAX_IDLE = 2
 
 
 def bucket(tokens: int) -> int:
@@ -80,20 +83,20 @@ def static_problem(layout: ModelLayout) -> str | None:
 
 
 class StaticCachePool:
-    """Static caches for one model, by capacity; one turn holds each at a time."""
+    """Static caches for one model, by capacity; one turn holds each at a time,
+    and at most ``MAX_IDLE`` wait between turns (the rest are freed)."""
 
     def __init__(self, config, layout: ModelLayout):
         self._config = config
         self._layout = layout
-        self._free: dict[int, list[StaticCache]] = {}
+        self._free: dict[int, StaticCache] = {}  # idle, by capacity, oldest first
         self._lock = threading.Lock()
         self.built = 0  # caches built: a steady state builds none
 
     def take(self, states: list, capacity: int) -> StaticCache:
         """A cache of ``capacity`` positions holding ``states`` (empty: none)."""
         with self._lock:
-            free = self._free.get(capacity)
-            cache = free.pop() if free else None
+            cache = self._free.pop(capacity, None)
         if cache is None:
             cache = self._new(capacity)
         load(cache, self._layout, states)
@@ -101,14 +104,22 @@ class StaticCachePool:
 
     def give_back(self, cache: StaticCache) -> None:
         """Returns ``cache`` for a later turn. Never one the caller still holds."""
+        for layer in cache.layers:  # what the turn wrote, even if it failed: zeroed next time
+            if isinstance(layer, StaticLayer) and layer.is_initialized:
+                written = int(layer.cumulative_length)
+                layer.kvchat_dirty = max(getattr(layer, "kvchat_dirty", written), written)
+        freed = []  # dropped outside the lock
         with self._lock:
-            free = self._free.setdefault(cache.layers_capacity, [])
-            if not free:  # one spare per bucket: concurrency beyond that allocates
-                free.append(cache)
+            # The most recently returned last; one idle cache per capacity.
+            freed.append(self._free.pop(cache.layers_capacity, None))
+            self._free[cache.layers_capacity] = cache
+            while len(self._free) > MAX_IDLE:
+                freed.append(self._free.pop(next(iter(self._free))))
+        del freed
 
     def nbytes(self) -> int:
         with self._lock:
-            caches = [c for free in self._free.values() for c in free]
+            caches = list(self._free.values())
         return sum(_cache_bytes(c) for c in caches)
 
     def _new(self, capacity: int) -> StaticCache:
@@ -175,17 +186,23 @@ def load(cache: StaticCache, layout: ModelLayout, states: list) -> None:
 
 
 def _load_attention(layer: StaticLayer, state) -> None:
-    keys, values = state.tensors() if state is not None else (None, None)
-    n = 0 if keys is None else keys.shape[-2]
+    # keys and values (on a shared prefix, concatenated with it by the core)
+    pieces = state.tensors() if state is not None else []
+    n = state.num_tokens if state is not None else 0
     if not layer.is_initialized:
-        if keys is None:
+        if not pieces:
             return  # the turn's first update allocates (zeros)
-        layer.lazy_initialization(keys, values)
+        layer.lazy_initialization(pieces[0], pieces[1])
     if n > layer.max_cache_len:
         raise ValueError(f"a state of {n} tokens does not fit a cache of {layer.max_cache_len}")
-    if n:
-        layer.keys[:, :, :n].copy_(keys)
-        layer.values[:, :, :n].copy_(values)
+    at = 0
+    for keys, values in zip(pieces[0::2], pieces[1::2], strict=True):
+        width = keys.shape[-2]
+        layer.keys[:, :, at : at + width].copy_(keys)
+        layer.values[:, :, at : at + width].copy_(values)
+        at += width
+    if at != n:
+        raise ValueError(f"an attention state of {n} tokens gave {at}")
     dirty = max(getattr(layer, "kvchat_dirty", layer.max_cache_len), n)
     layer.keys[:, :, n:dirty].zero_()
     layer.values[:, :, n:dirty].zero_()

@@ -25,9 +25,6 @@ _DTYPES = {
 }
 
 
-_COMPILE = {"auto": None, "on": True, "off": False}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model",
@@ -67,10 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     limits.add_argument(
         "--compile",
-        choices=sorted(_COMPILE),
-        default="auto",
-        help="compiled decode: auto (on a GPU, not on the CPU), on (everywhere), off "
-        "(see docs/compiled-decode.md)",
+        action="store_true",
+        help="decode compiled, in a pooled StaticCache (see docs/compiled-decode.md)",
     )
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
     store.add_argument(
@@ -161,7 +156,7 @@ def build_app(args: argparse.Namespace):
         spill_dir=args.spill_dir,
         share_prefixes=not args.no_share_prefixes,
         settle=not args.no_settle,
-        compile=_COMPILE[args.compile],
+        compile=args.compile,
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     config = ServeConfig(
