@@ -42,3 +42,8 @@ def test_a_bad_checkpoints_value_is_refused_by_name(capsys):
 @pytest.mark.parametrize(("flags", "settle"), [((), True), (("--no-settle",), False)])
 def test_no_settle_flag_reaches_the_manager(monkeypatch, flags, settle):
     assert _manager_arguments(monkeypatch, *flags)["settle"] is settle
+
+
+@pytest.mark.parametrize(("flags", "compiled"), [((), False), (("--compile",), True)])
+def test_compile_flag_reaches_the_manager(monkeypatch, flags, compiled):
+    assert _manager_arguments(monkeypatch, *flags)["compile"] is compiled
