@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 from transformers import CompileConfig
 
@@ -37,7 +38,7 @@ logger = logging.getLogger("kvchat")
 class CompiledDecode:
     """One manager's compile setting, applied to each turn."""
 
-    def __init__(self, setting, static_problem: str | None):
+    def __init__(self, setting, static_problem: str | None, generation_config=None):
         if not isinstance(setting, (bool, CompileConfig)):
             raise TypeError(
                 f"compile must be True, False or a transformers.CompileConfig, got {setting!r}"
@@ -46,6 +47,9 @@ class CompiledDecode:
         self.enabled = setting is not False
         self.problem = static_problem
         self.turns = 0  # turns that decoded compiled
+        self._turns_lock = threading.Lock()
+        # The model's own (generation_config.json's): read at each turn, as generate does.
+        self._model_generation_config = generation_config
         if self.enabled and static_problem is not None:
             logger.warning(
                 "kvchat: compile=%r, but this model's decode cannot compile (%s); "
@@ -56,24 +60,35 @@ class CompiledDecode:
             self.enabled = False
 
     def config_for(self, kwargs: dict) -> CompileConfig | None:
-        """The turn's ``CompileConfig``, or None for an eager decode."""
-        if not self.enabled or kwargs.get("disable_compile"):
+        """The turn's ``CompileConfig``, or None for an eager decode. As generate
+        reads them: the turn's arguments over its ``generation_config``, or,
+        without one, the model's; the manager's ``CompileConfig`` over both."""
+        if not self.enabled:
             return None
-        generation_config = kwargs.get("generation_config")
-        if generation_config is not None and generation_config.disable_compile:
+        base = kwargs.get("generation_config") or self._model_generation_config
+        disabled = kwargs.get("disable_compile")
+        if disabled is None:
+            disabled = bool(getattr(base, "disable_compile", False))
+        if disabled:
             return None
         config = kwargs.get("compile_config") or self._config
-        if config is None and generation_config is not None:
-            config = generation_config.compile_config
+        if config is None:
+            config = getattr(base, "compile_config", None)
         # A shallow copy: the backend may be an object the caller keeps (a counter).
         config = copy.copy(config) if config is not None else CompileConfig()
         config._compile_all_devices = True
         return config
 
-    def failed(self) -> None:
+    def record_turn(self) -> None:
+        with self._turns_lock:
+            self.turns += 1
+
+    def failed(self, pool) -> None:
         """torch.compile failed in a turn (a backend this machine lacks, say):
         that turn raised and aborted (the session keeps its history); later
-        turns decode eagerly rather than fail the same way."""
+        turns decode eagerly rather than fail the same way, and the pool's
+        caches are freed."""
+        pool.clear()
         if self.enabled:
             logger.warning(
                 "kvchat: compiling the decode failed; this manager decodes eagerly from now on"

@@ -65,6 +65,27 @@ def _int_or_zero(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def _new_tokens_by_length(model, kwargs: dict, config, prompt_tokens: int) -> int:
+    """The tokens generate makes without max_new_tokens, as it decides: up to
+    ``max_length`` when someone set one (the call, its generation_config or the
+    model's); otherwise ``max_length`` more than the prompt (its default, 20),
+    within the model's positions."""
+    given = kwargs.get("generation_config")
+    has_default = (
+        kwargs.get("max_length") is None
+        and (given is None or given.max_length is None)
+        and getattr(model.generation_config, "max_length", None) is None
+    )
+    max_length = _int_or_zero(config.max_length)
+    if not has_default:
+        return max(max_length - prompt_tokens, 0)
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    total = prompt_tokens + max_length
+    if isinstance(positions, int):
+        total = min(total, positions)
+    return max(total - prompt_tokens, 0)
+
+
 def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateArgs:
     """Resolves ``kwargs`` as ``model.generate`` would; raises ``ValueError`` for
     what it would refuse (a misspelled argument, a bad value)."""
@@ -85,7 +106,7 @@ def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateAr
 
     max_new = _check_max_new_tokens(config.max_new_tokens)
     if max_new is None:
-        max_new = max(_int_or_zero(config.max_length) - prompt_tokens, 0)
+        max_new = _new_tokens_by_length(model, kwargs, config, prompt_tokens)
     assistant = mode_kwargs.get("assistant_model")
     mode = config.get_generation_mode(assistant)
 

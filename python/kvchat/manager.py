@@ -161,7 +161,9 @@ class SessionManager(SessionAdmin):
             placement=options.placement,
             isolate_namespaces=options.isolate_namespaces,
         )
-        self._compiled = CompiledDecode(compile, self._bridge.static_problem)
+        self._compiled = CompiledDecode(
+            compile, self._bridge.static_problem, getattr(model, "generation_config", None)
+        )
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
         self._settler = Settler(
             self._core, self._bridge, self._prefill, model.device, self._flush_evicted

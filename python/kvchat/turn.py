@@ -239,21 +239,26 @@ class Turns:
             capacity = self._compiled.capacity(prompt_tokens + max_new_tokens, self._max_context)
             cache = bridge.to_static_cache(plan.take_layers(), capacity)
             kwargs = dict(kwargs, compile_config=compile_config)
+        # Whether the pool gets the cache back: not if the caller got it with
+        # generate's output (it is theirs now), nor if compiling failed (the
+        # pool is emptied and this manager decodes eagerly from now on).
+        pooled = compile_config is not None
         returned = False
         try:
             try:
                 run = self._run_on(cache, plan, model_input, kwargs)
             except TorchDynamoException:
-                if compile_config is not None:
-                    self._compiled.failed()  # later turns decode eagerly
+                if pooled:
+                    pooled = False
+                    self._compiled.failed(bridge.static_pool)
                 raise
-            self._compiled.turns += compile_config is not None
+            if pooled:
+                self._compiled.record_turn()
             returned = not isinstance(run.output, torch.Tensor) and (
                 run.output.get(bridge.cache_argument) is cache
             )
         finally:
-            # A pooled cache the caller got back is theirs: the pool forgets it.
-            if compile_config is not None and not returned:
+            if pooled and not returned:
                 bridge.give_back(cache)
         if returned and compile_config is None:
             # The caller may run the returned cache on; the session must not see that.

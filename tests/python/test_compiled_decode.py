@@ -295,7 +295,36 @@ def test_a_failing_compiler_fails_one_turn_then_decodes_eagerly(tokenizer, caplo
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
         manager.chat("s", messages, max_new_tokens=MAX_NEW)
     assert "decodes eagerly from now on" in caplog.text
+    assert manager.stats().static_cache_bytes == 0  # the pool is freed
     assert manager.messages("s") == []  # nothing half-done
     reply = manager.chat("s", messages, max_new_tokens=MAX_NEW)
     assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
     assert manager.stats().compiled_turns == 0
+
+
+def test_the_models_generation_config_is_read_as_generate_reads_it():
+    from transformers import GenerationConfig
+
+    model_config = GenerationConfig(disable_compile=True)
+    assert CompiledDecode(True, None, model_config).config_for({}) is None
+    assert CompiledDecode(True, None, model_config).config_for({"disable_compile": False})
+    turn_config = GenerationConfig()  # a turn's own config replaces the model's
+    assert CompiledDecode(True, None, model_config).config_for({"generation_config": turn_config})
+    chosen = CompileConfig(fullgraph=True)
+    model_config = GenerationConfig(compile_config=chosen)
+    assert CompiledDecode(True, None, model_config).config_for({}).fullgraph
+    manager_config = CompileConfig(dynamic=False)
+    picked = CompiledDecode(manager_config, None, model_config).config_for({})
+    assert picked.dynamic is False and not picked.fullgraph
+
+
+def test_pool_keeps_a_cache_for_each_of_a_few_capacities(tokenizer):
+    """Clients asking for several capacities in turn do not rebuild a cache
+    every turn."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    for _ in range(3):
+        for session, max_new in (("a", 100), ("b", 400), ("c", 700)):
+            manager.chat(session, [SYSTEM, user_message(0)], max_new_tokens=max_new)
+    assert manager.stats().static_caches_built == 3
+    assert manager.stats().static_cache_bytes > 0

@@ -172,3 +172,24 @@ def test_a_model_kvchat_cannot_carry_runs_as_plain_generate_without_a_cache(toke
     mgr = SessionManager(model, tokenizer)
     report = turns_match_plain(mgr, model, tokenizer, turns=2)
     assert report.reason == "unsupported_layers" and report.reused_tokens == 0
+
+
+@pytest.mark.parametrize("prompt_tokens", [10, 30, 250])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_max_new_tokens_generates_what_generate_does(prompt_tokens, compiled, tokenizer):
+    """Without max_new_tokens or max_length, generate makes 20 new tokens past
+    any prompt (its default max_length, counted from the prompt); kvchat must
+    plan the same, or a prompt past 20 tokens was refused (it planned 0) and a
+    compiled turn's cache had no room for them (250 + 20 crosses 256)."""
+    from transformers import CompileConfig
+
+    model = model_for("llama")
+    compile_setting = CompileConfig(backend="eager", mode=None) if compiled else False
+    mgr = SessionManager(model, tokenizer, compile=compile_setting)
+    ids = torch.arange(3, 3 + prompt_tokens, device=model.device)[None] % 500 + 3
+    expected = model.generate(ids, do_sample=False)
+    for session in ("s", "s"):  # a fresh turn, then one from the cache
+        out = mgr.generate(ids, session, do_sample=False)
+        assert torch.equal(out, expected)
+    assert expected.shape[1] == prompt_tokens + 20
+    assert mgr.stats().compiled_turns == (2 if compiled else 0)

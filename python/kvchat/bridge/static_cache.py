@@ -51,9 +51,14 @@ logger = logging.getLogger("kvchat")
 
 SMALLEST_BUCKET = 256
 STEPS_PER_DOUBLING = 16
-# Idle caches kept between turns: a conversation's bucket and the one before
-# it; an older one is freed, so the pool never holds more than this.
-MAX_IDLE = 2
+# Idle caches kept between turns, the least recently used freed first: a
+# server's clients ask for a few capacities (max_tokens differ), and a cache
+# rebuilt means new addresses, which a GPU's CUDA graphs record again.
+MAX_IDLE = 4
+# A turn may decode in an idle cache up to this many times larger than its
+# bucket rather than build one: attention over a masked tail costs less than
+# a new cache and, on a GPU, recording its graphs again.
+MAX_OVERSIZE = 2
 
 
 def bucket(tokens: int) -> int:
@@ -89,18 +94,27 @@ class StaticCachePool:
     def __init__(self, config, layout: ModelLayout):
         self._config = config
         self._layout = layout
-        self._free: dict[int, StaticCache] = {}  # idle, by capacity, oldest first
+        self._free: dict[int, StaticCache] = {}  # idle, by capacity, least recent first
         self._lock = threading.Lock()
         self.built = 0  # caches built: a steady state builds none
 
     def take(self, states: list, capacity: int) -> StaticCache:
-        """A cache of ``capacity`` positions holding ``states`` (empty: none)."""
+        """A cache of at least ``capacity`` positions holding ``states`` (empty:
+        none): the smallest idle one up to ``MAX_OVERSIZE`` times as large, or
+        a new one of ``capacity``."""
         with self._lock:
-            cache = self._free.pop(capacity, None)
+            fits = [c for c in self._free if capacity <= c <= capacity * MAX_OVERSIZE]
+            cache = self._free.pop(min(fits)) if fits else None
         if cache is None:
             cache = self._new(capacity)
         load(cache, self._layout, states)
         return cache
+
+    def clear(self) -> None:
+        """Frees every idle cache."""
+        with self._lock:
+            freed, self._free = self._free, {}
+        del freed
 
     def give_back(self, cache: StaticCache) -> None:
         """Returns ``cache`` for a later turn. Never one the caller still holds."""
