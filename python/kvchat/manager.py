@@ -198,7 +198,7 @@ class SessionManager(SessionAdmin):
         request, _ = self._requests.chat(
             session_id, messages, tools, chat_template_kwargs, settle, kwargs, streaming=False
         )
-        return self._turns.run(request)[1]
+        return self._turns.run(request).reply
 
     def stream_chat(
         self,
@@ -246,7 +246,8 @@ class SessionManager(SessionAdmin):
                 input_ids.shape[0],
             )
             return self._model.generate(input_ids, **generate_kwargs)
-        return self._turns.run(self._requests.generate(input_ids, session_id, generate_kwargs))[0]
+        request = self._requests.generate(input_ids, session_id, generate_kwargs)
+        return self._turns.run(request).output
 
     def stream_generate(
         self,
@@ -267,7 +268,7 @@ class SessionManager(SessionAdmin):
         """Starts the turn on the stream's worker; its report once it ends."""
 
         def run() -> TurnReport:
-            record = self._turns.run(request)[2]
+            record = self._turns.run(request).record
             return TurnReport.from_core(record, self._tier.reload_reason)
 
         return stream.start(run, name=f"kvchat-stream-{request.session_id}")

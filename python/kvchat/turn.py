@@ -86,6 +86,17 @@ class ModelRun:
         )
 
 
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What ``Turns.run`` gives back: ``output``, what ``generate`` returned (a
+    tensor or a ModelOutput, for ``generate()``); ``reply``, a chat turn's
+    reply text (None otherwise); ``record``, the core's ``TurnRecord``."""
+
+    output: object
+    reply: str | None
+    record: _C.TurnRecord
+
+
 class Turns:
     """Runs turns for one manager (its model, core, tier and settler)."""
 
@@ -105,9 +116,9 @@ class Turns:
                 f"max_context_length={self._max_context}"
             )
 
-    def run(self, request: TurnRequest) -> tuple[object, str | None, _C.TurnRecord]:
-        """(generate's output, a chat turn's reply text, the TurnRecord)."""
+    def run(self, request: TurnRequest) -> TurnOutcome:
         session_id, args = request.session_id, request.args
+        # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
         plain = args.plain_reason
         if plain is None and not self._bridge.supported:
@@ -130,7 +141,8 @@ class Turns:
                 prompt = fresh
                 if plain is None:  # a plain turn runs on its own fresh ids
                     prompt = self._text_prompt(session, request.text, fresh)
-                self.check_context(prompt.numel(), args.max_new_tokens)
+                if prompt is not fresh:  # text mode's ids differ from the fresh ones
+                    self.check_context(prompt.numel(), args.max_new_tokens)
                 self._settler.take_over(session, prompt, handover)  # empties it
                 reloaded = self._from_tier(session, prompt) if plain is None else None
                 # Leaving this block without finish aborts the turn.
@@ -172,7 +184,7 @@ class Turns:
                         prompt.numel() + record.generated_tokens,
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
-            return run.output, run.reply, record
+            return TurnOutcome(run.output, run.reply, record)
         finally:
             self._flush_evicted()
 
