@@ -42,6 +42,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--repeats", type=int, default=1, help="sets of new conversations per model (multiturn.py)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="kvchat decodes compiled (multiturn.py --compile; docs/compiled-decode.md)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     if args.turns < 2:
@@ -139,6 +144,7 @@ def main(argv=None) -> dict:
                 f"--replies={args.replies}",
                 f"--out={args.out}",
                 "--no-plot",
+                *(["--compile"] if args.compile else []),
             ]
         )
         results[model], rows[model] = result, ratios(result, args.turns)

@@ -71,6 +71,12 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the kvchat mode decodes compiled (SessionManager(compile=True)), so every "
+        "kvchat ratio is the compiled path's; the first turn's decode compiles",
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="chat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replies", choices=REPLIES, default="words")
@@ -137,7 +143,9 @@ def _replay(args, model, tokenizer, suppress, repeat: int, steps) -> list[dict]:
     factories = {
         "baseline": lambda: Baseline(model, tokenizer),
         "hf-reuse": lambda: HfReuse(model, tokenizer, system_ids),
-        "kvchat": lambda: Kvchat(model, tokenizer, args.sessions, checkpoints=args.checkpoints),
+        "kvchat": lambda: Kvchat(
+            model, tokenizer, args.sessions, checkpoints=args.checkpoints, compile=args.compile
+        ),
         "limit": lambda: Limit(model, tokenizer),
         "static+compile": lambda: StaticCompiled(model, tokenizer),
         "kvchat+compile": lambda: Kvchat(

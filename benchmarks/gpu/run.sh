@@ -56,6 +56,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # (RESULTS section 10 has the CPU run), and Mamba2 (section 11).
   python3 benchmarks/hybrid.py --turns 10 --device cuda --dtype bfloat16 --out "$out" \
     2>&1 | tee "$out/hybrid.txt" | tail -30
+  # The same with kvchat's decode compiled (issue 28's hybrid targets).
+  python3 benchmarks/hybrid.py --turns 10 --device cuda --dtype bfloat16 --compile \
+    --out "$out/compiled" 2>&1 | tee "$out/hybrid-compiled.txt" | tail -30
   python3 benchmarks/multiturn.py --model mamba2-130m --turns 10 --modes baseline kvchat \
     --device cuda --dtype bfloat16 --out "$out" --no-plot 2>&1 | tee "$out/multiturn-mamba2.txt" | tail -20
   python3 benchmarks/decode.py --model smollm2-135m --contexts 1024 4096 8192 32768 \
