@@ -32,18 +32,12 @@ from pathlib import Path
 
 import torch
 from kvchat.bridge import CacheBridge
-from kvchat.compiled import CompiledDecode
+from kvchat.compiled import CompiledDecode, compile_everywhere
 from kvchat.timing import FirstTokenTimer
-from transformers import CompileConfig, DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache
 from workload import PRESETS, TINY, load_model
 
 CACHES = ("DynamicCache", "kvchat", "StaticCache", "StaticCache+compile", "kvchat+compile")
-
-
-def _compile_everywhere() -> CompileConfig:
-    config = CompileConfig()
-    config._compile_all_devices = True
-    return config
 
 
 def fresh(kind: str, prefilled, states, static, bridge, reserve: int):
@@ -54,10 +48,10 @@ def fresh(kind: str, prefilled, states, static, bridge, reserve: int):
         return bridge.to_cache(list(states), reserve=reserve), {}  # to_cache consumes its list
     if kind == "kvchat+compile":
         cache = bridge.to_static_cache(states, CompiledDecode.capacity(reserve, None))
-        return cache, {"compile_config": _compile_everywhere()}
+        return cache, {"compile_config": compile_everywhere()}
     if kind == "StaticCache":
         return copy.deepcopy(static), {"disable_compile": True}
-    return copy.deepcopy(static), {"compile_config": _compile_everywhere()}
+    return copy.deepcopy(static), {"compile_config": compile_everywhere()}
 
 
 def decode_rate(model, ids, cache, new_tokens: int, **extra) -> tuple[float, tuple[int, ...]]:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 from kvchat import SessionManager
 from kvchat.bridge import ForwardArguments
+from kvchat.compiled import compile_everywhere
 from kvchat.timing import FirstTokenTimer
 from memory import PeakMemory, tensor_bytes
-from transformers import CompileConfig, DynamicCache, NoRepeatNGramLogitsProcessor
+from transformers import DynamicCache, NoRepeatNGramLogitsProcessor
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 
@@ -103,10 +104,11 @@ class StaticCompiled(Mode):
     name = "static+compile"
 
     def turn(self, session, messages, prompt, generate_kwargs, reference=None):
-        config = CompileConfig()
-        config._compile_all_devices = True
         new, ttft, total, peak = self._generate(
-            prompt, generate_kwargs, cache_implementation="static", compile_config=config
+            prompt,
+            generate_kwargs,
+            cache_implementation="static",
+            compile_config=compile_everywhere(),
         )
         return Measured(ttft, _decode_tps(len(new), ttft, total), prompt.numel(), 0, new, 0, peak)
 

@@ -35,6 +35,15 @@ from .bridge.static_cache import bucket
 logger = logging.getLogger("kvchat")
 
 
+def compile_everywhere(config: CompileConfig | None = None) -> CompileConfig:
+    """A copy of ``config`` (default: transformers' defaults) that ``generate``
+    compiles with on every device, the CPU included. A shallow copy: the
+    backend may be an object the caller keeps (a counter)."""
+    config = copy.copy(config) if config is not None else CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
 class CompiledDecode:
     """One manager's compile setting, applied to each turn."""
 
@@ -45,7 +54,6 @@ class CompiledDecode:
             )
         self._config = setting if isinstance(setting, CompileConfig) else None
         self.enabled = setting is not False
-        self.problem = static_problem
         self.turns = 0  # turns that decoded compiled
         self._turns_lock = threading.Lock()
         # The model's own (generation_config.json's): read at each turn, as generate does.
@@ -74,10 +82,7 @@ class CompiledDecode:
         config = kwargs.get("compile_config") or self._config
         if config is None:
             config = getattr(base, "compile_config", None)
-        # A shallow copy: the backend may be an object the caller keeps (a counter).
-        config = copy.copy(config) if config is not None else CompileConfig()
-        config._compile_all_devices = True
-        return config
+        return compile_everywhere(config)
 
     def record_turn(self) -> None:
         with self._turns_lock:

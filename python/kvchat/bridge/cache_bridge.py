@@ -51,7 +51,6 @@ from .probe import probe_layout
 from .static_cache import (
     StaticCachePool,
     read_static_attention,
-    read_static_recurrent,
     static_problem,
 )
 
@@ -172,9 +171,9 @@ class CacheBridge:
 
     def from_cache(self, cache: Cache, tokens: int, copy: bool = True) -> list[_C.LayerState]:
         """The cache's tensors as core layer states, after ``tokens`` tokens: by
-        reference from a DynamicCache, copied from a StaticCache (whose tensors
-        the next turn overwrites) unless ``copy=False``, which only ``snapshot``
-        passes."""
+        reference from a DynamicCache, copied from a pooled StaticCache (whose
+        tensors the next turn overwrites) unless ``copy=False``, which only
+        ``snapshot`` passes: its states clone what they keep."""
         layout = self.layout
         if len(cache.layers) != len(layout.parts):
             raise ValueError(
@@ -189,8 +188,8 @@ class CacheBridge:
 
     def snapshot(self, cache: Cache, tokens: int) -> list[_C.LayerState | None]:
         """Owned copies of what cannot be cropped back to ``tokens`` later."""
-        # An attention part's snapshot is nothing (it crops by views), so a
-        # static cache's attention need not be copied just to be dropped.
+        # Snapshots clone the parts they keep (an attention part keeps nothing:
+        # it crops by views), so a static cache's tensors are not copied twice.
         return [state.snapshot() for state in self.from_cache(cache, tokens, copy=False)]
 
     def _read(self, j: int, layer, tokens: int, pooled: bool, copy: bool) -> _C.LayerState:
@@ -207,9 +206,6 @@ class CacheBridge:
                 attention = read_attention(layer, sliding=sliding)
             if RECURRENT not in parts:
                 return attention
-        if pooled:
-            recurrent = read_static_recurrent(layer, tokens, self.layout.templates[j].slots)
-            return recurrent if attention is None else _C.HybridState(attention, recurrent)
         slots = recurrent_slots(layer)
         expected = self.layout.templates[j].slots
         if slots != expected:
@@ -218,5 +214,7 @@ class CacheBridge:
                 f"{slots}, not {expected} as when kvchat probed it"
             )
         tensors = [getattr(layer, f"{kind}_states")[i] for kind, i in slots]
+        if pooled and copy:  # the pool writes these tensors in place on the next turn
+            tensors = [tensor.clone() for tensor in tensors]
         recurrent = _C.RecurrentState(tensors, tokens)
         return recurrent if attention is None else _C.HybridState(attention, recurrent)

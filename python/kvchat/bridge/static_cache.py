@@ -44,7 +44,7 @@ from transformers.cache_utils import (
 )
 
 from .. import _C
-from .layers import recurrent_slots, write_recurrent
+from .layers import write_recurrent
 from .layout import ATTENTION, RECURRENT, SLIDING, ModelLayout
 
 logger = logging.getLogger("kvchat")
@@ -200,23 +200,18 @@ def load(cache: StaticCache, layout: ModelLayout, states: list) -> None:
 
 
 def _load_attention(layer: StaticLayer, state) -> None:
-    # keys and values (on a shared prefix, concatenated with it by the core)
-    pieces = state.tensors() if state is not None else []
-    n = state.num_tokens if state is not None else 0
+    # On a shared prefix the core concatenates it with the session's own tokens.
+    keys, values = state.tensors() if state is not None else (None, None)
+    n = 0 if keys is None else keys.shape[-2]
     if not layer.is_initialized:
-        if not pieces:
+        if keys is None:
             return  # the turn's first update allocates (zeros)
-        layer.lazy_initialization(pieces[0], pieces[1])
+        layer.lazy_initialization(keys, values)
     if n > layer.max_cache_len:
         raise ValueError(f"a state of {n} tokens does not fit a cache of {layer.max_cache_len}")
-    at = 0
-    for keys, values in zip(pieces[0::2], pieces[1::2], strict=True):
-        width = keys.shape[-2]
-        layer.keys[:, :, at : at + width].copy_(keys)
-        layer.values[:, :, at : at + width].copy_(values)
-        at += width
-    if at != n:
-        raise ValueError(f"an attention state of {n} tokens gave {at}")
+    if n:
+        layer.keys[:, :, :n].copy_(keys)
+        layer.values[:, :, :n].copy_(values)
     dirty = max(getattr(layer, "kvchat_dirty", layer.max_cache_len), n)
     layer.keys[:, :, n:dirty].zero_()
     layer.values[:, :, n:dirty].zero_()
@@ -276,27 +271,20 @@ def _load_recurrent(layer: LinearAttentionLayer, state, slots) -> None:
 
 # ----------------------------------------------------------------- reading
 def read_static_attention(layer, sliding: bool, copy: bool):
-    """A static layer's tokens as a core state; copies (``copy``) unless the
-    caller keeps nothing of it past this turn (a snapshot of full attention
-    keeps nothing: attention crops by views)."""
+    """A static layer's tokens as a core state: copies (``copy``), or views for
+    a caller that keeps nothing of them past this turn (``snapshot``, whose
+    states clone what they keep)."""
     if sliding:
         window, total = layer.max_cache_len, layer.cumulative_length_int
         keys, values = (layer.keys[:, :, :total], layer.values[:, :, :total])
         if total >= window:
             keys, values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
-        return _C.SlidingWindowState(keys.clone(), values.clone(), total)
-    n = int(layer.cumulative_length)
-    layer.kvchat_dirty = max(getattr(layer, "kvchat_dirty", 0), n)
-    keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+    else:
+        total = int(layer.cumulative_length)
+        layer.kvchat_dirty = max(getattr(layer, "kvchat_dirty", 0), total)
+        keys, values = layer.keys[:, :, :total], layer.values[:, :, :total]
     if copy:
         keys, values = keys.clone(), values.clone()
+    if sliding:
+        return _C.SlidingWindowState(keys, values, total)
     return _C.AttentionState(keys, values)
-
-
-def read_static_recurrent(layer, tokens: int, expected) -> _C.RecurrentState:
-    slots = recurrent_slots(layer)
-    if slots != expected:
-        raise RuntimeError(f"a static layer filled recurrent tensors {slots}, not {expected}")
-    # Clones: the pool writes these tensors in place on the next turn.
-    tensors = [getattr(layer, f"{kind}_states")[i].clone() for kind, i in slots]
-    return _C.RecurrentState(tensors, tokens)
