@@ -11,12 +11,15 @@ only counts, so they need no compiler.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import DEVICE, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.bridge.static_cache import bucket
-from kvchat.compiled import CompiledDecode
+from kvchat.compiled import CompiledDecode, compile_everywhere
+from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
 from transformers import CompileConfig, StaticCache
 
@@ -27,18 +30,17 @@ TURNS = 4
 EXACT_FAMILIES = ["llama", "gemma3", "lfm2", "qwen3_5", "falcon_h1"]
 
 
-def _all_devices() -> CompileConfig:
-    config = CompileConfig()
-    config._compile_all_devices = True
-    return config
-
-
 def _compiled_reference(model, tokenizer, messages, capacity):
     """Plain generate on the whole conversation, in a compiled StaticCache of
     the capacity kvchat's turn used (so both run the same compiled graph)."""
     cache = StaticCache(config=model.config, max_cache_len=capacity)
     return reference_turn(
-        model, tokenizer, messages, MAX_NEW, past_key_values=cache, compile_config=_all_devices()
+        model,
+        tokenizer,
+        messages,
+        MAX_NEW,
+        past_key_values=cache,
+        compile_config=compile_everywhere(),
     )
 
 
@@ -328,3 +330,32 @@ def test_pool_keeps_a_cache_for_each_of_a_few_capacities(tokenizer):
             manager.chat(session, [SYSTEM, user_message(0)], max_new_tokens=max_new)
     assert manager.stats().static_caches_built == 3
     assert manager.stats().static_cache_bytes > 0
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_a_stop_string_that_matches_or_never_does(matches, tokenizer):
+    """A compiled turn that stops early on a stop string, and one whose stop
+    string never appears, both give plain generate's tokens, and the next
+    turn starts from the cache they left."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    messages = [SYSTEM, user_message(0)]
+    free_reply = reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    # A word of the reply (random weights also write byte fragments, which no
+    # stop string can match).
+    stop = re.findall(r"[A-Za-z]{3,}", free_reply)[0] if matches else "zebra-never-said"
+    kwargs = dict(stop_strings=[stop], tokenizer=tokenizer)
+
+    def plain(messages):
+        prompt = render_prompt(tokenizer, messages).unsqueeze(0).to(model.device)
+        out = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
+        return tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
+
+    for turn in range(2):
+        reply = manager.chat("s", messages, max_new_tokens=MAX_NEW, **kwargs)
+        assert reply == plain(messages)
+        if turn == 0:
+            assert (len(reply) < len(free_reply)) == matches
+        messages += [{"role": "assistant", "content": reply}, user_message(turn + 1)]
+    assert manager.last_turn("s").reused_tokens > 0
+    assert manager.stats().compiled_turns == 2
