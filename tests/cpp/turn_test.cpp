@@ -47,6 +47,23 @@ TurnRecord run_turn(SessionManager& mgr, const std::string& id, const std::vecto
   return turn.finish(model_output(prompt, generated));
 }
 
+// A session "a" after one turn on the ten ids `first`, leased for its next
+// turn, whose prompt `next` adds one id.
+class AfterOneTurn : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    run_turn(*mgr, "a", first);
+    next.push_back(9);
+    lease = mgr->acquire("a");
+  }
+  ChatSession& session() { return *lease->session(); }
+
+  std::shared_ptr<SessionManager> mgr = make_manager();
+  const std::vector<int64_t> first = iota_ids(10);
+  std::vector<int64_t> next = iota_ids(10);
+  std::unique_ptr<SessionLease> lease;
+};
+
 TEST(Turn, FirstTurnPrefillsAllAndCommits) {
   auto mgr = make_manager();
   const auto prompt = iota_ids(10);
@@ -96,46 +113,35 @@ TEST(Turn, NextTurnKeepsTheCacheAndTheSessionHandsItsLayersOver) {
   EXPECT_EQ(session.cached_ids().size(), 16u);
 }
 
-TEST(Turn, AbortLeavesTheHistoryAndNoCache) {
-  auto mgr = make_manager();
-  auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  prompt.push_back(9);
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  const auto before = session.messages();
-  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+TEST_F(AfterOneTurn, AbortLeavesTheHistoryAndNoCache) {
+  const auto before = session().messages();
+  auto turn = mgr->begin_turn(*lease, next.data(), next.size(), 4);
   turn.abort();  // say generate raised
   EXPECT_FALSE(turn.open());
-  EXPECT_FALSE(session.resident());
-  EXPECT_TRUE(session.cached_ids().empty());
-  EXPECT_EQ(session.messages().size(), before.size());
-  EXPECT_EQ(session.counters().requests, 1);  // the failed turn is not counted
+  EXPECT_FALSE(session().resident());
+  EXPECT_TRUE(session().cached_ids().empty());
+  EXPECT_EQ(session().messages().size(), before.size());
+  EXPECT_EQ(session().counters().requests, 1);  // the failed turn is not counted
 }
 
-TEST(Turn, PlainTurnLeavesTheCacheAlone) {
-  auto mgr = make_manager();
-  auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  const auto ids = session.cached_ids();
-  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4, std::nullopt,
+TEST_F(AfterOneTurn, PlainTurnLeavesTheCacheAlone) {
+  const auto ids = session().cached_ids();
+  auto turn = mgr->begin_turn(*lease, first.data(), first.size(), 4, std::nullopt,
                               ReuseReason::kMultipleSequences);
   EXPECT_TRUE(turn.plan().plain);
   EXPECT_TRUE(turn.plan().layers.empty());
-  EXPECT_TRUE(session.resident());
-  auto record = turn.finish(model_output(prompt, 2));
+  EXPECT_TRUE(session().resident());
+  auto record = turn.finish(model_output(first, 2));
   EXPECT_EQ(record.reason, ReuseReason::kMultipleSequences);
   EXPECT_EQ(record.reused_tokens, 0);
   EXPECT_EQ(record.prefilled_tokens, 10);
   EXPECT_FALSE(record.cache_stored);
-  EXPECT_EQ(session.cached_ids(), ids);
+  EXPECT_EQ(session().cached_ids(), ids);
   // A plain turn that failed keeps the cache too.
-  mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4, std::nullopt,
+  mgr->begin_turn(*lease, first.data(), first.size(), 4, std::nullopt,
                   ReuseReason::kMultipleSequences)
       .abort();
-  EXPECT_EQ(session.cached_ids(), ids);
+  EXPECT_EQ(session().cached_ids(), ids);
 }
 
 TEST(Turn, ACacheThatDoesNotMatchTheSequenceIsDropped) {
@@ -153,27 +159,21 @@ TEST(Turn, ACacheThatDoesNotMatchTheSequenceIsDropped) {
   EXPECT_EQ(session.messages().size(), 2u);  // the reply is still history
 }
 
-TEST(Turn, ACommitThatFailsInvalidatesAndThrows) {
-  auto mgr = make_manager();
-  auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  prompt.push_back(9);
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
-  auto result = model_output(prompt, 2);
+TEST_F(AfterOneTurn, ACommitThatFailsInvalidatesAndThrows) {
+  auto turn = mgr->begin_turn(*lease, next.data(), next.size(), 4);
+  auto result = model_output(next, 2);
   result.layers = attention_layers(3, result.cached_tokens);  // the model has 2
   EXPECT_THROW(turn.finish(std::move(result)), c10::ValueError);
   EXPECT_FALSE(turn.open());  // a finish that throws aborts
-  EXPECT_FALSE(session.resident());
-  EXPECT_EQ(session.counters().requests, 1);
+  EXPECT_FALSE(session().resident());
+  EXPECT_EQ(session().counters().requests, 1);
   lease.reset();
-  run_turn(*mgr, "a", prompt);
+  run_turn(*mgr, "a", next);
   lease = mgr->acquire("a");
-  auto next = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
+  auto again = mgr->begin_turn(*lease, next.data(), next.size(), 4);
   auto wrong = model_output(iota_ids(11, 7), 2);  // not this plan's prompt
-  EXPECT_THROW(next.finish(std::move(wrong)), c10::ValueError);
-  EXPECT_FALSE(next.open());
+  EXPECT_THROW(again.finish(std::move(wrong)), c10::ValueError);
+  EXPECT_FALSE(again.open());
   EXPECT_FALSE(lease->session()->resident());  // checked first, then aborted
   EXPECT_EQ(lease->session()->counters().requests, 2);
 }
@@ -242,12 +242,9 @@ TEST(Turn, LastMessagePlacementTakesTheTurnsStartForFree) {
   EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{12}));
 }
 
-TEST(Turn, BadArgumentsAreRefusedBeforeAnythingChanges) {
-  auto mgr = make_manager();
-  const auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
+TEST_F(AfterOneTurn, BadArgumentsAreRefusedBeforeAnythingChanges) {
+  const auto& prompt = first;
+  auto& session = this->session();
   EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 0, 4), c10::ValueError);
   EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 10, 0), c10::ValueError);
   EXPECT_TRUE(session.resident());
@@ -358,13 +355,9 @@ TEST(Turn, ATurnIsFinishedOnceAndNeverAfterAnAbort) {
   EXPECT_EQ(session.counters().requests, 1);
 }
 
-TEST(Turn, AMovedFromTurnsDestructionDoesNothing) {
-  auto mgr = make_manager();
-  auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  prompt.push_back(9);
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
+TEST_F(AfterOneTurn, AMovedFromTurnsDestructionDoesNothing) {
+  const auto& prompt = next;
+  auto& session = this->session();
   std::optional<Turn> moved_to;
   {
     auto turn = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
@@ -392,15 +385,10 @@ TEST(Turn, AMovedFromTurnsDestructionDoesNothing) {
   EXPECT_TRUE(replaced.open());
 }
 
-TEST(Turn, ATurnThatOutlivesItsLeaseDropsNoLaterCache) {
-  auto mgr = make_manager();
-  auto prompt = iota_ids(10);
-  run_turn(*mgr, "a", prompt);
-  prompt.push_back(9);
-  auto lease = mgr->acquire("a");
-  auto stale = mgr->begin_turn(*lease, prompt.data(), prompt.size(), 4);
-  lease.reset();                   // let go with the turn still open (a caller's bug)
-  run_turn(*mgr, "a", prompt, 2);  // the next turn commits
+TEST_F(AfterOneTurn, ATurnThatOutlivesItsLeaseDropsNoLaterCache) {
+  auto stale = mgr->begin_turn(*lease, next.data(), next.size(), 4);
+  lease.reset();                 // let go with the turn still open (a caller's bug)
+  run_turn(*mgr, "a", next, 2);  // the next turn commits
   const auto held = mgr->find("a")->cached_ids();
   EXPECT_EQ(held.size(), 12u);
   stale.abort();  // the session moved on: its cache is not this turn's to drop
