@@ -102,6 +102,7 @@ def test_misspelled_argument_leaves_every_session_as_it_was(llama, tokenizer):
     mgr = SessionManager(llama, tokenizer)
     messages = [SYSTEM, user_message(0)]
     mgr.chat("s", messages, max_new_tokens=MAX_NEW)
+    assert mgr.wait_settled(timeout=60)  # settling would grow the cache after `before`
     before = (mgr.info("s"), mgr.messages("s"), mgr.last_turn("s"))
     messages += [{"role": "assistant", "content": "Fine."}, user_message(1)]
     with pytest.raises(ValueError, match="temprature"):

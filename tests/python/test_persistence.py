@@ -133,6 +133,7 @@ def assert_unchanged(mgr, before_ids, before_messages):
 def bad_file_is_rejected(llama, tokenizer, path, match):
     mgr = SessionManager(llama, tokenizer)
     run_turns(mgr, "kept", [SYSTEM], 1, start=5)
+    assert mgr.wait_settled(timeout=60)  # settling would grow the cache after `before`
     before = (mgr.info("kept").cached_tokens, mgr.messages("kept"))
     with pytest.raises(SessionFileError, match=match):
         mgr.load(path, session_id="kept")
