@@ -24,7 +24,6 @@ Two scenarios:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import openai
 from kvchat.serve.process import ServerProcess, redis_server
 from kvchat.tiny import tiny_tokenizer
-from serve import OUT, checkpoint
+from serve import OUT, checkpoint, save
 from tqdm import tqdm
 from workload import make_conversation
 
@@ -216,10 +215,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
     name = f"replicas-{args.model.replace(':', '-')}" + ("-busy" if args.interleave else "")
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
-    print(format_table(result))
-    print(f"\nwrote {OUT / name}.json")
-    return result
+    return save(name, result, format_table(result))
 
 
 if __name__ == "__main__":

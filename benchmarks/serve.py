@@ -55,6 +55,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def save(name: str, result: dict, table: str) -> dict:
+    """Prints ``table`` and writes ``result`` to OUT/NAME.json; returns ``result``."""
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    print(f"\nwrote {OUT / name}.json")
+    return result
+
+
 def checkpoint(name: str) -> Path:
     """A checkpoint directory both servers load: the preset's random weights, the
     tiny tokenizer and its ChatML template, and a generation config that writes
@@ -300,10 +308,7 @@ def main(argv=None) -> dict:
     name = f"serve-{args.model.replace(':', '-')}"
     if "kvchat-no-settle" in args.servers:  # the settling comparison: its own file
         name += "-settle"
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
-    print(format_table(result))
-    print(f"\nwrote {OUT / name}.json")
-    return result
+    return save(name, result, format_table(result))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 
 import openai
 from kvchat.tiny import tiny_tokenizer
-from serve import OUT, Server, checkpoint
+from serve import OUT, Server, checkpoint, save
 from tqdm import tqdm
 from workload import make_conversation
 
@@ -165,12 +165,8 @@ def summary(result: dict) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
-    out = OUT / f"serve-agents-{args.model.replace(':', '-')}.json"
-    out.write_text(json.dumps(result, indent=1))
-    print("median TTFT ms per turn (cached tokens of the first conversation)")
-    print(summary(result))
-    print(f"\nwrote {out}")
-    return result
+    table = "median TTFT ms per turn (cached tokens of the first conversation)\n"
+    return save(f"serve-agents-{args.model.replace(':', '-')}", result, table + summary(result))
 
 
 if __name__ == "__main__":
