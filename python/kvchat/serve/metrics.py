@@ -6,6 +6,69 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# What /metrics reads from SessionManager.stats() at every scrape:
+# (metric name, help, ManagerStats field, counter or gauge). Counters get
+# prometheus' "_total" suffix when exposed.
+STATS_METRICS = [
+    ("kvchat_hit_rate", "Reused / (reused + prefilled) prompt tokens", "hit_rate", "gauge"),
+    ("kvchat_evictions", "Caches evicted to hold the limits", "evictions", "counter"),
+    ("kvchat_resident_bytes", "Distinct cache bytes held", "resident_bytes", "gauge"),
+    ("kvchat_sessions", "Sessions known", "sessions", "gauge"),
+    ("kvchat_resident_sessions", "Sessions holding a cache", "resident_sessions", "gauge"),
+    (
+        "kvchat_prefix_shares",
+        "Turns that started from another session's prefix",
+        "prefix_shares",
+        "counter",
+    ),
+    (
+        "kvchat_store_writes",
+        "Session snapshots published to the Redis store",
+        "store_writes",
+        "counter",
+    ),
+    ("kvchat_store_loads", "Turns that started from a stored snapshot", "store_loads", "counter"),
+    (
+        "kvchat_store_write_errors",
+        "Snapshots not stored (Redis down, chunks evicted)",
+        "store_write_errors",
+        "counter",
+    ),
+    ("kvchat_settles", "Sessions settled between turns for the next prompt", "settles", "counter"),
+    (
+        "kvchat_settled_tokens",
+        "Tokens settles prefilled off the turns' critical path",
+        "settled_tokens",
+        "counter",
+    ),
+    (
+        "kvchat_settle_misses",
+        "Turns whose prompt did not start with the settled prediction",
+        "settle_misses",
+        "counter",
+    ),
+    (
+        "kvchat_settles_taken_over",
+        "Settles a turn on the session arrived during and took over",
+        "settles_taken_over",
+        "counter",
+    ),
+    ("kvchat_settles_pending", "Settles waiting or running", "settles_pending", "gauge"),
+    (
+        "kvchat_compiled_turns",
+        "Turns whose decode ran compiled in a StaticCache",
+        "compiled_turns",
+        "counter",
+    ),
+    (
+        "kvchat_static_cache_bytes",
+        "Bytes held by idle static caches for compiled decode",
+        "static_cache_bytes",
+        "gauge",
+    ),
+]
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
 
 class _ManagerCollector:
     """Reads SessionManager.stats() when scraped, so nothing can drift."""
@@ -15,31 +78,8 @@ class _ManagerCollector:
 
     def collect(self):
         stats = self._mgr.stats()
-        yield GaugeMetricFamily(
-            "kvchat_hit_rate", "Reused / (reused + prefilled) prompt tokens", value=stats.hit_rate
-        )
-        yield CounterMetricFamily(
-            "kvchat_evictions", "Caches evicted to hold the limits", value=stats.evictions
-        )
-        yield GaugeMetricFamily(
-            "kvchat_resident_bytes", "Distinct cache bytes held", value=stats.resident_bytes
-        )
-        yield GaugeMetricFamily("kvchat_sessions", "Sessions known", value=stats.sessions)
-        yield GaugeMetricFamily(
-            "kvchat_resident_sessions", "Sessions holding a cache", value=stats.resident_sessions
-        )
-        yield CounterMetricFamily(
-            "kvchat_prefix_shares",
-            "Turns that started from another session's prefix",
-            value=stats.prefix_shares,
-        )
-        store = {
-            "store_writes": "Session snapshots published to the Redis store",
-            "store_loads": "Turns that started from a stored snapshot",
-            "store_write_errors": "Snapshots not stored (Redis down, chunks evicted)",
-        }
-        for name, text in store.items():
-            yield CounterMetricFamily(f"kvchat_{name}", text, value=getattr(stats, name))
+        for name, text, field, kind in STATS_METRICS:
+            yield _FAMILIES[kind](name, text, value=getattr(stats, field))
         misses = CounterMetricFamily(
             "kvchat_store_misses",
             "Stored snapshots not used, by reason (absent, chunk_missing, checksum, ...)",
@@ -48,29 +88,8 @@ class _ManagerCollector:
         for reason, count in sorted(stats.store_miss_reasons.items()):
             misses.add_metric([reason], count)
         yield misses
-        settling = {
-            "settles": "Sessions settled between turns for the next prompt",
-            "settled_tokens": "Tokens settles prefilled off the turns' critical path",
-            "settle_misses": "Turns whose prompt did not start with the settled prediction",
-            "settles_taken_over": "Settles a turn on the session arrived during and took over",
-        }
-        for name, text in settling.items():
-            yield CounterMetricFamily(f"kvchat_{name}", text, value=getattr(stats, name))
         yield CounterMetricFamily(
             "kvchat_settle_seconds", "Time settles spent prefilling", value=stats.settle_ms / 1e3
-        )
-        yield GaugeMetricFamily(
-            "kvchat_settles_pending", "Settles waiting or running", value=stats.settles_pending
-        )
-        yield CounterMetricFamily(
-            "kvchat_compiled_turns",
-            "Turns whose decode ran compiled in a StaticCache",
-            value=stats.compiled_turns,
-        )
-        yield GaugeMetricFamily(
-            "kvchat_static_cache_bytes",
-            "Bytes held by idle static caches for compiled decode",
-            value=stats.static_cache_bytes,
         )
 
 

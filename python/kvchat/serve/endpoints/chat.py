@@ -5,7 +5,6 @@ one its conversation continues, answered whole or streamed as chunks."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ...agents import ToolCall
@@ -36,15 +35,13 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             )
         explicit = chat.session_key or (header or None)
         turn = await turns.begin(ns, chat, explicit)
-        # Made before the turn runs: a turn is never run for a reply that cannot be sent.
-        headers = turns.session_header(turn)
         cid = chat_response.completion_id()
-        if chat.stream:
-            return ctx.streamed(turn, stream_body(turns, turn, cid), headers)
-        await ctx.collected(turn)
-        reason = turn.finish_reason(turns.stop_ids)
-        body = chat_response.completion(cid, chat.model, turn.message(), reason, turn.report)
-        return JSONResponse(body, headers=headers)
+
+        async def body(_items) -> dict:
+            reason = turn.finish_reason(turns.stop_ids)
+            return chat_response.completion(cid, chat.model, turn.message(), reason, turn.report)
+
+        return await ctx.answer(turn, chat.stream, lambda: stream_body(turns, turn, cid), body)
 
 
 async def stream_body(turns: TurnRunner, turn: Reply, cid: str):

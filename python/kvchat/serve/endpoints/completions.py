@@ -5,7 +5,6 @@ the bodies)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from .. import completions
@@ -23,14 +22,14 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         chat = completions.parse_request(await ctx.read_json(request))
         ctx.check_model(chat.model)
         turn = await turns.begin(ns, chat, chat.session_key)
-        headers = turns.session_header(turn)
         cid = completions.completion_id()
-        if chat.stream:
-            return ctx.streamed(turn, completion_chunks(turns, turn, cid), headers)
-        await ctx.collected(turn)
-        reason = turn.finish_reason(turns.stop_ids)
-        return JSONResponse(
-            completions.body(cid, chat.model, turn.text, reason, turn.report), headers=headers
+
+        async def body(_items) -> dict:
+            reason = turn.finish_reason(turns.stop_ids)
+            return completions.body(cid, chat.model, turn.text, reason, turn.report)
+
+        return await ctx.answer(
+            turn, chat.stream, lambda: completion_chunks(turns, turn, cid), body
         )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ...manager import SessionManager
@@ -90,6 +91,16 @@ class AppContext:
                 param="model",
                 code="model_not_found",
             )
+
+    async def answer(self, turn: Reply, stream: bool, events, body) -> TurnStream | JSONResponse:
+        """A turn's reply, with its session's header: ``events()`` streamed as
+        server-sent events, or, once the turn is finished, ``await body(items)``
+        (the reply's items) as JSON."""
+        # Made first: a turn is never run for a reply that cannot be sent.
+        headers = self.turns.session_header(turn)
+        if stream:
+            return self.streamed(turn, events(), headers)
+        return JSONResponse(await body(await self.collected(turn)), headers=headers)
 
     def streamed(self, turn: Reply, body, headers: dict) -> TurnStream:
         """A streamed reply; however it ends, its turn is finished."""

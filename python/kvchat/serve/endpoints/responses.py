@@ -8,7 +8,6 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ...tiers import StoreUnavailable
@@ -47,15 +46,16 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         chat = req.chat(req.conversation(previous), key)
         ctx.check_model(chat.model)
         turn = await turns.begin(ns, chat, chat.session_key)
-        headers = turns.session_header(turn)
         rid, created = new_id("resp"), now()
-        if req.stream:
-            return ctx.streamed(turn, response_events(ctx, turn, req, rid, created, ns), headers)
-        output = Output()
-        output.feed(await ctx.collected(turn))
-        output.close(bool(turn.calls))
-        body = await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
-        return JSONResponse(body, headers=headers)
+
+        async def body(items) -> dict:
+            output = Output()
+            output.feed(items)
+            output.close(bool(turn.calls))
+            return await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
+
+        events = lambda: response_events(ctx, turn, req, rid, created, ns)  # noqa: E731
+        return await ctx.answer(turn, req.stream, events, body)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
