@@ -133,6 +133,14 @@ void bind_chat_session(py::module_& m) {
             return s.plan(data, n);
           },
           py::arg("prompt_ids"))
+      .def(
+          "held_tokens",
+          [](const ChatSession& s, const at::Tensor& prompt_ids) {
+            auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
+            py::gil_scoped_release release;
+            return s.held_tokens(data, n);
+          },
+          py::arg("prompt_ids"))
       .def("layers_for", &ChatSession::layers_for, py::arg("plan"), no_gil())
       .def("invalidate_cache", &ChatSession::invalidate_cache, no_gil())
       .def("cached_state", &ChatSession::cached_state, no_gil())

@@ -12,6 +12,7 @@ void bind_prefix(py::module_& m) {
       .value("invalidated", ReuseReason::kInvalidated)
       .value("shared_prefix", ReuseReason::kSharedPrefix)
       .value("spill_reload", ReuseReason::kTierReload)
+      .value("store_reload", ReuseReason::kStoreReload)
       .value("unsupported_layers", ReuseReason::kUnsupportedLayers)
       .value("multiple_sequences", ReuseReason::kMultipleSequences)
       .value("unsupported_generation", ReuseReason::kUnsupportedGeneration);

@@ -29,29 +29,54 @@ void bind_session_manager(py::module_& m) {
         lease.release();
       });
 
+  // The core's two option objects, built once by the Python manager
+  // (arguments.ManagerOptions) and checked by SessionManager's constructor.
+  py::class_<CheckpointPolicy>(m, "CheckpointPolicy")
+      .def(py::init([](int64_t max_count, int64_t max_bytes) {
+             return CheckpointPolicy{max_count, max_bytes};
+           }),
+           py::arg("max_count") = 8, py::arg("max_bytes") = 0)
+      .def_readonly("max_count", &CheckpointPolicy::max_count)
+      .def_readonly("max_bytes", &CheckpointPolicy::max_bytes);
+
+  py::class_<ManagerLimits>(m, "ManagerLimits")
+      .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
+                       CheckpointPolicy checkpoints, int64_t min_shared_tokens, bool keep_evicted,
+                       bool isolate_namespaces) {
+             return ManagerLimits{max_sessions,      max_cache_bytes, num_layers,        checkpoints,
+                                  min_shared_tokens, keep_evicted,    isolate_namespaces};
+           }),
+           py::kw_only(), py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0,
+           py::arg("num_layers") = 0, py::arg("checkpoints") = CheckpointPolicy{},
+           py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false,
+           py::arg("isolate_namespaces") = false)
+      .def_readonly("max_sessions", &ManagerLimits::max_sessions)
+      .def_readonly("max_cache_bytes", &ManagerLimits::max_cache_bytes)
+      .def_readonly("num_layers", &ManagerLimits::num_layers)
+      .def_readonly("checkpoints", &ManagerLimits::checkpoints)
+      .def_readonly("min_shared_tokens", &ManagerLimits::min_shared_tokens)
+      .def_readonly("keep_evicted", &ManagerLimits::keep_evicted)
+      .def_readonly("isolate_namespaces", &ManagerLimits::isolate_namespaces);
+
+  py::class_<TurnSettings>(m, "TurnSettings")
+      .def(py::init([](TurnMarkers markers, RepetitionRule repetition, bool prefill_checkpoints,
+                       CheckpointPlacement placement) {
+             return TurnSettings{std::move(markers), repetition, prefill_checkpoints, placement};
+           }),
+           py::kw_only(), py::arg("markers") = TurnMarkers{},
+           py::arg("repetition") = RepetitionRule{}, py::arg("prefill_checkpoints") = false,
+           py::arg("placement") = CheckpointPlacement::kLastMessage)
+      .def_readonly("markers", &TurnSettings::markers)
+      .def_readonly("repetition", &TurnSettings::repetition)
+      .def_readonly("prefill_checkpoints", &TurnSettings::prefill_checkpoints)
+      .def_readonly("placement", &TurnSettings::placement);
+
   // As for ChatSession: every method that takes a lock releases the GIL first.
   py::class_<SessionManager, std::shared_ptr<SessionManager>>(m, "SessionManager")
-      .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
-                       int64_t max_checkpoints, int64_t max_checkpoint_bytes,
-                       int64_t min_shared_tokens, bool keep_evicted, TurnMarkers markers,
-                       RepetitionRule repetition, bool prefill_checkpoints,
-                       CheckpointPlacement placement, bool isolate_namespaces) {
-             TORCH_CHECK_VALUE(min_shared_tokens >= 0,
-                               "min_shared_tokens must be >= 0 (0: no sharing), got ",
-                               min_shared_tokens);
-             return std::make_shared<SessionManager>(
-                 ManagerLimits{max_sessions, max_cache_bytes, num_layers,
-                               CheckpointPolicy{max_checkpoints, max_checkpoint_bytes},
-                               min_shared_tokens, keep_evicted, isolate_namespaces},
-                 TurnSettings{std::move(markers), repetition, prefill_checkpoints, placement});
+      .def(py::init([](ManagerLimits limits, TurnSettings settings) {
+             return std::make_shared<SessionManager>(limits, std::move(settings));
            }),
-           py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0, py::arg("num_layers") = 0,
-           py::arg("max_checkpoints") = 8, py::arg("max_checkpoint_bytes") = 0,
-           py::arg("min_shared_tokens") = 0, py::arg("keep_evicted") = false,
-           py::arg("markers") = TurnMarkers{}, py::arg("repetition") = RepetitionRule{},
-           py::arg("prefill_checkpoints") = false,
-           py::arg("placement") = CheckpointPlacement::kLastMessage,
-           py::arg("isolate_namespaces") = false)
+           py::arg("limits") = ManagerLimits{}, py::arg("settings") = TurnSettings{})
       .def("take_evicted",
            [](SessionManager& m) {
              std::vector<EvictedCache> evicted;

@@ -142,35 +142,35 @@ void bind_turn(py::module_& m) {
           "begin_turn",
           [](SessionManager& mgr, const SessionLease& lease, const at::Tensor& prompt_ids,
              int64_t max_new_tokens, std::optional<CachedState> reloaded,
-             std::optional<ReuseReason> plain, int64_t rewritten_tail) {
+             std::optional<ReuseReason> plain, int64_t rewritten_tail, ReuseReason reload_reason) {
             auto [data, n] = token_ids_view(prompt_ids, "prompt_ids");
             std::optional<Turn> turn;
             {
               py::gil_scoped_release release;
               turn.emplace(mgr.begin_turn(lease, data, n, max_new_tokens, std::move(reloaded),
-                                          plain, rewritten_tail));
+                                          plain, rewritten_tail, reload_reason));
             }
             return TurnHolder(new Turn(std::move(*turn)));
           },
           py::arg("lease"), py::arg("prompt_ids"), py::arg("max_new_tokens"), py::kw_only(),
           py::arg("reloaded") = std::nullopt, py::arg("plain") = std::nullopt,
-          py::arg("rewritten_tail") = 0)
+          py::arg("rewritten_tail") = 0, py::arg("reload_reason") = ReuseReason::kTierReload)
       .def(
           "begin_settle",
-          [](const SessionManager& mgr, ChatSession& session, const at::Tensor& target) {
+          [](const SessionManager& mgr, const SessionLease& lease, const at::Tensor& target) {
             auto [data, n] = token_ids_view(target, "target");
             py::gil_scoped_release release;
-            return mgr.begin_settle(session, data, n);
+            return mgr.begin_settle(lease, data, n);
           },
-          py::arg("session"), py::arg("target"))
+          py::arg("lease"), py::arg("target"))
       .def(
           "finish_settle",
-          [](SessionManager& mgr, ChatSession& session, const SettlePlan& plan,
+          [](SessionManager& mgr, const SessionLease& lease, const SettlePlan& plan,
              SettleResult& result) {
             py::gil_scoped_release release;
-            return mgr.finish_settle(session, plan, std::move(result));
+            return mgr.finish_settle(lease, plan, std::move(result));
           },
-          py::arg("session"), py::arg("plan"), py::arg("result"));
+          py::arg("lease"), py::arg("plan"), py::arg("result"));
 }
 
 }  // namespace kvchat

@@ -100,6 +100,14 @@ ReusePlan ChatSession::plan(const int64_t* prompt, int64_t prompt_tokens) const 
   return plan_reuse(cached_ids_, prompt, prompt_tokens, trusted_tokens_, layers_, checkpoints_);
 }
 
+int64_t ChatSession::held_tokens(const int64_t* prompt, int64_t prompt_tokens) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (layers_.empty()) return 0;
+  const int64_t common = common_prefix_length(
+      cached_ids_.data(), static_cast<int64_t>(cached_ids_.size()), prompt, prompt_tokens);
+  return std::min(common, trusted_tokens_);
+}
+
 std::vector<LayerStatePtr> ChatSession::layers_for(const ReusePlan& plan) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (plan.kept_tokens == 0) return {};

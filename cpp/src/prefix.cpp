@@ -29,6 +29,8 @@ std::string to_string(ReuseReason reason) {
       return "shared_prefix";
     case ReuseReason::kTierReload:
       return "spill_reload";
+    case ReuseReason::kStoreReload:
+      return "store_reload";
     case ReuseReason::kUnsupportedLayers:
       return "unsupported_layers";
     case ReuseReason::kMultipleSequences:

@@ -63,6 +63,14 @@ SessionManager::SessionManager(ManagerLimits limits, TurnSettings settings)
                     "max_cache_bytes must be >= 0 (0 means no limit), got ",
                     limits_.max_cache_bytes);
   TORCH_CHECK_VALUE(limits_.num_layers >= 0, "num_layers must be >= 0, got ", limits_.num_layers);
+  TORCH_CHECK_VALUE(limits_.min_shared_tokens >= 0,
+                    "min_shared_tokens must be >= 0 (0: no sharing), got ",
+                    limits_.min_shared_tokens);
+  TORCH_CHECK_VALUE(limits_.checkpoints.max_count >= 0, "max_checkpoints must be >= 0, got ",
+                    limits_.checkpoints.max_count);
+  TORCH_CHECK_VALUE(limits_.checkpoints.max_bytes >= 0,
+                    "max_checkpoint_bytes must be >= 0 (0 means no limit), got ",
+                    limits_.checkpoints.max_bytes);
 }
 
 std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait,

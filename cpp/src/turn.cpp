@@ -97,11 +97,14 @@ void Turn::abort_session() const noexcept {
 
 Turn SessionManager::begin_turn(const SessionLease& lease, const int64_t* prompt, int64_t n,
                                 int64_t max_new_tokens, std::optional<CachedState> reloaded,
-                                std::optional<ReuseReason> plain, int64_t rewritten_tail) {
-  TORCH_CHECK_VALUE(lease.manager_.get() == this,
-                    "the lease is another SessionManager's; begin the turn on that one");
+                                std::optional<ReuseReason> plain, int64_t rewritten_tail,
+                                ReuseReason reload_reason) {
+  leased(lease);
   TORCH_CHECK_VALUE(n > 0, "prompt_ids must not be empty");
   TORCH_CHECK_VALUE(rewritten_tail >= 0, "rewritten_tail must be >= 0, got ", rewritten_tail);
+  TORCH_CHECK_VALUE(
+      reload_reason == ReuseReason::kTierReload || reload_reason == ReuseReason::kStoreReload,
+      "reload_reason must be spill_reload or store_reload, got ", to_string(reload_reason));
   TORCH_CHECK_VALUE(max_new_tokens > 0, "max_new_tokens must be a positive int, got ",
                     max_new_tokens);
   // Open from here: should anything below throw once the session has handed
@@ -136,7 +139,7 @@ Turn SessionManager::begin_turn(const SessionLease& lease, const int64_t* prompt
   if (shared > 0 && plan.kept_tokens == shared) {
     turn.reason = ReuseReason::kSharedPrefix;
   } else if (reloaded_ok && plan.kept_tokens > 0) {
-    turn.reason = ReuseReason::kTierReload;
+    turn.reason = reload_reason;
   }
   turn.layers = session.layers_for(plan);
   // The turn owns them now, so a buffer that moves to a larger arena frees
@@ -203,8 +206,15 @@ TurnRecord SessionManager::finish_turn(ChatSession& session, const TurnPlan& pla
   return record;
 }
 
-SettlePlan SessionManager::begin_settle(ChatSession& session, const int64_t* target,
+ChatSession& SessionManager::leased(const SessionLease& lease) const {
+  TORCH_CHECK_VALUE(lease.manager_.get() == this,
+                    "the lease is another SessionManager's; use that one");
+  return *lease.session();  // throws once released
+}
+
+SettlePlan SessionManager::begin_settle(const SessionLease& lease, const int64_t* target,
                                         int64_t n) const {
+  ChatSession& session = leased(lease);
   TORCH_CHECK_VALUE(n > 0, "the settle target must not be empty");
   SettlePlan settle;
   settle.target.assign(target, target + n);
@@ -237,8 +247,9 @@ SettlePlan SessionManager::begin_settle(ChatSession& session, const int64_t* tar
   return settle;
 }
 
-bool SessionManager::finish_settle(ChatSession& session, const SettlePlan& plan,
+bool SessionManager::finish_settle(const SessionLease& lease, const SettlePlan& plan,
                                    SettleResult result) {
+  ChatSession& session = leased(lease);
   TORCH_CHECK_VALUE(
       result.settled_tokens > plan.kept_tokens && result.settled_tokens <= plan.target_tokens(),
       "settled_tokens must be in (", plan.kept_tokens, ", ", plan.target_tokens(), "], got ",

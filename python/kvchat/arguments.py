@@ -141,6 +141,28 @@ class ManagerOptions:
             settle=settle,
         )
 
+    def core(
+        self, num_layers: int, keep_evicted: bool, markers, prefill_checkpoints: bool
+    ) -> tuple[_C.ManagerLimits, _C.TurnSettings]:
+        """The core's two option objects: these options, with what the model
+        (its layer count, markers and whether it needs checkpoints) and the
+        tier (whether it keeps evicted caches) add."""
+        limits = _C.ManagerLimits(
+            max_sessions=self.max_sessions,
+            max_cache_bytes=self.max_cache_bytes,
+            num_layers=num_layers,
+            checkpoints=_C.CheckpointPolicy(self.max_checkpoints, self.max_checkpoint_bytes),
+            min_shared_tokens=self.min_shared_tokens,
+            keep_evicted=keep_evicted,
+            isolate_namespaces=self.isolate_namespaces,
+        )
+        settings = _C.TurnSettings(
+            markers=markers,
+            prefill_checkpoints=prefill_checkpoints,
+            placement=self.placement,
+        )
+        return limits, settings
+
 
 def choose_tier(spill_dir, tier, store) -> Tier:
     """The one storage tier of ``spill_dir`` (disk), ``tier`` (any) and

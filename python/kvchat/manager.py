@@ -148,18 +148,12 @@ class SessionManager(SessionAdmin):
         self._owed_deletes: set[str] = set()
         self._tier = choose_tier(spill_dir, tier, store)
         self._core = _C.SessionManager(
-            max_sessions=options.max_sessions,
-            max_cache_bytes=options.max_cache_bytes,
-            num_layers=self._bridge.num_layers,
-            max_checkpoints=options.max_checkpoints,
-            max_checkpoint_bytes=options.max_checkpoint_bytes,
-            min_shared_tokens=options.min_shared_tokens,
-            keep_evicted=self._tier.keeps_evicted,
-            markers=markers,
-            repetition=_C.RepetitionRule(),
-            prefill_checkpoints=self._bridge.needs_checkpoints,
-            placement=options.placement,
-            isolate_namespaces=options.isolate_namespaces,
+            *options.core(
+                self._bridge.num_layers,
+                self._tier.keeps_evicted,
+                markers,
+                self._bridge.needs_checkpoints,
+            )
         )
         self._compiled = CompiledDecode(
             compile, self._bridge.static_problem, getattr(model, "generation_config", None)
@@ -173,7 +167,21 @@ class SessionManager(SessionAdmin):
         self._requests = RequestBuilder(
             model, tokenizer, self._max_context, self._truncate, self._bridge.needs_checkpoints
         )
-        self._turns = Turns(self)  # the turn's path: turn.py
+        self._turns = Turns(  # the turn's path: turn.py
+            model=model,
+            tokenizer=tokenizer,
+            core=self._core,
+            bridge=self._bridge,
+            prefill=self._prefill,
+            tier=self._tier,
+            settler=self._settler,
+            compiled=self._compiled,
+            flush_evicted=self._flush_evicted,
+            match=self._match,
+            wait=self._wait,
+            settles=self._settles,
+            max_context=self._max_context,
+        )
 
     # ------------------------------------------------------------------ turns
     def chat(
@@ -269,7 +277,7 @@ class SessionManager(SessionAdmin):
 
         def run() -> TurnReport:
             record = self._turns.run(request).record
-            return TurnReport.from_core(record, self._tier.reload_reason)
+            return TurnReport.from_core(record)
 
         return stream.start(run, name=f"kvchat-stream-{request.session_id}")
 

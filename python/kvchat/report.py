@@ -22,12 +22,8 @@ class TurnReport:
     output_ids: tuple[int, ...]  # the generated token ids
 
     @classmethod
-    def from_core(cls, record: _C.TurnRecord, reload_reason: str = "spill_reload") -> TurnReport:
-        """``reload_reason``: the name of a start from the tier's cache (the
-        manager's tier says which: "spill_reload" or "store_reload")."""
+    def from_core(cls, record: _C.TurnRecord) -> TurnReport:
         reason = record.reason.name
-        if record.reason == _C.ReuseReason.spill_reload:
-            reason = reload_reason
         return cls(
             prompt_tokens=record.prompt_tokens,
             reused_tokens=record.reused_tokens,

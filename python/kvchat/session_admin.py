@@ -31,7 +31,7 @@ class SessionAdmin:
     def last_turn(self, session_id: str) -> TurnReport | None:
         """What the session's last turn reused, prefilled and generated."""
         record = self._core.find(check_session_id(session_id)).last_turn()
-        return None if record is None else TurnReport.from_core(record, self._tier.reload_reason)
+        return None if record is None else TurnReport.from_core(record)
 
     def stats(self) -> ManagerStats:
         stats = ManagerStats.from_core(self._core.stats())

@@ -209,7 +209,7 @@ class Settler:
                     self._turns -= 1
                 self._cond.notify_all()
 
-    def take_over(self, session, prompt: torch.Tensor, box: list) -> None:
+    def take_over(self, lease, prompt: torch.Tensor, box: list) -> None:
         """Under the turn's lease: commits what an interrupted settle prefilled
         (``box``, from ``hold``, emptied here) when the turn's prompt starts
         with those ids; else it is dropped and the session keeps the cache it had."""
@@ -221,9 +221,9 @@ class Settler:
         try:
             layers = self._bridge.from_cache(cache, settled)
             result = _C.SettleResult(settled_tokens=settled, layers=layers, checkpoints=checkpoints)
-            taken = self._core.finish_settle(session, plan, result)
+            taken = self._core.finish_settle(lease, plan, result)
         except Exception:  # settling is an optimization: the turn goes on without it
-            logger.exception("kvchat: taking over %r's settle failed", session.id)
+            logger.exception("kvchat: taking over %r's settle failed", lease.session.id)
             return
         if taken:
             with self._cond:
@@ -261,7 +261,7 @@ class Settler:
                     self._cond.notify_all()
 
     def _leased(self, job: _Job, work):
-        """Runs ``work(session)`` with the job's session leased (marked
+        """Runs ``work(lease)`` with the job's session leased (marked
         ``in_lease`` by the caller, under the lock); None when the session is
         gone or in use."""
         try:
@@ -269,8 +269,8 @@ class Settler:
                 lease = self._core.acquire(job.session_id, wait=False, create=False, touch=False)
             except (KeyError, _C.SessionBusy):
                 return None
-            with lease as session:
-                return work(session)
+            with lease:
+                return work(lease)
         finally:
             with self._cond:
                 job.in_lease = False
@@ -287,10 +287,10 @@ class Settler:
                     return
                 self._predicted[job.session_id] = _digest(job.target)
 
-        def begin(session):
-            if session.version != job.version:
+        def begin(lease):
+            if lease.session.version != job.version:
                 return None
-            return self._core.begin_settle(session, job.target)
+            return self._core.begin_settle(lease, job.target)
 
         with self._cond:
             # A call that holds the session (a save, say) goes first.
@@ -329,10 +329,10 @@ class Settler:
                 return
             job.in_lease = True  # from here the turn waits for the commit
 
-        def commit(session):
+        def commit(lease):
             layers = self._bridge.from_cache(cache, done)
             result = _C.SettleResult(settled_tokens=done, layers=layers, checkpoints=checkpoints)
-            return self._core.finish_settle(session, plan, result)
+            return self._core.finish_settle(lease, plan, result)
 
         self._leased(job, commit)
 

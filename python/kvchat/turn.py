@@ -100,14 +100,31 @@ class TurnOutcome:
 class Turns:
     """Runs turns for one manager (its model, core, tier and settler)."""
 
-    def __init__(self, manager):
-        m = manager
-        self._model, self._tokenizer, self._core = m._model, m._tokenizer, m._core
-        self._bridge, self._prefill, self._tier = m._bridge, m._prefill, m._tier
-        self._settler, self._flush_evicted = m._settler, m._flush_evicted
-        self._match, self._wait, self._settles = m._match, m._wait, m._settles
-        self._max_context = m._max_context
-        self._compiled = m._compiled
+    def __init__(
+        self,
+        *,
+        model,
+        tokenizer,
+        core: _C.SessionManager,
+        bridge,
+        prefill,
+        tier,
+        settler,
+        compiled,
+        flush_evicted,
+        match: str,
+        wait: bool,
+        settles: bool,
+        max_context: int | None,
+    ):
+        """The manager's parts a turn uses; ``flush_evicted`` hands what the
+        core evicted to the tier; ``match``, ``wait`` (busy="wait"),
+        ``settles`` and ``max_context`` are the manager's options."""
+        self._model, self._tokenizer, self._core = model, tokenizer, core
+        self._bridge, self._prefill, self._tier = bridge, prefill, tier
+        self._settler, self._compiled, self._flush_evicted = settler, compiled, flush_evicted
+        self._match, self._wait, self._settles = match, wait, settles
+        self._max_context = max_context
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
@@ -143,7 +160,7 @@ class Turns:
                     prompt = self._text_prompt(session, request.text, fresh)
                 if prompt is not fresh:  # text mode's ids differ from the fresh ones
                     self.check_context(prompt.numel(), args.max_new_tokens)
-                self._settler.take_over(session, prompt, handover)  # empties it
+                self._settler.take_over(lease, prompt, handover)  # empties it
                 reloaded = self._from_tier(session, prompt) if plain is None else None
                 # Leaving this block without finish aborts the turn.
                 with self._core.begin_turn(
@@ -153,6 +170,7 @@ class Turns:
                     reloaded=reloaded,
                     plain=plain,
                     rewritten_tail=request.rewritten_tail,
+                    reload_reason=self._tier.reload_reason,
                 ) as turn:
                     plan = turn.plan
                     if plan.reload_error:
@@ -214,11 +232,11 @@ class Turns:
         how much of the prompt the session holds here."""
         if not self._tier.shared:
             return None if session.resident else self._tier.find_if_cheaper(session.id, prompt)
-        have, local = 0, None
-        if session.resident:
-            local = session.cached_state()  # references: what the tier need not fetch
-            have = _C.common_prefix_length(torch.tensor(local.ids, dtype=torch.long), prompt)
-            have = min(have, local.trusted_tokens)  # past a failed check, nothing is held
+        # The core says how much it holds (up to where the prompt departs or
+        # its checks stop trusting the cache); ``local`` is references, what
+        # the tier need not fetch.
+        local = session.cached_state() if session.resident else None
+        have = session.held_tokens(prompt)
         return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
     def _model_run(self, plan, prompt, kwargs, request: TurnRequest) -> ModelRun:

@@ -111,6 +111,29 @@ TEST(ChatSession, NonFiniteKvInTheNewRegionIsNotTrusted) {
   EXPECT_EQ(s.cache_info().trusted_tokens, 4);
 }
 
+TEST(ChatSession, HeldTokensStopWhereThePromptDepartsOrTrustEnds) {
+  ChatSession s("alice", 1);
+  const auto prompt = iota_ids(10);
+  EXPECT_EQ(s.held_tokens(prompt.data(), 10), 0);  // nothing cached
+  s.commit(prompt.data(), 8, attention_layers(1, 8), 0, kMarkers, kRule);
+  EXPECT_EQ(s.held_tokens(prompt.data(), 10), 8);
+  auto edited = prompt;
+  edited[5] = 999;
+  EXPECT_EQ(s.held_tokens(edited.data(), 10), 5);
+  EXPECT_EQ(s.held_tokens(prompt.data(), 3), 3);
+  s.invalidate_cache();
+  EXPECT_EQ(s.held_tokens(prompt.data(), 10), 0);
+
+  ChatSession capped("bob", 1);  // the non-finite case above: trusted up to 4
+  auto ids = iota_ids(8);
+  ids[3] = 2;
+  auto keys = at::zeros({1, 1, 8, 2});
+  keys[0][0][6][0] = std::numeric_limits<float>::infinity();
+  capped.commit(ids.data(), 8, {std::make_shared<AttentionState>(keys, at::zeros({1, 1, 8, 2}))},
+                5, kMarkers, kRule);
+  EXPECT_EQ(capped.held_tokens(ids.data(), 8), 4);
+}
+
 TEST(ChatSession, ReleasedLayersLeaveCheckpointsThatStayEvictable) {
   ChatSession s("h", 2);
   auto ids = iota_ids(30);

@@ -148,6 +148,11 @@ TEST(SessionManager, ConcurrentTurnsOnManySessions) {
 TEST(SessionManager, RejectsBadLimits) {
   EXPECT_THROW(SessionManager(ManagerLimits{0, 0, 0}), c10::ValueError);
   EXPECT_THROW(SessionManager(ManagerLimits{1, -5, 0}), c10::ValueError);
+  EXPECT_THROW(SessionManager(ManagerLimits{1, 0, -1}), c10::ValueError);
+  EXPECT_THROW(SessionManager(ManagerLimits{1, 0, 0, CheckpointPolicy{-1, 0}}), c10::ValueError);
+  EXPECT_THROW(SessionManager(ManagerLimits{1, 0, 0, CheckpointPolicy{8, -1}}), c10::ValueError);
+  EXPECT_THROW(SessionManager(ManagerLimits{1, 0, 0, {}, -1}), c10::ValueError);
+  EXPECT_NO_THROW(SessionManager(ManagerLimits{1, 0, 0, CheckpointPolicy{0, 0}, 0}));
 }
 
 }  // namespace

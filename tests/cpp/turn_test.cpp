@@ -195,6 +195,16 @@ TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
   EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
   EXPECT_EQ(plan.kept_tokens, 0);
   EXPECT_NE(plan.reload_error.find("layers"), std::string::npos) << plan.reload_error;
+  turn.abort();
+
+  // A shared store's snapshot reports as the store's, and nothing else is a reload.
+  turn = mgr->begin_turn(*lease, prompt.data(), 10, 4, good, std::nullopt, 0,
+                         ReuseReason::kStoreReload);
+  EXPECT_EQ(turn.plan().reason, ReuseReason::kStoreReload);
+  turn.abort();
+  EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 10, 4, good, std::nullopt, 0,
+                               ReuseReason::kExtend),
+               c10::ValueError);
 }
 
 TEST(Turn, CheckpointPositionsCoverTheUncachedTail) {
@@ -408,13 +418,10 @@ SettleResult settled(int64_t tokens) {
   return SettleResult{tokens, attention_layers(2, tokens), {}};
 }
 
-TEST(Turn, SettlingKeepsTheSessionsCacheUntilItCommits) {
-  auto mgr = make_manager();
-  run_turn(*mgr, "a", iota_ids(10));
+TEST_F(AfterOneTurn, SettlingKeepsTheSessionsCacheUntilItCommits) {
   const auto target = settle_target();
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  auto plan = mgr->begin_settle(session, target.data(), target.size());
+  auto& session = this->session();
+  auto plan = mgr->begin_settle(*lease, target.data(), target.size());
   EXPECT_EQ(plan.kept_tokens, 10);  // the reply departs at its first token
   EXPECT_TRUE(plan.needed());
   EXPECT_EQ(plan.version, session.version());
@@ -422,14 +429,21 @@ TEST(Turn, SettlingKeepsTheSessionsCacheUntilItCommits) {
   EXPECT_EQ(plan.layers[0]->num_tokens(), 10);
   // The session still holds its own cache: a turn could run on it meanwhile.
   EXPECT_EQ(session.cached_ids().size(), 12u);
-  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(14)));
+  EXPECT_TRUE(mgr->finish_settle(*lease, plan, settled(14)));
   EXPECT_EQ(session.cached_ids(), target);
   EXPECT_NE(session.version(), plan.version);
   EXPECT_EQ(session.counters().settles, 1);
   EXPECT_EQ(session.counters().settled_tokens, 4);
   EXPECT_EQ(session.counters().requests, 1);  // a settle is no turn
   // Held now: a second settle to the same target has nothing to do.
-  EXPECT_FALSE(mgr->begin_settle(session, target.data(), target.size()).needed());
+  EXPECT_FALSE(mgr->begin_settle(*lease, target.data(), target.size()).needed());
+  // Only under a lease of this manager's that is still held, as a turn.
+  auto other = make_manager();
+  auto foreign = other->acquire("a");
+  EXPECT_THROW(mgr->begin_settle(*foreign, target.data(), target.size()), c10::ValueError);
+  EXPECT_THROW(mgr->finish_settle(*foreign, plan, settled(14)), c10::ValueError);
+  lease->release();
+  EXPECT_THROW(mgr->begin_settle(*lease, target.data(), target.size()), c10::Error);
 }
 
 TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
@@ -439,7 +453,7 @@ TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
   SettlePlan plan;
   {
     auto lease = mgr->acquire("a");
-    plan = mgr->begin_settle(*lease->session(), target.data(), target.size());
+    plan = mgr->begin_settle(*lease, target.data(), target.size());
   }
   auto next = iota_ids(10);
   next.insert(next.end(), {500, 501, 7});
@@ -447,7 +461,7 @@ TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
   const auto held = session.cached_ids();
-  EXPECT_FALSE(mgr->finish_settle(session, plan, settled(14)));
+  EXPECT_FALSE(mgr->finish_settle(*lease, plan, settled(14)));
   EXPECT_EQ(session.cached_ids(), held);
   EXPECT_EQ(session.counters().settles, 0);
   // Nor onto a session of the same id made anew.
@@ -455,19 +469,16 @@ TEST(Turn, ASettlePlannedFromACacheThatChangedIsNotCommitted) {
   mgr->remove("a");
   run_turn(*mgr, "a", iota_ids(10));
   lease = mgr->acquire("a");
-  EXPECT_FALSE(mgr->finish_settle(*lease->session(), plan, settled(14)));
+  EXPECT_FALSE(mgr->finish_settle(*lease, plan, settled(14)));
 }
 
-TEST(Turn, APartialSettleCommitsWhatItPrefilled) {
-  auto mgr = make_manager();
-  run_turn(*mgr, "a", iota_ids(10));
+TEST_F(AfterOneTurn, APartialSettleCommitsWhatItPrefilled) {
   const auto target = settle_target();
-  auto lease = mgr->acquire("a");
-  auto& session = *lease->session();
-  auto plan = mgr->begin_settle(session, target.data(), target.size());
-  EXPECT_THROW(mgr->finish_settle(session, plan, settled(10)), c10::ValueError);
-  EXPECT_THROW(mgr->finish_settle(session, plan, settled(15)), c10::ValueError);
-  EXPECT_TRUE(mgr->finish_settle(session, plan, settled(12)));
+  auto& session = this->session();
+  auto plan = mgr->begin_settle(*lease, target.data(), target.size());
+  EXPECT_THROW(mgr->finish_settle(*lease, plan, settled(10)), c10::ValueError);
+  EXPECT_THROW(mgr->finish_settle(*lease, plan, settled(15)), c10::ValueError);
+  EXPECT_TRUE(mgr->finish_settle(*lease, plan, settled(12)));
   EXPECT_EQ(session.cached_ids(), std::vector<int64_t>(target.begin(), target.begin() + 12));
 }
 
@@ -486,13 +497,13 @@ TEST(Turn, SettlingAHybridRestoresTheCheckpointBeforeTheDeparture) {
   const auto target = settle_target();
   auto lease = mgr->acquire("a");
   auto& session = *lease->session();
-  auto plan = mgr->begin_settle(session, target.data(), target.size());
+  auto plan = mgr->begin_settle(*lease, target.data(), target.size());
   EXPECT_EQ(plan.kept_tokens, 10);
   EXPECT_EQ(plan.checkpoint_restored, 10);
   ASSERT_EQ(plan.layers.size(), 2u);
   EXPECT_EQ(plan.layers[1]->num_tokens(), 10);
   SettleResult result{14, {recurrent_layer(14), recurrent_layer(14)}, {}};
-  EXPECT_TRUE(mgr->finish_settle(session, plan, std::move(result)));
+  EXPECT_TRUE(mgr->finish_settle(*lease, plan, std::move(result)));
   // The checkpoint it started from stays, for a prediction that missed.
   EXPECT_EQ(session.cache_info().checkpoint_positions, (std::vector<int64_t>{10}));
 }

@@ -97,6 +97,10 @@ class ChatSession {
 
   // --- cache ---
   ReusePlan plan(const int64_t* prompt, int64_t prompt_tokens) const;
+  // How many of the prompt's first tokens this session holds: where its
+  // cached ids depart from the prompt, capped where its checks trust them
+  // (what a shared tier's snapshot must beat to be worth loading).
+  int64_t held_tokens(const int64_t* prompt, int64_t prompt_tokens) const;
   // The layer states at plan.kept_tokens: attention cropped (views, no
   // copies), everything else from the plan's checkpoint.
   std::vector<LayerStatePtr> layers_for(const ReusePlan& plan) const;

@@ -143,19 +143,22 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // destructor aborts it); one that throws here leaves nothing to abort.
   // `rewritten_tail`: how many of the prompt's last tokens the chat template
   // renders differently once the reply follows (see checkpoint_positions).
+  // `reload_reason`: what a turn that starts from `reloaded` reports, as the
+  // tier that gave it says (kTierReload, or kStoreReload for a shared store).
   // Throws c10::Error for a released lease, or another manager's.
   Turn begin_turn(const SessionLease& lease, const int64_t* prompt, int64_t n,
                   int64_t max_new_tokens, std::optional<CachedState> reloaded = std::nullopt,
-                  std::optional<ReuseReason> plain = std::nullopt, int64_t rewritten_tail = 0);
+                  std::optional<ReuseReason> plain = std::nullopt, int64_t rewritten_tail = 0,
+                  ReuseReason reload_reason = ReuseReason::kTierReload);
 
-  // --- settling between turns (see turn.h); call each with `session` leased,
-  // and run the prefill between them without the lease ---
-  // Plans bringing the session to target[0:n): where its cache departs from
-  // it, the checkpoint or crop to start from, and the checkpoints to take.
-  SettlePlan begin_settle(ChatSession& session, const int64_t* target, int64_t n) const;
+  // --- settling between turns (see turn.h): each under a lease of this
+  // manager's (as begin_turn), and the prefill between them without one ---
+  // Plans bringing the leased session to target[0:n): where its cache departs
+  // from it, the checkpoint or crop to start from, and the checkpoints to take.
+  SettlePlan begin_settle(const SessionLease& lease, const int64_t* target, int64_t n) const;
   // Commits the settled cache when the session's cache is still the version
   // the plan was made from; false (nothing changes) when it moved on.
-  bool finish_settle(ChatSession& session, const SettlePlan& plan, SettleResult result);
+  bool finish_settle(const SessionLease& lease, const SettlePlan& plan, SettleResult result);
 
   // Cross-session sharing (when limits.min_shared_tokens > 0). Call with the
   // session leased, after planning (`own`: the session's plan for `prompt`):
@@ -168,6 +171,8 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
  private:
   friend class SessionLease;
   friend class Turn;
+  // The session `lease` holds; throws unless it is this manager's and still held.
+  ChatSession& leased(const SessionLease& lease) const;
   struct Entry {
     std::shared_ptr<ChatSession> session;
     int64_t in_use = 0;

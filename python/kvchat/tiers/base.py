@@ -49,8 +49,9 @@ class Tier:
     # Whether other processes write it (a SharedTier), so it may hold more
     # than a resident session.
     shared = False
-    # The turn reason (TurnReport.reason) when a turn starts from this tier's cache.
-    reload_reason = "spill_reload"
+    # The core's reason (TurnReport.reason) for a turn that starts from this
+    # tier's cache: spill_reload, or store_reload for a store others share.
+    reload_reason = _C.ReuseReason.spill_reload
     # Set by the manager: sessions share stored data only within their namespace.
     isolate_namespaces = False
     # What a load is assumed to cost until one is measured.

@@ -71,7 +71,7 @@ class RedisTier(SharedTier):
     manager's) before exit, or the snapshots still queued are lost.
     """
 
-    reload_reason = "store_reload"
+    reload_reason = _C.ReuseReason.store_reload
     default_ms_per_byte = 5e-6  # before any load is measured: 200 MB/s, over a network
 
     def __init__(
