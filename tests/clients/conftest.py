@@ -7,5 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+TESTS = Path(__file__).resolve().parents[1] / "python"
+sys.path[:0] = [str(TESTS), str(TESTS / "server")]  # helpers, serving; test_readme_agents
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import

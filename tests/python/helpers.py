@@ -62,6 +62,26 @@ def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW, tools=Non
     )
 
 
+def exact_turns(
+    manager, session, messages, model, tokenizer, turns, start=0, max_new_tokens=MAX_NEW, **kwargs
+):
+    """The conversation helper: ``turns`` user turns (``user_message(start)``
+    on) after ``messages`` on ``manager``'s ``session``, each reply fed back as
+    the model wrote it and each asserted token-identical to ``reference_turn``
+    (``kwargs`` go to both). Returns the conversation (a new list) and each
+    turn's report."""
+    messages, reports = list(messages), []
+    for turn in range(start, start + turns):
+        messages.append(user_message(turn))
+        reply = manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
+        expected = reference_turn(model, tokenizer, messages, max_new_tokens, **kwargs)[2]
+        report = manager.last_turn(session)
+        assert report.output_ids == expected, f"{session!r} turn {turn} differs from generate"
+        reports.append(report)
+        messages.append({"role": "assistant", "content": reply})
+    return messages, reports
+
+
 def common_prefix(a, b) -> int:
     """Length of the longest common prefix of two id sequences (lists or 1-D tensors)."""
     a, b = (x.tolist() if hasattr(x, "tolist") else list(x) for x in (a, b))
@@ -125,10 +145,16 @@ LONG_SYSTEM = {
 LONGER_SYSTEM = dict(LONG_SYSTEM, content=LONG_SYSTEM["content"] + " " + LONG_SYSTEM["content"])
 
 
+# The test tree (helpers.py's folder, which the RESTART child processes put on
+# their path) and the repository's root.
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parents[1]
+
+
 def doc_table_rows(page: str, heading: str) -> list[str]:
     """The first cell of each body row of the table under ``heading`` in the
     docs page ``page`` (a path from the repository's root)."""
-    text = "\n" + (Path(__file__).parents[2] / page).read_text()
+    text = "\n" + (ROOT / page).read_text()
     section = text.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     return [line.split("|")[1].strip() for line in lines[2:]]  # past the header and rule

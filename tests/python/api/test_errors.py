@@ -166,7 +166,9 @@ def test_core_tensor_checks_name_the_argument():
     with pytest.raises(ValueError, match="values device meta"):
         _C.AttentionState(ok, torch.zeros(1, 2, 3, 4, device="meta"))
     # A turn's cache of 3 tokens (the prompt's 2 and the first reply token).
-    core = _C.SessionManager(num_layers=2, markers=_C.TurnMarkers([2], []))
+    core = _C.SessionManager(
+        _C.ManagerLimits(num_layers=2), _C.TurnSettings(markers=_C.TurnMarkers([2], []))
+    )
     ids = torch.arange(4)
     with (lease := core.acquire("s")) as session:
         with pytest.raises(ValueError, match="model has 2 layers"):
@@ -192,7 +194,7 @@ def test_core_positions_out_of_range():
     # (A commit's new_from is no argument from Python any more: a turn passes its
     # own kept tokens; tests/cpp/chat_session_test.cpp checks the range.)
     markers = _C.TurnMarkers([2], [])
-    core = _C.SessionManager(num_layers=1, markers=markers)
+    core = _C.SessionManager(_C.ManagerLimits(num_layers=1), _C.TurnSettings(markers=markers))
     ids = torch.arange(4)  # a turn's prompt of 2, and 3 tokens cached after it
     with (lease := core.acquire("s")) as session:
         with pytest.raises(IndexError, match="checkpoint position"):

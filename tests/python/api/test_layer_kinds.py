@@ -26,7 +26,10 @@ def test_session_restores_a_checkpoint_through_the_bindings():
         kv = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
         return [_C.AttentionState(kv, kv), _C.RecurrentState([torch.full((1, 3), float(n))], n)]
 
-    core = _C.SessionManager(num_layers=2, max_checkpoints=4, markers=_C.TurnMarkers([2], []))
+    core = _C.SessionManager(
+        _C.ManagerLimits(num_layers=2, checkpoints=_C.CheckpointPolicy(max_count=4)),
+        _C.TurnSettings(markers=_C.TurnMarkers([2], [])),
+    )
     ids = torch.arange(100, 130)
     checkpoint = _C.Checkpoint(12, [None, layers(12)[1]])
     # A turn whose prompt is `ids` but its last, and whose reply caches the rest.

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import ROOT
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_notebook_executes_cleanly(tmp_path):

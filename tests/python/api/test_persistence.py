@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from helpers import (
@@ -15,6 +14,7 @@ from helpers import (
     MAX_NEW,
     REUSE_FAMILIES,
     SYSTEM,
+    TESTS,
     model_for,
     reference_turn,
     user_message,
@@ -102,9 +102,10 @@ def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path)
     model = model_for(family)
     stayed, messages, path = saved_after_two_turns(model, tokenizer, tmp_path)
 
-    here = str(Path(__file__).parent)
     child = subprocess.run(
-        [sys.executable, "-c", RESTART, family, str(path), here], capture_output=True, text=True
+        [sys.executable, "-c", RESTART, family, str(path), str(TESTS)],
+        capture_output=True,
+        text=True,
     )
     assert child.returncode == 0, child.stderr
     restarted = json.loads(child.stdout.strip().splitlines()[-1])

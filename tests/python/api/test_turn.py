@@ -82,7 +82,9 @@ def test_a_turn_that_raises_in_generate_leaves_history_and_no_cache(family, wher
 
 def _core_after_a_turn():
     """A core session "a" holding 12 tokens after one turn (no model)."""
-    core = _C.SessionManager(num_layers=1, markers=_C.TurnMarkers([2], []))
+    core = _C.SessionManager(
+        _C.ManagerLimits(num_layers=1), _C.TurnSettings(markers=_C.TurnMarkers([2], []))
+    )
     prompt = torch.arange(100, 110)
     with (lease := core.acquire("a")), core.begin_turn(lease, prompt, 4) as turn:
         turn.finish(_finished(prompt))

@@ -320,6 +320,7 @@ def test_the_models_generation_config_is_read_as_generate_reads_it():
     assert picked.dynamic is False and not picked.fullgraph
 
 
+@pytest.mark.slow  # traces a graph for each of three capacities
 def test_pool_keeps_a_cache_for_each_of_a_few_capacities(tokenizer):
     """Clients asking for several capacities in turn do not rebuild a cache
     every turn."""

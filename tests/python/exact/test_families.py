@@ -18,6 +18,7 @@ from helpers import (
     LONGER_SYSTEM,
     SYSTEM,
     assert_plain_turns,
+    exact_turns,
     model_for,
     reference_turn,
     user_message,
@@ -145,16 +146,10 @@ def _tiny(model_type, dtype, fields, tokenizer):
 def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turns=4):
     """``turns`` turns, each plain generate's reply; from the second, each
     extends or forks the cache and reuses at least ``min_reuse`` of its prompt."""
-    messages = [system]
-    for turn in range(turns):
-        messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=max_new_tokens)
-        assert reply == reference_turn(model, tokenizer, messages, max_new_tokens)[0], turn
-        report = manager.last_turn("s")
-        if turn > 0:
-            assert report.reason in ("extend", "diverged"), report
-            assert report.reused_tokens >= min_reuse * report.prompt_tokens, report
-        messages.append({"role": "assistant", "content": reply})
+    _, reports = exact_turns(manager, "s", [system], model, tokenizer, turns, 0, max_new_tokens)
+    for report in reports[1:]:
+        assert report.reason in ("extend", "diverged"), report
+        assert report.reused_tokens >= min_reuse * report.prompt_tokens, report
 
 
 # GLM-MoE-DSA (DeepSeek-V3.2-style sparse attention): multi-head latent

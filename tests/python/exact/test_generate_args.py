@@ -7,27 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MAX_NEW, SYSTEM, model_for, reference_turn, user_message
+from helpers import MAX_NEW, SYSTEM, exact_turns, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 
 
-def plain(model, tokenizer, messages, **kwargs):
-    prompt = render_prompt(tokenizer, messages)
-    prompt = prompt.unsqueeze(0).to(model.device)
-    out = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
-    return tuple(out[0, prompt.shape[1] :].tolist())
-
-
 def turns_match_plain(mgr, model, tokenizer, turns=3, **kwargs):
     """Several turns with ``kwargs``; each equals plain generate with them."""
-    messages = [SYSTEM]
-    for turn in range(turns):
-        messages.append(user_message(turn))
-        reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW, **kwargs)
-        assert mgr.last_turn("s").output_ids == plain(model, tokenizer, messages, **kwargs)
-        messages.append({"role": "assistant", "content": reply})
-    return mgr.last_turn("s")
+    return exact_turns(mgr, "s", [SYSTEM], model, tokenizer, turns, **kwargs)[1][-1]
 
 
 def test_prompt_lookup_decoding_is_exact(llama, tokenizer):

@@ -18,6 +18,7 @@ from helpers import (
     MAX_NEW,
     SYSTEM,
     assert_plain_turns,
+    exact_turns,
     model_for,
     reference_turn,
     user_message,
@@ -46,12 +47,8 @@ def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
 
 def checked_turns(mgr, model, tokenizer, system, turns):
     """Runs ``turns`` checked turns; returns the conversation and the last report."""
-    messages, report = [system], None
-    for turn in range(turns):
-        messages.append(user_message(turn))
-        reply, report = chat_turn(mgr, model, tokenizer, messages)
-        messages.append({"role": "assistant", "content": reply})
-    return messages, report
+    messages, reports = exact_turns(mgr, "s", [system], model, tokenizer, turns)
+    return messages, reports[-1]
 
 
 def test_eight_turns_identical_when_replies_retokenize_differently(any_family, tokenizer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, exact_turns, user_message
 from kvchat import SessionManager
 from kvchat.fingerprint import weights_checksum
 from kvchat.tiny import tiny_model
@@ -23,14 +23,7 @@ def _int8_weight_only():
 
 
 def _conversation(manager, model, tokenizer, turns=4):
-    messages, reports = [LONG_SYSTEM], []
-    for turn in range(turns):
-        messages.append(user_message(turn))
-        reply = manager.chat("s", messages, max_new_tokens=MAX_NEW)
-        assert reply == reference_turn(model, tokenizer, messages)[0], turn
-        reports.append(manager.last_turn("s"))
-        messages.append({"role": "assistant", "content": reply})
-    return reports
+    return exact_turns(manager, "s", [LONG_SYSTEM], model, tokenizer, turns)[1]
 
 
 def test_int8_weight_only_weights_are_fingerprinted_by_their_contents():

@@ -127,7 +127,7 @@ def test_a_sampled_regenerate_equals_plain_generate_with_the_same_seed(smollm2):
 @pytest.mark.server
 def test_kvchat_serve_answers_from_a_gguf_file_exactly(smollm2):
     import openai
-    from test_serve import Server
+    from serving import Server
 
     model, tokenizer = smollm2
     server = Server(str(smollm2_path()), "--served-model-name", "smollm2", "--dtype", "float32")

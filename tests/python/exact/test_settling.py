@@ -114,11 +114,11 @@ def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
     handovers = []
     take_over = mgr._settler.take_over
 
-    def recording(session, prompt, box):
+    def recording(lease, prompt, box):
         if box:
             plan, _, settled, _ = box[0]
             handovers.append((plan.kept_tokens, settled, plan.target_tokens))
-        return take_over(session, prompt, box)
+        return take_over(lease, prompt, box)
 
     mgr._settler.take_over = recording
     messages = [SYSTEM, user_message(0)]

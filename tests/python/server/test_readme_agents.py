@@ -9,14 +9,14 @@ import io
 import re
 import sys
 import types
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 from kvchat.serve.process import ServerProcess
 
 pytestmark = pytest.mark.server
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 URL = "http://127.0.0.1:8000/v1"
 
 

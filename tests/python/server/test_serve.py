@@ -5,11 +5,9 @@ tiny models, greedy), and ``cached_tokens`` with what the session reused."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,74 +16,27 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers import DEVICE, LONG_SYSTEM, doc_table_rows, model_for, reference_turn, user_message
-from kvchat.serve.process import ServerProcess
-from kvchat.tiny import tiny_model, tiny_tokenizer, words_only
+from helpers import LONG_SYSTEM, TESTS, doc_table_rows, model_for, reference_turn, user_message
+from kvchat.tiny import tiny_model, tiny_tokenizer
+from serving import (
+    KEY_A,
+    KEY_B,
+    MAX_NEW,
+    Server,
+    ask,
+    auth,
+    client_for,
+    family_of,
+    reference_model,
+    start_server,
+)
 
 pytestmark = pytest.mark.server
-
-MAX_NEW = 12
-KEY_A, KEY_B = "key-a", "key-b"
-
-
-@functools.cache
-def _reference(family: str):
-    """The model `kvchat serve tiny:FAMILY --dtype float64` serves, for plain generate."""
-    model = tiny_model(family, dtype=torch.float64, seed=0).to(DEVICE)
-    model.generation_config.suppress_tokens = words_only(tiny_tokenizer(), model.config.vocab_size)
-    return model
-
-
-class Server(ServerProcess):
-    """`python -m kvchat.serve MODEL ...` in a subprocess; stopped by stop()."""
-
-    def __init__(self, model: str, *flags: str):
-        self.model = model
-        super().__init__(
-            lambda port: (
-                [sys.executable, "-m", "kvchat.serve", model, "--dtype", "float64"]
-                + ["--device", str(DEVICE), "--port", str(port), *flags]
-            )
-        )
-
-    def client(self, key: str = KEY_A) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-    def get(self, path: str, key: str = KEY_A, **kwargs) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", headers=_auth(key), timeout=60, **kwargs)
-
-    def post(self, path: str, key: str | None = KEY_A, **kwargs) -> httpx.Response:
-        headers = {**_auth(key), **kwargs.pop("headers", {})}
-        return httpx.post(f"{self.url}{path}", headers=headers, timeout=120, **kwargs)
-
-    def session(self, session_id: str, key: str = KEY_A) -> dict:
-        response = self.get(f"/v1/sessions/{session_id}", key)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def settled(self, timeout: float = 60) -> None:
-        """Waits until no session settles (docs/settling.md), as /metrics says."""
-        deadline = time.monotonic() + timeout
-        while "kvchat_settles_pending 0.0" not in self.get("/metrics").text:
-            assert time.monotonic() < deadline, "settling never ended"
-            time.sleep(0.05)
-
-
-def _auth(key: str | None) -> dict:
-    return {} if key is None else {"Authorization": f"Bearer {key}"}
-
-
-def _start(model: str, *flags: str):
-    server = Server(model, "--api-key", KEY_A, *flags)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def llama_server():
-    yield from _start(
+    yield from start_server(
         "tiny:llama",
         "--api-key",
         KEY_B,
@@ -100,40 +51,7 @@ def llama_server():
 
 @pytest.fixture(scope="module")
 def falcon_server():
-    yield from _start("tiny:falcon_h1")
-
-
-def _family(server: Server) -> str:
-    return server.model.partition(":")[2]
-
-
-def _ask(client, messages, key, stream, **extra):
-    """(reply text, usage) through the openai client, streamed or not."""
-    kwargs = dict(model=client.server_model, messages=messages, max_tokens=MAX_NEW, temperature=0)
-    if key is not None:
-        kwargs["prompt_cache_key"] = key
-    kwargs.update(extra)
-    if not stream:
-        response = client.chat.completions.create(**kwargs)
-        assert response.choices[0].finish_reason in ("stop", "length")
-        return response.choices[0].message.content, response.usage
-    pieces, usage, finish = [], None, None
-    for chunk in client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs
-    ):
-        if chunk.choices:
-            pieces.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-        else:
-            usage = chunk.usage
-    assert finish in ("stop", "length")
-    return "".join(pieces), usage
-
-
-def _client(server: Server, key: str = KEY_A):
-    client = server.client(key)
-    client.server_model = server.model
-    return client
+    yield from start_server("tiny:falcon_h1")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
@@ -142,13 +60,13 @@ def test_an_eight_turn_conversation_is_exact_and_reports_cached_tokens(
     which, stream, tokenizer, request
 ):
     server = request.getfixturevalue(which)
-    model = _reference(_family(server))
-    client = _client(server)
+    model = reference_model(family_of(server))
+    client = client_for(server)
     key = f"conversation-{stream}"
     messages = [LONG_SYSTEM]
     for turn in range(8):
         messages.append(user_message(turn))
-        reply, usage = _ask(client, messages, key, stream)
+        reply, usage = ask(client, messages, key, stream)
         want, prompt, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
         assert reply == want, f"turn {turn}"
         assert usage.prompt_tokens == prompt.numel()
@@ -164,7 +82,7 @@ def test_an_eight_turn_conversation_is_exact_and_reports_cached_tokens(
 
 
 def test_a_tool_calling_conversation_is_exact_and_reuses(llama_server, tokenizer):
-    model, client = _reference("llama"), _client(llama_server)
+    model, client = reference_model("llama"), client_for(llama_server)
     tools = [
         {
             "type": "function",
@@ -178,7 +96,7 @@ def test_a_tool_calling_conversation_is_exact_and_reuses(llama_server, tokenizer
     messages = [LONG_SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
     previous_prompt = 0
     for turn in range(6):
-        reply, usage = _ask(client, messages, "agent", stream=turn % 2 == 1, tools=tools)
+        reply, usage = ask(client, messages, "agent", stream=turn % 2 == 1, tools=tools)
         prompt = tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
@@ -204,16 +122,16 @@ def test_a_tool_calling_conversation_is_exact_and_reuses(llama_server, tokenizer
 
 
 def test_eight_concurrent_clients_get_their_own_exact_replies(llama_server, tokenizer):
-    model = _reference("llama")
+    model = reference_model("llama")
     results: dict[int, list] = {}
 
     def conversation(i: int) -> None:
-        client = _client(llama_server)
+        client = client_for(llama_server)
         messages = [{"role": "system", "content": f"You are assistant number {i}."}]
         replies = []
         for turn in range(3):
             messages.append(user_message(turn + i))
-            reply, usage = _ask(client, messages, f"client-{i}", stream=(i + turn) % 2 == 0)
+            reply, usage = ask(client, messages, f"client-{i}", stream=(i + turn) % 2 == 0)
             replies.append((list(messages), reply, usage.prompt_tokens_details.cached_tokens))
             messages.append({"role": "assistant", "content": reply})
         results[i] = replies
@@ -234,7 +152,7 @@ def test_eight_concurrent_clients_get_their_own_exact_replies(llama_server, toke
 def test_a_client_that_disconnects_stops_generation_and_the_session_stays_exact(
     llama_server, tokenizer
 ):
-    model = _reference("llama")
+    model = reference_model("llama")
     messages = [LONG_SYSTEM, user_message(0)]
     body = {
         "model": "tiny:llama",
@@ -249,7 +167,7 @@ def test_a_client_that_disconnects_stops_generation_and_the_session_stays_exact(
         "POST",
         f"{llama_server.url}/v1/chat/completions",
         json=body,
-        headers=_auth(KEY_A),
+        headers=auth(KEY_A),
         timeout=60,
     ) as response:
         assert response.status_code == 200
@@ -269,14 +187,14 @@ def test_a_client_that_disconnects_stops_generation_and_the_session_stays_exact(
     # The next turn starts from what the session holds and equals plain generate.
     history = llama_server.session("leaver")["history"]
     follow = [*history, user_message(1)]
-    reply, usage = _ask(_client(llama_server), follow, "leaver", stream=False)
+    reply, usage = ask(client_for(llama_server), follow, "leaver", stream=False)
     want, _, _ = reference_turn(model, tokenizer, follow, MAX_NEW)
     assert reply == want
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_without_a_key_a_conversation_continues_its_own_session(llama_server, tokenizer):
-    client = _client(llama_server)
+    client = client_for(llama_server)
     # A conversation no other test has, so no other session holds more of it.
     system = {"role": "system", "content": LONG_SYSTEM["content"] + " (auto)"}
     messages, sessions = [system], []
@@ -310,22 +228,22 @@ def test_without_a_key_a_conversation_continues_its_own_session(llama_server, to
 
 
 def test_api_keys_namespace_sessions(llama_server):
-    client_a, client_b = _client(llama_server, KEY_A), _client(llama_server, KEY_B)
-    _ask(client_a, [user_message(0)], "mine", stream=False)
+    client_a, client_b = client_for(llama_server, KEY_A), client_for(llama_server, KEY_B)
+    ask(client_a, [user_message(0)], "mine", stream=False)
     llama_server.settled()  # the session's own settle may still grow its cache
     before = llama_server.session("mine", KEY_A)
     assert "mine" in [s["id"] for s in llama_server.get("/v1/sessions", KEY_A).json()["data"]]
     assert "mine" not in [s["id"] for s in llama_server.get("/v1/sessions", KEY_B).json()["data"]]
     assert llama_server.get("/v1/sessions/mine", KEY_B).status_code == 404
-    deleted = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=_auth(KEY_B))
+    deleted = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=auth(KEY_B))
     assert deleted.status_code == 404
     # The same key name from B is B's own session: A's is untouched, and B
     # never starts from A's cache, not even from a shared system prompt.
-    _, usage = _ask(client_a, [LONG_SYSTEM, user_message(2)], "a-long", stream=False)
-    _, usage = _ask(client_b, [LONG_SYSTEM, user_message(3)], "mine", stream=False)
+    _, usage = ask(client_a, [LONG_SYSTEM, user_message(2)], "a-long", stream=False)
+    _, usage = ask(client_b, [LONG_SYSTEM, user_message(3)], "mine", stream=False)
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert llama_server.session("mine", KEY_A) == before
-    ok = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=_auth(KEY_A))
+    ok = httpx.delete(f"{llama_server.url}/v1/sessions/mine", headers=auth(KEY_A))
     assert ok.status_code == 200 and ok.json()["deleted"] is True
     assert llama_server.get("/v1/sessions/mine", KEY_A).status_code == 404
     assert llama_server.get("/v1/sessions/mine", KEY_B).status_code == 200
@@ -344,10 +262,10 @@ def _metrics(server) -> dict[str, float]:
 
 
 def test_metrics_are_prometheus_text(llama_server):
-    client = _client(llama_server)
-    _ask(client, [user_message(5)], "metrics", stream=False)
+    client = client_for(llama_server)
+    ask(client, [user_message(5)], "metrics", stream=False)
     before = _metrics(llama_server)
-    _, usage = _ask(
+    _, usage = ask(
         client,
         [user_message(5), {"role": "assistant", "content": "ok"}, user_message(6)],
         "metrics",
@@ -565,13 +483,13 @@ def _send(server: Server, request: dict) -> httpx.Response:
     key = request.pop("key", KEY_A)
     method = request.pop("method", "POST")
     path = request.pop("path", "/v1/chat/completions")
-    headers = {**_auth(key), "Content-Type": "application/json", **request.pop("headers", {})}
+    headers = {**auth(key), "Content-Type": "application/json", **request.pop("headers", {})}
     return httpx.request(method, f"{server.url}{path}", headers=headers, timeout=60, **request)
 
 
 @pytest.mark.parametrize("row", list(SERVE_ERROR_CASES))
 def test_bad_requests_get_openai_errors_and_touch_nothing(row, llama_server):
-    _ask(_client(llama_server), [user_message(7)], "witness", stream=False)
+    ask(client_for(llama_server), [user_message(7)], "witness", stream=False)
     llama_server.settled()
     witness = llama_server.session("witness")
     sessions = llama_server.get("/v1/sessions").json()["data"]
@@ -671,7 +589,8 @@ def test_every_readme_bad_request_row_is_covered():
         assert len(keys) == 1, f"docs/serving.md row {row!r} has no test"
     for test in extra.values():  # each named test exists
         file, _, name = test.rpartition("::")
-        source = Path(__file__).with_name(file or Path(__file__).name).read_text("utf-8")
+        (path,) = TESTS.rglob(file or Path(__file__).name)  # in whichever test folder
+        source = path.read_text("utf-8")
         assert f"def {name}(" in source, test
 
 
@@ -837,14 +756,14 @@ def test_a_slow_reader_of_a_stream_holds_up_no_other_request(llama_server, strea
 
 
 def test_a_session_id_with_a_slash_is_read_and_deleted_by_its_owner_alone(llama_server):
-    client = _client(llama_server)
+    client = client_for(llama_server)
     url = llama_server.url
 
     def delete(path: str, key: str) -> httpx.Response:
-        return httpx.delete(f"{url}{path}", headers=_auth(key), timeout=60)
+        return httpx.delete(f"{url}{path}", headers=auth(key), timeout=60)
 
     for path in ("/v1/sessions/team/a/b", "/v1/sessions/team%2Fa%2Fb", "/v1/sessions/team/a%2Fb"):
-        _ask(client, [user_message(0)], "team/a/b", stream=False)
+        ask(client, [user_message(0)], "team/a/b", stream=False)
         # Another key never reaches it, by any spelling.
         assert llama_server.get(path, KEY_B).status_code == 404
         assert delete(path, KEY_B).status_code == 404
@@ -862,7 +781,7 @@ def test_a_session_id_with_a_slash_is_read_and_deleted_by_its_owner_alone(llama_
 
 
 def test_a_fork_never_takes_over_a_session_its_client_continues_by_header(llama_server):
-    client = _client(llama_server)
+    client = client_for(llama_server)
     system = {"role": "system", "content": LONG_SYSTEM["content"] + " (takeover)"}
     messages = [system, user_message(0)]
 
@@ -910,7 +829,7 @@ def test_a_fork_never_takes_over_a_session_its_client_continues_by_header(llama_
 
 
 def test_a_tiny_temperature_answers_greedily(llama_server, tokenizer):
-    model = _reference("llama")
+    model = reference_model("llama")
     messages = [user_message(4)]
     want, _, _ = reference_turn(model, tokenizer, messages, MAX_NEW)
     for temperature in (5e-324, 1e-300, 1e-6):
@@ -980,7 +899,7 @@ def test_a_server_process_tracks_only_sessions_that_exist():
             made = server.post("/v1/chat/completions", key=f"k{i}", json={**body, "user": f"d{i}"})
             assert made.status_code == 200, made.text
             deleted = httpx.delete(
-                f"{server.url}/v1/sessions/d{i}", headers=_auth(f"k{i}"), timeout=60
+                f"{server.url}/v1/sessions/d{i}", headers=auth(f"k{i}"), timeout=60
             )
             assert deleted.status_code == 200, deleted.text
             made = server.post(
@@ -989,7 +908,7 @@ def test_a_server_process_tracks_only_sessions_that_exist():
             assert made.status_code == 200, made.text
             session = made.headers["x-session-id"]
             deleted = httpx.delete(
-                f"{server.url}/v1/sessions/{session}", headers=_auth(f"k{i}"), timeout=60
+                f"{server.url}/v1/sessions/{session}", headers=auth(f"k{i}"), timeout=60
             )
             assert deleted.status_code == 200, deleted.text
         kept = server.post("/v1/chat/completions", key="keeper", json={**body, "user": "kept"})

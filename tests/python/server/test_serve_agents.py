@@ -17,7 +17,7 @@ from kvchat.agents import detect
 from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
 from kvchat.tiny import tiny_tokenizer
-from test_serve import KEY_A, Server, _reference
+from serving import family_of, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -64,20 +64,12 @@ ANSWER_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["llama", "lfm2"])
 def server(request):
-    server = Server(f"tiny:{request.param}", "--api-key", KEY_A)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _family(server) -> str:
-    return server.model.partition(":")[2]
+    yield from start_server(f"tiny:{request.param}")
 
 
 def _grammars(family: str) -> Grammars:
     """What the server builds its grammars with, for the reference."""
-    tokenizer, model = tiny_tokenizer(), _reference(family)
+    tokenizer, model = tiny_tokenizer(), reference_model(family)
     return Grammars(tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config))
 
 
@@ -92,13 +84,13 @@ def _last_output(server, session: str) -> tuple:
 
 
 def _reference_ids(family, messages, max_new, **kwargs) -> tuple:
-    model = _reference(family)
+    model = reference_model(family)
     return reference_turn(model, tiny_tokenizer(), messages, max_new, tools=TOOLS, **kwargs)[2]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
-    family, client = _family(server), server.client()
+    family, client = family_of(server), server.client()
     key = f"loop-{stream}"
     messages = [SYSTEM, {"role": "user", "content": "What should I wear today?"}]
     for turn in range(3):
@@ -140,6 +132,18 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
         server.settled()  # the user's time to read and type
 
 
+def _create(server, key: str, messages: list, max_tokens: int, **extra):
+    """One greedy request on session ``key``, through the openai SDK."""
+    return server.client().chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        prompt_cache_key=key,
+        **extra,
+    )
+
+
 def _complete(client, stream: bool, **kwargs) -> tuple[dict, str, dict]:
     """(the assistant message as a client sends it back, finish_reason, usage)."""
     if not stream:
@@ -176,20 +180,19 @@ def _complete(client, stream: bool, **kwargs) -> tuple[dict, str, dict]:
 
 
 def test_a_named_function_is_the_one_called(server):
-    family, client = _family(server), server.client()
+    family = family_of(server)
     messages = [SYSTEM, {"role": "user", "content": "Time?"}]
     for name in ("get_time", "get_weather"):
         key = f"named-{name}"
-        response = client.chat.completions.create(
-            model=server.model,
-            messages=messages,
+        response = _create(
+            server,
+            key,
+            messages,
+            CALL_TOKENS,
             tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": name}},
             # One call: a random model may chain calls until max_tokens cuts one short.
             parallel_tool_calls=False,
-            max_tokens=CALL_TOKENS,
-            temperature=0,
-            prompt_cache_key=key,
         )
         calls = response.choices[0].message.tool_calls
         assert calls and {c.function.name for c in calls} == {name}
@@ -206,21 +209,20 @@ def test_tools_beside_a_json_format_let_the_model_call_or_answer(server):
     """tool_choice auto, tools and a response_format (what the Agents SDK sends
     with an output_type): the grammar allows a call or the JSON, and the reply
     is read as whichever the model wrote, exactly as plain generate writes it."""
-    family, client = _family(server), server.client()
+    family = family_of(server)
     tokenizer = tiny_tokenizer()
     grammars = _grammars(family)
     for i, question in enumerate(["Rain?", "Sun?", "Wind today?"]):
         key = f"call-or-json-{i}"
         messages = [SYSTEM, {"role": "user", "content": question}]
-        response = client.chat.completions.create(
-            model=server.model,
-            messages=messages,
+        response = _create(
+            server,
+            key,
+            messages,
+            CALL_TOKENS,
             tools=TOOLS,
             response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}},
             parallel_tool_calls=False,
-            max_tokens=CALL_TOKENS,
-            temperature=0,
-            prompt_cache_key=key,
         )
         choice = response.choices[0]
         if choice.message.tool_calls:  # which of the two is the model's own affair
@@ -255,19 +257,18 @@ SCHEMA = {
     ids=["json_schema", "json_object"],
 )
 def test_structured_output_matches_its_schema_and_plain_generate(server, response_format):
-    family, client = _family(server), server.client()
+    family = family_of(server)
     messages = [SYSTEM, {"role": "user", "content": "Is it raining?"}]
     key = f"json-{response_format['type']}"
-    response = client.chat.completions.create(
-        model=server.model,
-        messages=messages,
+    response = _create(
+        server,
+        key,
+        messages,
+        CALL_TOKENS,
         response_format=response_format,
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-        prompt_cache_key=key,
     )
     content = response.choices[0].message.content
-    tokenizer, model, grammars = tiny_tokenizer(), _reference(family), _grammars(family)
+    tokenizer, model, grammars = tiny_tokenizer(), reference_model(family), _grammars(family)
     if response_format["type"] == "json_schema":
         value = json.loads(content)
         assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool)
@@ -288,18 +289,17 @@ def test_structured_output_matches_its_schema_and_plain_generate(server, respons
 def test_tool_choice_none_and_auto_leave_a_random_model_writing_text(server):
     """Without a grammar the tiny model writes words: no tool call appears,
     and the reply is plain generate's."""
-    family, client = _family(server), server.client()
+    family = family_of(server)
     messages = [SYSTEM, {"role": "user", "content": "Hello"}]
     for choice in ("none", "auto"):
         key = f"free-{choice}"
-        response = client.chat.completions.create(
-            model=server.model,
-            messages=messages,
+        response = _create(
+            server,
+            key,
+            messages,
+            ANSWER_TOKENS,
             tools=TOOLS,
             tool_choice=choice,
-            max_tokens=ANSWER_TOKENS,
-            temperature=0,
-            prompt_cache_key=key,
         )
         assert response.choices[0].message.tool_calls is None
         assert response.choices[0].finish_reason in ("stop", "length")
@@ -310,18 +310,16 @@ def test_the_settle_predicts_the_tool_calls_sent_back(server):
     """After a tool-call turn the session is settled on the message the client
     gets back (structured tool_calls, content None), so the next turn
     prefills only the tool's result and the generation prompt."""
-    client = server.client()
     key = "settled-call"
     messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
-    response = client.chat.completions.create(
-        model=server.model,
-        messages=messages,
+    response = _create(
+        server,
+        key,
+        messages,
+        CALL_TOKENS,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         parallel_tool_calls=False,
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-        prompt_cache_key=key,
     )
     message = response.choices[0].message.model_dump(exclude_none=True, exclude={"refusal"})
     message["content"] = None
@@ -335,13 +333,12 @@ def test_the_settle_predicts_the_tool_calls_sent_back(server):
         after, tools=TOOLS, add_generation_prompt=True, tokenize=False
     )
     assert full.startswith(history)
-    client.chat.completions.create(
-        model=server.model,
-        messages=after,
+    _create(
+        server,
+        key,
+        after,
+        2,
         tools=TOOLS,
-        max_tokens=2,
-        temperature=0,
-        prompt_cache_key=key,
     )
     last = server.session(key)["last_turn"]
     new = len(tokenizer(full[len(history) :], add_special_tokens=False)["input_ids"])

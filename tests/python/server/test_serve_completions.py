@@ -9,7 +9,7 @@ import json
 
 import pytest
 from kvchat.tiny import tiny_tokenizer
-from test_serve import KEY_A, Server, _reference
+from serving import reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -19,17 +19,13 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module", params=["llama", "lfm2"])
 def server(request):
-    server = Server(f"tiny:{request.param}", "--api-key", KEY_A, "--max-context-length", "4096")
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from start_server(f"tiny:{request.param}", "--max-context-length", "4096")
 
 
 def _plain(server, prompt: str, max_new: int = MAX_NEW, **kwargs) -> tuple[str, tuple]:
     """Plain generate on the prompt's ids: (text, generated ids)."""
     tokenizer = tiny_tokenizer()
-    model = _reference(server.model.partition(":")[2])
+    model = reference_model(server.model.partition(":")[2])
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
     out = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kwargs)[0, ids.shape[1] :]
     return tokenizer.decode(out, skip_special_tokens=True), tuple(out.tolist())

@@ -13,7 +13,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
-from test_serve import Server, _reference
+from serving import Server, reference_model
 
 pytestmark = pytest.mark.server
 
@@ -48,7 +48,7 @@ def _stats(turn) -> dict[str, str]:
 
 
 def test_the_page_chats_and_shows_the_cache_at_work(page_server, browser, tokenizer, tmp_path):
-    model = _reference("llama")
+    model = reference_model("llama")
     browser.get(page_server.url + "/")
     wait = WebDriverWait(browser, 120)
     wait.until(lambda d: d.find_element(By.ID, "model").text == "tiny:llama")

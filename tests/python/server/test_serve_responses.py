@@ -19,7 +19,7 @@ from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
 from kvchat.serve.responses_request import _tools
 from kvchat.tiny import tiny_tokenizer
-from test_serve import KEY_A, KEY_B, Server, _reference
+from serving import KEY_A, KEY_B, family_of, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -51,22 +51,14 @@ CALL_TOKENS = 160
 
 @pytest.fixture(scope="module", params=["llama", "lfm2"])
 def server(request):
-    server = Server(f"tiny:{request.param}", "--api-key", KEY_A, "--api-key", KEY_B)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _family(server) -> str:
-    return server.model.partition(":")[2]
+    yield from start_server(f"tiny:{request.param}", "--api-key", KEY_B)
 
 
 def _reference_reply(server, messages, tools, max_new, grammar=None) -> tuple:
     """Plain generate's output ids for ``messages``, under ``grammar`` if given
     ("tool" for a required call of ``tools``, else a JSON schema)."""
-    family = _family(server)
-    tokenizer, model = tiny_tokenizer(), _reference(family)
+    family = family_of(server)
+    tokenizer, model = tiny_tokenizer(), reference_model(family)
     chat_tools = _tools(tools) if tools else None
     kwargs = {}
     if grammar is not None:

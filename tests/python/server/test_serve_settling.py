@@ -17,7 +17,7 @@ import re
 import pytest
 from helpers import LONG_SYSTEM, MAX_NEW, common_prefix, history_ids
 from kvchat.prompting import render_prompt
-from test_serve import KEY_A, Server, _reference
+from serving import KEY_A, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -35,11 +35,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def lfm2_server():
-    server = Server("tiny:lfm2", "--api-key", KEY_A)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from start_server("tiny:lfm2")
 
 
 def _turn(server, client, messages, key, **extra):
@@ -67,7 +63,7 @@ def _plain(model, tokenizer, messages, stop=None):
 
 
 def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
-    server, model = lfm2_server, _reference("lfm2")
+    server, model = lfm2_server, reference_model("lfm2")
     client = server.client(KEY_A)
     messages = [LONG_SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
 

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 from helpers import reference_turn, user_message
-from test_serve import MAX_NEW, Server, _reference
+from serving import MAX_NEW, Server, reference_model
 
 pytestmark = pytest.mark.server
 
@@ -54,7 +54,7 @@ def _body(turn: int, **fields) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_stop_that_never_occurs_ends_the_reply_and_frees_its_slot(server, tokenizer, stream):
-    model = _reference("llama")
+    model = reference_model("llama")
     # Three requests on two slots: a slot kept by an ended reply would make the third a 429.
     for turn in range(3):
         body = _body(turn, stop=NEVER, temperature=0, prompt_cache_key=f"never-{stream}-{turn}")
@@ -74,7 +74,7 @@ def test_a_stop_that_never_occurs_ends_the_reply_and_frees_its_slot(server, toke
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_stop_that_occurs_cuts_the_reply_before_it(server, tokenizer, stream):
-    model = _reference("llama")
+    model = reference_model("llama")
     body = _body(5, temperature=0, max_tokens=24)
     expected, _, _ = reference_turn(model, tokenizer, body["messages"], max_new_tokens=24)
     words = expected.split(" ")

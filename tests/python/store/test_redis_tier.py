@@ -26,7 +26,15 @@ import openai
 import pytest
 import redis
 import torch
-from helpers import LONG_SYSTEM, LONGER_SYSTEM, MAX_NEW, model_for, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    LONGER_SYSTEM,
+    MAX_NEW,
+    exact_turns,
+    model_for,
+    reference_turn,
+    user_message,
+)
 from kvchat import _C, RedisTier, SessionManager, StoreUnavailable
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
@@ -61,17 +69,10 @@ def _hung(server):
 
 
 def _turns(manager, session, messages, model, tokenizer, turns, start=0):
-    """Runs ``turns`` user turns on ``manager``, each checked against plain
-    generate; returns the conversation and the reports."""
-    reports = []
-    for t in range(start, start + turns):
-        messages = [*messages, user_message(t)]
-        reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
-        assert reply == reference_turn(model, tokenizer, messages)[0], f"turn {t}"
-        reports.append(manager.last_turn(session))
-        messages = [*messages, {"role": "assistant", "content": reply}]
+    """``exact_turns``, then the manager's writes to the store are flushed."""
+    result = exact_turns(manager, session, messages, model, tokenizer, turns, start)
     manager.flush()
-    return messages, reports
+    return result
 
 
 def _manifest(server, manager, session):
@@ -277,11 +278,10 @@ def test_redis_down_or_hung_then_back(llama, tokenizer, caplog):
     """Killed mid-run: turns go on, exact, with a logged miss; hung (SIGSTOP),
     a call times out after ``timeout`` instead of blocking the turn; restarted
     on the same port, the store is used again."""
-    server = redis_server()
-    try:
-        a, b = _two_managers(server.redis_url, llama, tokenizer, timeout=0.3, retry_after=0.5)
+    with redis_server() as first:
+        a, b = _two_managers(first.redis_url, llama, tokenizer, timeout=0.3, retry_after=0.5)
         messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
-        server.kill()
+        first.kill()
         with caplog.at_level(logging.WARNING, logger="kvchat"):
             messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
             messages, _ = _turns(a, "s", messages, llama, tokenizer, 1, start=2)
@@ -289,22 +289,21 @@ def test_redis_down_or_hung_then_back(llama, tokenizer, caplog):
         assert a.stats().store_write_errors >= 1
         assert "Redis store" in caplog.text
 
-        server = redis_server(port=server.port)  # back, empty (nothing was saved)
-        time.sleep(0.6)  # past retry_after
-        messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=3)
-        _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=4)
-        assert reports[0].reason == "store_reload"
+        # Back on the same port, empty (nothing was saved).
+        with redis_server(port=first.port) as server:
+            time.sleep(0.6)  # past retry_after
+            messages, _ = _turns(b, "s", messages, llama, tokenizer, 1, start=3)
+            _, reports = _turns(a, "s", messages, llama, tokenizer, 1, start=4)
+            assert reports[0].reason == "store_reload"
 
-        os.kill(server.process.pid, signal.SIGSTOP)  # accepts, never answers
-        try:
-            c = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, timeout=0.3))
-            _turns(c, "s", messages, llama, tokenizer, 1, start=5)
-            assert c.stats().store_miss_reasons == {"unavailable": 1}
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        assert c._tier.flush(timeout=30)
-    finally:
-        server.stop()
+            os.kill(server.process.pid, signal.SIGSTOP)  # accepts, never answers
+            try:
+                c = SessionManager(llama, tokenizer, tier=RedisTier(server.redis_url, timeout=0.3))
+                _turns(c, "s", messages, llama, tokenizer, 1, start=5)
+                assert c.stats().store_miss_reasons == {"unavailable": 1}
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert c._tier.flush(timeout=30)
 
 
 def test_two_writers_of_one_session_leave_one_whole_snapshot(llama, tokenizer, server):
@@ -403,18 +402,18 @@ def test_two_server_replicas_continue_each_others_turns(family, tokenizer, serve
     reply is plain generate's, every turn from the second on starts from the
     snapshot the other replica stored before its reply ended, and /metrics
     counts the loads."""
-    from test_serve import MAX_NEW as SERVE_MAX_NEW
-    from test_serve import Server, _ask, _client, _reference
+    from serving import MAX_NEW as SERVE_MAX_NEW
+    from serving import Server, ask, client_for, reference_model
 
     flags = ("--store", server.redis_url, "--api-key", "k")
     replicas = [Server(f"tiny:{family}", *flags), Server(f"tiny:{family}", *flags)]
     try:
-        model = _reference(family)
+        model = reference_model(family)
         messages = [LONG_SYSTEM]
         for turn in range(6):
             replica = replicas[turn % 2]
             messages.append(user_message(turn))
-            reply, usage = _ask(_client(replica, "k"), messages, "conv", stream=turn % 3 != 0)
+            reply, usage = ask(client_for(replica, "k"), messages, "conv", stream=turn % 3 != 0)
             assert reply == reference_turn(model, tokenizer, messages, SERVE_MAX_NEW)[0], turn
             last = replica.session("conv", "k")["last_turn"]
             if turn > 0:
@@ -435,17 +434,17 @@ def test_keyless_clients_continue_across_replicas(tokenizer, server):
     """A client that names no session (the plain OpenAI SDK, an agent loop):
     the conversation-to-session map lives in the store too, so the other
     replica continues the same session from its snapshot."""
-    from test_serve import MAX_NEW as SERVE_MAX_NEW
-    from test_serve import Server, _ask, _client, _reference
+    from serving import MAX_NEW as SERVE_MAX_NEW
+    from serving import Server, ask, client_for, reference_model
 
     flags = ("--store", server.redis_url, "--api-key", "k")
     replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
     try:
-        model, messages, seen = _reference("llama"), [LONG_SYSTEM], set()
+        model, messages, seen = reference_model("llama"), [LONG_SYSTEM], set()
         for turn in range(4):
             replica = replicas[turn % 2]
             messages.append(user_message(turn))
-            reply, usage = _ask(_client(replica, "k"), messages, None, stream=True)
+            reply, usage = ask(client_for(replica, "k"), messages, None, stream=True)
             assert reply == reference_turn(model, tokenizer, messages, SERVE_MAX_NEW)[0], turn
             sessions = replica.get("/v1/sessions", "k").json()["data"]
             assert len(sessions) == 1, sessions
@@ -465,7 +464,7 @@ def test_a_response_made_on_one_replica_is_continued_on_the_other(server):
     """`/v1/responses` on two `kvchat serve --store` replicas: the response is
     stored in Redis, so the other replica continues it by previous_response_id
     (no key), from the session's snapshot; another key still cannot."""
-    from test_serve import Server
+    from serving import Server
 
     flags = ("--store", server.redis_url, "--api-key", "k", "--api-key", "k2")
     replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
@@ -621,7 +620,7 @@ def test_a_delete_on_either_replica_deletes_everywhere(tokenizer, server):
     the keyspace but its tombstone. A conversation started again under the id
     then works as any other, reuse across replicas included."""
     import httpx
-    from test_serve import Server, _ask, _client
+    from serving import Server, ask, client_for
 
     flags = ("--store", server.redis_url, "--api-key", "k")
     replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
@@ -633,7 +632,7 @@ def test_a_delete_on_either_replica_deletes_everywhere(tokenizer, server):
 
     def turn(replica, name, messages, t):
         messages = [*messages, user_message(t)]
-        reply, usage = _ask(_client(replicas[replica], "k"), messages, name, stream=t % 2 == 0)
+        reply, usage = ask(client_for(replicas[replica], "k"), messages, name, stream=t % 2 == 0)
         return [*messages, {"role": "assistant", "content": reply}], usage
 
     try:
@@ -792,8 +791,7 @@ def test_a_delete_that_cannot_reach_redis_says_so_and_a_retry_deletes(llama, tok
     removed here only (never a silent success that other processes would not
     see); while the store rests, nothing is removed; once Redis answers, the
     same call deletes it there, and another manager starts it from nothing."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         a, b = _two_managers(server.redis_url, llama, tokenizer, timeout=0.3, retry_after=0.5)
         messages, _ = _turns(a, "s", [LONG_SYSTEM], llama, tokenizer, 1)
         _turns(a, "kept", [LONG_SYSTEM], llama, tokenizer, 1)
@@ -813,8 +811,6 @@ def test_a_delete_that_cannot_reach_redis_says_so_and_a_retry_deletes(llama, tok
         assert set(manifests) == {"kept"}, manifests.keys()
         _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
         assert reports[0].reused_tokens == 0 and reports[0].reason != "store_reload"
-    finally:
-        server.stop()
 
 
 def test_a_delete_the_store_cannot_carry_out_is_a_503_until_it_can(tokenizer):
@@ -823,14 +819,14 @@ def test_a_delete_the_store_cannot_carry_out_is_a_503_until_it_can(tokenizer):
     replicas would not see; once Redis answers again, the retried DELETE
     answers 200 and nothing of the session is left in Redis."""
     import httpx
-    from test_serve import Server, _ask, _client
+    from serving import Server, ask, client_for
 
     server = redis_server()
     flags = ("--store", server.redis_url, "--store-timeout", "0.3", "--api-key", "k")
     replica = Server("tiny:llama", *flags)
     auth = {"Authorization": "Bearer k"}
     try:
-        _ask(_client(replica, "k"), [LONG_SYSTEM, user_message(0)], "s", stream=False)
+        ask(client_for(replica, "k"), [LONG_SYSTEM, user_message(0)], "s", stream=False)
         url = f"{replica.url}/v1/sessions/s"
         with _hung(server):
             response = httpx.delete(url, headers=auth, timeout=60)
@@ -883,14 +879,14 @@ def test_a_fork_of_an_older_conversation_never_takes_a_session_over_on_any_repli
     on on the other replica; a fork of its older point, sent back to the first
     replica (whose own map still has that point), gets one of its own too. In
     both, the first conversation's next turn reuses its whole history."""
-    from test_serve import MAX_NEW as SERVE_MAX_NEW
-    from test_serve import Server, _client
+    from serving import MAX_NEW as SERVE_MAX_NEW
+    from serving import Server, client_for
 
     flags = ("--store", server.redis_url, "--api-key", "k")
     replicas = [Server("tiny:llama", *flags), Server("tiny:llama", *flags)]
 
     def ask(replica, messages, session=None):
-        raw = _client(replicas[replica], "k").chat.completions.with_raw_response.create(
+        raw = client_for(replicas[replica], "k").chat.completions.with_raw_response.create(
             model="tiny:llama",
             messages=messages,
             max_tokens=SERVE_MAX_NEW,
@@ -958,6 +954,12 @@ class _Replicas:
             [*messages, {"role": "assistant", "content": reply}],
             response.json()["usage"],
         )
+
+    def __enter__(self) -> _Replicas:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self):
         for client in self.clients:
@@ -1049,8 +1051,7 @@ def test_a_retried_delete_reaches_other_processes_though_the_store_forgot_the_se
     retry, once Redis is back, still deletes it everywhere, even though the
     store no longer knows the session (its held marker expired): B's next
     turn starts it anew."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         a, b = _two_managers(
             server.redis_url, llama, tokenizer, write="evict", timeout=0.3, retry_after=0.5
         )
@@ -1066,8 +1067,6 @@ def test_a_retried_delete_reaches_other_processes_though_the_store_forgot_the_se
         a.remove("s")  # no KeyError: the delete is still owed
         _, reports = _turns(b, "s", messages, llama, tokenizer, 1, start=1)
         assert reports[0].reused_tokens == 0, reports
-    finally:
-        server.stop()
 
 
 def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
@@ -1076,10 +1075,8 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
     the session. Once Redis answers, A pays the route change it owes: a fork
     of the older conversation, on B, gets a session of its own, and the
     conversation's next turn, on B, continues the session."""
-    server = redis_server()
-    try:
-        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=0.5)
-        try:
+    with redis_server() as server:
+        with _Replicas(server.redis_url, timeout=0.3, retry_after=0.5) as replicas:
             session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
             with _hung(server):
                 same, history, _ = replicas.ask(0, [*first, user_message(1)])
@@ -1094,10 +1091,6 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
             assert forked != session, "the fork took the session over after the outage"
             again, _, _ = replicas.ask(1, [*history, user_message(2)])
             assert again == session
-        finally:
-            replicas.close()
-    finally:
-        server.stop()
 
 
 def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
@@ -1105,10 +1098,8 @@ def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
     it pays, B continues the session by its id, so B's route is the newer.
     A's late change is then not made: a fork of the conversation A held gets
     a session of its own, and the latest conversation continues the session."""
-    server = redis_server()
-    try:
-        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=2)
-        try:
+    with redis_server() as server:
+        with _Replicas(server.redis_url, timeout=0.3, retry_after=2) as replicas:
             session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
             with _hung(server):
                 same, on_a, _ = replicas.ask(0, [*first, user_message(1)])
@@ -1121,10 +1112,6 @@ def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
             assert forked != session, "A's late route let a fork take the session over"
             latest, _, _ = replicas.ask(0, [*on_b, user_message(3)])
             assert latest == session
-        finally:
-            replicas.close()
-    finally:
-        server.stop()
 
 
 def test_a_refused_turn_is_released_off_the_event_loop(server):
@@ -1198,7 +1185,7 @@ def test_a_hung_store_never_blocks_the_event_loop():
     5 s timeout): the server still answers /health at once meanwhile, and
     the request then runs without the store."""
     import httpx
-    from test_serve import Server
+    from serving import Server
 
     server = redis_server()
     replica = Server("tiny:llama", "--store", server.redis_url, "--store-timeout", "5")
@@ -1262,10 +1249,8 @@ def test_a_take_owed_by_a_replica_that_never_saw_the_session_is_still_made(token
     hangs while its client continues it on B by X-Session-ID (B never saw the
     session, so B owes the route's removal). Once Redis answers, B makes it:
     a fork of the conversation A held gets a session of its own."""
-    server = redis_server()
-    try:
-        replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=0.5)
-        try:
+    with redis_server() as server:
+        with _Replicas(server.redis_url, timeout=0.3, retry_after=0.5) as replicas:
             session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
             with _hung(server):
                 same, _, _ = replicas.ask(1, [*first, user_message(1)], session)
@@ -1274,10 +1259,6 @@ def test_a_take_owed_by_a_replica_that_never_saw_the_session_is_still_made(token
             _wait_until(lambda: tier_b.owed_routes() == 0, "B paid what it owed")
             forked, _, _ = replicas.ask(0, _fork(first))
             assert forked != session, "B's owed take was dropped: a fork took the session over"
-        finally:
-            replicas.close()
-    finally:
-        server.stop()
 
 
 def test_a_copy_idle_while_its_delete_expires_is_still_dropped(llama, tokenizer, server):
@@ -1423,8 +1404,7 @@ def test_a_route_is_put_back_outside_the_routers_lock(server):
 def test_a_route_owed_at_close_is_made_before_the_writer_stops(llama, tokenizer):
     """A route change owed during an outage, with Redis back but the tier
     still resting, is made by close(): it is not lost with the process."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         tier = RedisTier(server.redis_url, timeout=0.3, retry_after=1)
         SessionManager(llama, tokenizer, tier=tier)
         with _hung(server):
@@ -1433,8 +1413,6 @@ def test_a_route_owed_at_close_is_made_before_the_writer_stops(llama, tokenizer)
         tier.close()
         client = redis.Redis.from_url(server.redis_url)
         assert client.get(tier.keys.route("open", "a conversation")) == b"open/s"
-    finally:
-        server.stop()
 
 
 def test_held_marks_are_kept_alive_while_snapshots_keep_coming(llama, tokenizer, server):
@@ -1480,8 +1458,7 @@ def test_routes_stay_right_through_two_outages_on_one_session(tokenizer):
     Redis is back. A second outage: its next turn on A owes a take, then a
     route. Once paid, a fork of the older conversation, on B, gets a session
     of its own, and the latest conversation continues the session."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         replicas = _Replicas(server.redis_url, timeout=0.3, retry_after=0.5)
         tier = replicas.managers[0].tier
         try:
@@ -1498,8 +1475,6 @@ def test_routes_stay_right_through_two_outages_on_one_session(tokenizer):
             assert latest == session, "the latest conversation lost its route"
         finally:
             replicas.close()
-    finally:
-        server.stop()
 
 
 def test_a_copy_known_deleted_is_dropped_though_redis_hangs_as_its_turn_begins(
@@ -1524,8 +1499,7 @@ def test_close_keeps_to_its_timeout_with_redis_hung(llama, tokenizer):
     """close(timeout=2) with Redis hung and a route change and a mark
     removal owed: it returns within the timeout (what is owed is lost, as
     the docstring says), and the writer has stopped."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         manager = SessionManager(
             llama, tokenizer, tier=RedisTier(server.redis_url, timeout=0.3, retry_after=5)
         )
@@ -1538,8 +1512,6 @@ def test_close_keeps_to_its_timeout_with_redis_hung(llama, tokenizer):
             took = time.monotonic() - started
         assert took < 2.7, f"close(timeout=2) took {took:.2f} s"
         _wait_until(lambda: not manager.tier.writer.thread.is_alive(), "the writer ended", 5)
-    finally:
-        server.stop()
 
 
 def _hung_while_its_turn_begins(tier, server):
@@ -1664,8 +1636,7 @@ def test_a_route_change_counts_as_owed_until_it_is_made(llama, tokenizer):
     """owed_routes() (what a caller waits on before relying on the store's
     routes) counts a change owed during an outage until the writer has made
     it, not from the moment the writer takes it up."""
-    server = redis_server()
-    try:
+    with redis_server() as server:
         tier = RedisTier(server.redis_url, timeout=0.3, retry_after=0.5)
         SessionManager(llama, tokenizer, tier=tier)
         with _hung(server):
@@ -1676,5 +1647,3 @@ def test_a_route_change_counts_as_owed_until_it_is_made(llama, tokenizer):
         _wait_until(lambda: seen and tier.owed_routes() == 0, "the writer made the change")
         assert seen == [1], seen
         tier.close()
-    finally:
-        server.stop()

@@ -4,11 +4,10 @@ module of the package has a row, and every file a row names exists. No model."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "kvchat"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 
@@ -47,3 +46,23 @@ def test_every_module_of_the_package_has_a_row():
 @pytest.mark.parametrize("name", sorted(_named()))
 def test_every_file_a_row_names_exists(name):
     assert (PACKAGE / name).exists(), f"docs/ARCHITECTURE.md names {name}, which does not exist"
+
+
+def _paths_the_docs_name() -> set[tuple[str, str]]:
+    """(page, path) for every ``tests/...`` or ``benchmarks/...`` file path the
+    README and the docs pages name: the files a reader is sent to."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = set()
+    for page in pages:
+        for path in re.findall(
+            r"\b((?:tests|benchmarks)/[\w./-]+\.(?:py|cpp|sh|md))", page.read_text()
+        ):
+            found.add((page.relative_to(ROOT).as_posix(), path))
+    return found
+
+
+def test_every_test_or_benchmark_file_the_docs_name_exists():
+    named = _paths_the_docs_name()
+    assert len(named) > 20  # the pattern still finds the pages' references
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert not missing, f"the docs name files that do not exist: {missing}"

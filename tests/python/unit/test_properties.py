@@ -106,13 +106,13 @@ turn_ops = st.lists(
 def test_manager_never_reuses_kv_of_other_tokens(ops, budget_tokens, share):
     per_token = LAYERS * 2 * 2 * 4  # keys + values, 2 floats each, per layer
     budget = budget_tokens * 8 * per_token  # 0: no byte limit
-    mgr = _C.SessionManager(
+    limits = _C.ManagerLimits(
         max_sessions=3,
         max_cache_bytes=budget,
         num_layers=LAYERS,
         min_shared_tokens=2 if share else 0,
-        markers=MARKERS,
     )
+    mgr = _C.SessionManager(limits, _C.TurnSettings(markers=MARKERS))
     conversations: dict[str, list[int]] = {}
     for op, sid, kind, at, new in ops:
         if op in ("clear", "remove"):
