@@ -180,6 +180,13 @@ def choose_tier(spill_dir, tier, store) -> Tier:
                 f"tier: a tier with {what} must subclass kvchat.SharedTier (its routes "
                 f"go in SharedTier.routes), got {type(tier).__name__}"
             )
+    reloads = (_C.ReuseReason.spill_reload, _C.ReuseReason.store_reload)
+    if tier is not None and getattr(tier, "reload_reason", None) not in reloads:
+        # Checked here, not at the turn that first reloads from it.
+        raise TypeError(
+            f"tier: reload_reason must be kvchat._C.ReuseReason.spill_reload or "
+            f"store_reload, got {tier.reload_reason!r} on {type(tier).__name__}"
+        )
     if tier is not None and spill_dir is not None:
         raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
     if store is not None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import LONG_SYSTEM, MAX_NEW, reference_turn, user_message
-from kvchat import SessionManager, SharedTier, Tier
+from helpers import LONG_SYSTEM, MAX_NEW, exact_turns, reference_turn, user_message
+from kvchat import _C, SessionManager, SharedTier, Tier
 
 
 class MemoryTier(Tier):
@@ -45,14 +45,12 @@ def test_sessions_evicted_to_a_tier_come_back_exactly(family_name, tokenizer):
     mgr = SessionManager(model, tokenizer, max_sessions=1, share_prefixes=False, tier=tier)
     conversations = {sid: [LONG_SYSTEM] for sid in ("a", "b", "c")}
     reasons = []
-    for turn in range(3):
+    for turn in range(3):  # round robin: max_sessions=1 evicts the others to the tier
         for sid, messages in conversations.items():
-            messages.append(user_message(turn))
-            _, _, expected = reference_turn(model, tokenizer, messages)
-            reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
-            assert mgr.last_turn(sid).output_ids == expected, (sid, turn)
-            reasons.append(mgr.last_turn(sid).reason)
-            messages.append({"role": "assistant", "content": reply})
+            conversations[sid], (report,) = exact_turns(
+                mgr, sid, messages, model, tokenizer, 1, turn
+            )
+            reasons.append(report.reason)
     stats = mgr.stats()
     assert stats.evictions > 0 and stats.spill_writes > 0 and stats.spill_loads > 0
     assert "spill_reload" in reasons
@@ -117,6 +115,28 @@ def test_a_shared_tier_must_be_a_shared_tier(llama, tokenizer):
 
     with pytest.raises(TypeError, match="tier: a tier with writes_turns must subclass"):
         SessionManager(llama, tokenizer, tier=WritesTurns())
+
+
+def test_a_tier_with_a_reload_reason_the_core_has_not_is_refused(llama, tokenizer):
+    """The reason is the core's enum: a string (the old attribute) or another
+    reason is refused when the manager is built, not at the first reload."""
+    for reason in ("spill_reload", "my_reload", _C.ReuseReason.extend):
+
+        class Named(MemoryTier):
+            reload_reason = reason
+
+        with pytest.raises(TypeError, match="tier: reload_reason must be"):
+            SessionManager(llama, tokenizer, tier=Named())
+
+    class FromAStore(MemoryTier):
+        reload_reason = _C.ReuseReason.store_reload
+
+    mgr = SessionManager(llama, tokenizer, tier=FromAStore(), max_sessions=1, share_prefixes=False)
+    messages = [LONG_SYSTEM, user_message(0)]
+    mgr.chat("a", messages, max_new_tokens=MAX_NEW)
+    mgr.chat("b", messages, max_new_tokens=MAX_NEW)  # evicts "a" to the tier
+    mgr.chat("a", [*messages, {"role": "assistant", "content": "ok"}, user_message(1)])
+    assert mgr.last_turn("a").reason == "store_reload"
 
 
 def test_a_tier_reading_the_old_bridge_attribute_gets_the_layout(llama, tokenizer):
