@@ -43,8 +43,9 @@ void bind_session_manager(py::module_& m) {
       .def(py::init([](int64_t max_sessions, int64_t max_cache_bytes, int64_t num_layers,
                        CheckpointPolicy checkpoints, int64_t min_shared_tokens, bool keep_evicted,
                        bool isolate_namespaces) {
-             return ManagerLimits{max_sessions,      max_cache_bytes, num_layers,        checkpoints,
-                                  min_shared_tokens, keep_evicted,    isolate_namespaces};
+             return ManagerLimits{max_sessions,      max_cache_bytes,   num_layers,
+                                  checkpoints,       min_shared_tokens, keep_evicted,
+                                  isolate_namespaces};
            }),
            py::kw_only(), py::arg("max_sessions") = 16, py::arg("max_cache_bytes") = 0,
            py::arg("num_layers") = 0, py::arg("checkpoints") = CheckpointPolicy{},

@@ -73,8 +73,8 @@ SessionManager::SessionManager(ManagerLimits limits, TurnSettings settings)
                     limits_.checkpoints.max_bytes);
 }
 
-std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait,
-                                                      bool create, bool touch) {
+std::unique_ptr<SessionLease> SessionManager::acquire(const std::string& id, bool wait, bool create,
+                                                      bool touch) {
   TORCH_CHECK_VALUE(!id.empty(), "session_id must be a non-empty string");
   std::shared_ptr<ChatSession> session;
   {

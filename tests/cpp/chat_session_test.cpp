@@ -129,8 +129,8 @@ TEST(ChatSession, HeldTokensStopWhereThePromptDepartsOrTrustEnds) {
   ids[3] = 2;
   auto keys = at::zeros({1, 1, 8, 2});
   keys[0][0][6][0] = std::numeric_limits<float>::infinity();
-  capped.commit(ids.data(), 8, {std::make_shared<AttentionState>(keys, at::zeros({1, 1, 8, 2}))},
-                5, kMarkers, kRule);
+  capped.commit(ids.data(), 8, {std::make_shared<AttentionState>(keys, at::zeros({1, 1, 8, 2}))}, 5,
+                kMarkers, kRule);
   EXPECT_EQ(capped.held_tokens(ids.data(), 8), 4);
 }
 

@@ -19,57 +19,43 @@ TEST(CommonPrefixLength, CountsUpToTheFirstDifference) {
   EXPECT_EQ(common_prefix_length(a.data(), 0, c.data(), 2), 0);
 }
 
-TEST(PlanReuse, NoCache) {
-  auto prompt = iota_ids(5);
-  auto plan = plan_reuse({}, prompt.data(), 5, 0, {});
-  EXPECT_EQ(plan.reason, ReuseReason::kNoCache);
-  EXPECT_EQ(plan.kept_tokens, 0);
-  EXPECT_EQ(plan.new_tokens(), 5);
-}
+// Attention-only plans, one a row: the cache (`cached` ids, trusted up to
+// `trusted`), the prompt (`prompt` ids, one edited at `edit` unless -1), and
+// what the plan keeps and why.
+struct PlanCase {
+  const char* what;
+  int64_t cached, trusted, prompt, edit;
+  ReuseReason reason;
+  int64_t kept;
+};
 
-TEST(PlanReuse, ExtendKeepsTheWholeCache) {
-  auto cached = iota_ids(6);
-  auto prompt = iota_ids(10);
-  auto plan = plan_reuse(cached, prompt.data(), 10, 6, attention_layers(2, 6));
-  EXPECT_EQ(plan.reason, ReuseReason::kExtend);
-  EXPECT_EQ(plan.kept_tokens, 6);
-  EXPECT_EQ(plan.new_tokens(), 4);
-}
-
-TEST(PlanReuse, RegenerateKeepsAllButTheLastPromptToken) {
-  // The cache holds the prompt plus a reply; the same prompt comes again.
-  auto cached = iota_ids(12);
-  auto prompt = iota_ids(8);
-  auto plan = plan_reuse(cached, prompt.data(), 8, 12, attention_layers(2, 12));
-  EXPECT_EQ(plan.reason, ReuseReason::kPromptCached);
-  EXPECT_EQ(plan.kept_tokens, 7);
-  EXPECT_EQ(plan.new_tokens(), 1);
-}
-
-TEST(PlanReuse, IdenticalPromptStillRunsItsLastToken) {
-  auto ids = iota_ids(8);
-  auto plan = plan_reuse(ids, ids.data(), 8, 8, attention_layers(1, 8));
-  EXPECT_EQ(plan.kept_tokens, 7);
-  EXPECT_EQ(plan.reason, ReuseReason::kPromptCached);
-}
-
-TEST(PlanReuse, DivergedKeepsUpToTheLcp) {
-  auto cached = iota_ids(10);
-  auto prompt = iota_ids(12);
-  prompt[4] = 7;  // an edited earlier message
-  auto plan = plan_reuse(cached, prompt.data(), 12, 10, attention_layers(2, 10));
-  EXPECT_EQ(plan.reason, ReuseReason::kDiverged);
-  EXPECT_EQ(plan.common_prefix, 4);
-  EXPECT_EQ(plan.kept_tokens, 4);
-}
-
-TEST(PlanReuse, TrustCapInvalidates) {
-  auto cached = iota_ids(10);
-  auto prompt = iota_ids(14);
-  auto plan = plan_reuse(cached, prompt.data(), 14, 6, attention_layers(2, 10));
-  EXPECT_EQ(plan.reason, ReuseReason::kInvalidated);
-  EXPECT_EQ(plan.kept_tokens, 6);
-  EXPECT_NE(plan.detail.find("checks trust"), std::string::npos);
+TEST(PlanReuse, KeepsWhatTheCacheSharesWithThePrompt) {
+  const PlanCase cases[] = {
+      {"nothing cached", 0, 0, 5, -1, ReuseReason::kNoCache, 0},
+      {"an extension keeps the whole cache", 6, 6, 10, -1, ReuseReason::kExtend, 6},
+      // The cache holds the prompt plus a reply; the same prompt comes again.
+      {"a regenerate keeps all but the last prompt token", 12, 12, 8, -1,
+       ReuseReason::kPromptCached, 7},
+      {"an identical prompt still runs its last token", 8, 8, 8, -1, ReuseReason::kPromptCached, 7},
+      {"an edited earlier message keeps up to the divergence", 10, 10, 12, 4,
+       ReuseReason::kDiverged, 4},
+      {"the trust cap invalidates the rest", 10, 6, 14, -1, ReuseReason::kInvalidated, 6},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    const auto cached = iota_ids(c.cached);
+    auto prompt = iota_ids(c.prompt);
+    if (c.edit >= 0) prompt[c.edit] = 7;
+    const auto layers = c.cached > 0 ? attention_layers(2, c.cached) : std::vector<LayerStatePtr>{};
+    const auto plan = plan_reuse(cached, prompt.data(), c.prompt, c.trusted, layers);
+    EXPECT_EQ(plan.reason, c.reason);
+    EXPECT_EQ(plan.kept_tokens, c.kept);
+    EXPECT_EQ(plan.new_tokens(), c.prompt - c.kept);
+    if (c.edit >= 0) EXPECT_EQ(plan.common_prefix, c.edit);
+    if (c.reason == ReuseReason::kInvalidated) {
+      EXPECT_NE(plan.detail.find("checks trust"), std::string::npos) << plan.detail;
+    }
+  }
 }
 
 TEST(PlanReuse, KeptIsAlwaysShorterThanThePrompt) {

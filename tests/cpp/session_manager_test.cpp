@@ -48,7 +48,9 @@ TEST(SessionManager, LruOrderFollowsUse) {
   auto mgr = make_manager(2);
   fill(*mgr, "a", 4);
   fill(*mgr, "b", 4);
-  { auto touch = mgr->acquire("a"); }
+  {
+    auto touch = mgr->acquire("a");
+  }
   fill(*mgr, "c", 4);  // b is now the least recently used
   EXPECT_TRUE(mgr->find("a")->resident());
   EXPECT_FALSE(mgr->find("b")->resident());
@@ -59,7 +61,9 @@ TEST(SessionManager, ALeaseThatDoesNotTouchLeavesTheLruOrder) {
   auto mgr = make_manager(2);
   fill(*mgr, "a", 4);
   fill(*mgr, "b", 4);
-  { auto background = mgr->acquire("a", true, true, false); }
+  {
+    auto background = mgr->acquire("a", true, true, false);
+  }
   fill(*mgr, "c", 4);  // a is still the least recently used
   EXPECT_FALSE(mgr->find("a")->resident());
   EXPECT_TRUE(mgr->find("b")->resident());

@@ -202,9 +202,9 @@ TEST(Turn, AReloadedCacheIsRestoredOrRefused) {
                          ReuseReason::kStoreReload);
   EXPECT_EQ(turn.plan().reason, ReuseReason::kStoreReload);
   turn.abort();
-  EXPECT_THROW(mgr->begin_turn(*lease, prompt.data(), 10, 4, good, std::nullopt, 0,
-                               ReuseReason::kExtend),
-               c10::ValueError);
+  EXPECT_THROW(
+      mgr->begin_turn(*lease, prompt.data(), 10, 4, good, std::nullopt, 0, ReuseReason::kExtend),
+      c10::ValueError);
 }
 
 TEST(Turn, CheckpointPositionsCoverTheUncachedTail) {
