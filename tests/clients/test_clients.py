@@ -17,23 +17,14 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel
+from serving import function_tool
 from test_readme_agents import TinyServer, readme_agents_blocks, run_block
 
 pytestmark = pytest.mark.server
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather where the user is.",
-        "parameters": {
-            "type": "object",
-            "properties": {"hourly": {"type": "boolean"}},
-            "required": ["hourly"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = function_tool(
+    "get_weather", "The weather where the user is.", {"hourly": {"type": "boolean"}}
+)
 
 
 class Verdict(BaseModel):

@@ -106,3 +106,17 @@ def client_for(server: Server, key: str = KEY_A):
     client = server.client(key)
     client.server_model = server.model
     return client
+
+
+def function_tool(name: str, description: str, properties: dict) -> dict:
+    """A strict function tool as the OpenAI API takes it: every property required."""
+    parameters = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }

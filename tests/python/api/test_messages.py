@@ -7,29 +7,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import LONG_SYSTEM, MAX_NEW
+from helpers import LONG_SYSTEM, MAX_NEW, reference_turn
 from kvchat import SessionManager
 from kvchat.tiny import tiny_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
 
-def _reference(model, tokenizer, messages, tools=None):
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids.to(model.device), max_new_tokens=MAX_NEW, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids.shape[1]
-
-
 def test_text_parts_are_joined_and_match_the_string_form(llama, tokenizer):
     mgr = SessionManager(llama, tokenizer)
     parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]
     got = mgr.chat("s", [LONG_SYSTEM, {"role": "user", "content": parts}], max_new_tokens=MAX_NEW)
-    want, _ = _reference(
+    want = reference_turn(
         llama, tokenizer, [LONG_SYSTEM, {"role": "user", "content": "Tell me a story."}]
-    )
+    )[0]
     assert got == want
     assert mgr.messages("s")[1]["content"] == "Tell me a story."
 
@@ -42,7 +33,8 @@ def test_a_tool_calling_exchange_is_exact_keeps_its_fields_and_reuses(llama, tok
     for turn in range(3):
         stream = mgr.stream_chat("agent", messages, max_new_tokens=MAX_NEW, tools=TOOLS)
         got = "".join(stream)
-        want, prompt_tokens = _reference(llama, tokenizer, messages, TOOLS)
+        want, prompt, _ = reference_turn(llama, tokenizer, messages, tools=TOOLS)
+        prompt_tokens = prompt.numel()
         assert got == want
         report = stream.report  # the turn's own report, without racing last_turn()
         assert report.prompt_tokens == prompt_tokens

@@ -15,6 +15,7 @@ from helpers import (
     REUSE_FAMILIES,
     SYSTEM,
     TESTS,
+    exact_turns,
     model_for,
     reference_turn,
     user_message,
@@ -194,15 +195,13 @@ def test_spill_dir_reloads_evicted_sessions_exactly(llama, tokenizer, tmp_path):
     }
     conversations = {sid: [systems[sid]] for sid in "abc"}
     reasons = []
-    for turn in range(3):
+    for turn in range(3):  # round robin, so each turn evicts another session
         for sid, messages in conversations.items():
-            messages.append(user_message(turn))
-            _, _, expected = reference_turn(llama, tokenizer, messages)
-            reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
-            assert mgr.last_turn(sid).output_ids == expected, (sid, turn)
+            conversations[sid], (report,) = exact_turns(
+                mgr, sid, messages, llama, tokenizer, 1, turn
+            )
             assert mgr.stats().resident_bytes <= budget
-            reasons.append(mgr.last_turn(sid).reason)
-            messages.append({"role": "assistant", "content": reply})
+            reasons.append(report.reason)
     stats = mgr.stats()
     assert stats.evictions > 0 and stats.spill_writes > 0 and stats.spill_loads > 0
     assert "spill_reload" in reasons

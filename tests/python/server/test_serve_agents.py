@@ -17,41 +17,18 @@ from kvchat.agents import detect
 from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
 from kvchat.tiny import tiny_tokenizer
-from serving import family_of, reference_model, start_server
+from serving import family_of, function_tool, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
 # Parameters of enums and booleans: a random model fills a free string
 # forever, but any choice here closes in a few tokens.
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather where the user is.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-                "hourly": {"type": "boolean"},
-            },
-            "required": ["unit", "hourly"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time now.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["utc", "local"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = function_tool(
+    "get_weather",
+    "The weather where the user is.",
+    {"unit": {"enum": ["celsius", "fahrenheit"]}, "hourly": {"type": "boolean"}},
+)
+CLOCK = function_tool("get_time", "The time now.", {"zone": {"enum": ["utc", "local"]}})
 TOOLS = [WEATHER, CLOCK]
 SYSTEM = {
     "role": "system",

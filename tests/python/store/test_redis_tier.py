@@ -1069,6 +1069,17 @@ def test_a_retried_delete_reaches_other_processes_though_the_store_forgot_the_se
         assert reports[0].reused_tokens == 0, reports
 
 
+def _second_turn_during_an_outage(server, replicas):
+    """A keyless conversation's first turn on A, then its second on A while
+    Redis hangs (A's own map runs it): (the session, the conversation after
+    the first turn, and after the second)."""
+    session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
+    with _hung(server):
+        same, second, _ = replicas.ask(0, [*first, user_message(1)])
+    assert same == session
+    return session, first, second
+
+
 def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
     """A keyless conversation on A; Redis hangs while its next turn runs (A's
     own map stands in), so the store still routes the older conversation to
@@ -1077,10 +1088,7 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
     conversation's next turn, on B, continues the session."""
     with redis_server() as server:
         with _Replicas(server.redis_url, timeout=0.3, retry_after=0.5) as replicas:
-            session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
-            with _hung(server):
-                same, history, _ = replicas.ask(0, [*first, user_message(1)])
-            assert same == session
+            session, first, history = _second_turn_during_an_outage(server, replicas)
             client = redis.Redis.from_url(server.redis_url)
             route = replicas.managers[0].tier.keys.route("open", _digests(history)[-1])
             deadline = time.monotonic() + 30
@@ -1100,10 +1108,7 @@ def test_a_route_owed_during_an_outage_never_overrides_a_newer_one(tokenizer):
     a session of its own, and the latest conversation continues the session."""
     with redis_server() as server:
         with _Replicas(server.redis_url, timeout=0.3, retry_after=2) as replicas:
-            session, first, _ = replicas.ask(0, [LONG_SYSTEM, user_message(0)])
-            with _hung(server):
-                same, on_a, _ = replicas.ask(0, [*first, user_message(1)])
-            assert same == session
+            session, _, on_a = _second_turn_during_an_outage(server, replicas)
             again, on_b, _ = replicas.ask(1, [*on_a, user_message(2)], session)
             assert again == session
             time.sleep(2.5)  # A's rest ends: it pays what it owes (or finds it superseded)
