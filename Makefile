@@ -102,7 +102,7 @@ test-clients: build $(CLIENTS_VENV)/.complete
 # The tests that start no server and no redis-server and are not marked slow
 # (pyproject.toml lists the markers): what to run while editing, under a minute
 # on two pytest-xdist workers of one thread each.
-test-fast: build
+test-fast: build $(BUILD)/llama-cpp/.complete
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/python -m "not slow and not server and not store" -q -n 2
 
 # The exactness, hybrid, sharing, persistence and generate-argument tests with
