@@ -164,6 +164,22 @@ class ManagerOptions:
         return limits, settings
 
 
+RELOAD_REASONS = {r.name: r for r in (_C.ReuseReason.spill_reload, _C.ReuseReason.store_reload)}
+
+
+def reload_reason(tier: Tier) -> _C.ReuseReason:
+    """The core's reason for a turn that starts from ``tier``'s cache: its
+    ``reload_reason``, "spill_reload" or "store_reload" (a name or the enum)."""
+    reason = getattr(tier, "reload_reason", None)
+    name = reason if isinstance(reason, str) else getattr(reason, "name", None)
+    if name not in RELOAD_REASONS or not isinstance(reason, (str, _C.ReuseReason)):
+        raise TypeError(
+            f'tier: reload_reason must be "spill_reload" or "store_reload", got {reason!r} '
+            f"on {type(tier).__name__}"
+        )
+    return RELOAD_REASONS[name]
+
+
 def choose_tier(spill_dir, tier, store) -> Tier:
     """The one storage tier of ``spill_dir`` (disk), ``tier`` (any) and
     ``store`` (a Redis URL), or the tier that keeps nothing."""
@@ -180,13 +196,8 @@ def choose_tier(spill_dir, tier, store) -> Tier:
                 f"tier: a tier with {what} must subclass kvchat.SharedTier (its routes "
                 f"go in SharedTier.routes), got {type(tier).__name__}"
             )
-    reloads = (_C.ReuseReason.spill_reload, _C.ReuseReason.store_reload)
-    if tier is not None and getattr(tier, "reload_reason", None) not in reloads:
-        # Checked here, not at the turn that first reloads from it.
-        raise TypeError(
-            f"tier: reload_reason must be kvchat._C.ReuseReason.spill_reload or "
-            f"store_reload, got {tier.reload_reason!r} on {type(tier).__name__}"
-        )
+    if tier is not None:
+        reload_reason(tier)  # refused here, not at the turn that first reloads from it
     if tier is not None and spill_dir is not None:
         raise ValueError("give spill_dir or tier, not both (spill_dir is the disk tier)")
     if store is not None:

@@ -10,7 +10,7 @@ import torch
 from transformers import CompileConfig
 
 from . import _C
-from .arguments import ManagerOptions, check_session_id, choose_tier
+from .arguments import ManagerOptions, check_session_id, choose_tier, reload_reason
 from .bridge import CacheBridge
 from .compiled import CompiledDecode
 from .fingerprint import model_fingerprint
@@ -175,6 +175,7 @@ class SessionManager(SessionAdmin):
             prefill=self._prefill,
             tier=self._tier,
             settler=self._settler,
+            reload_reason=reload_reason(self._tier),  # read once, after bind()
             compiled=self._compiled,
             flush_evicted=self._flush_evicted,
             match=self._match,

@@ -110,6 +110,7 @@ class Turns:
         prefill,
         tier,
         settler,
+        reload_reason: _C.ReuseReason,
         compiled,
         flush_evicted,
         match: str,
@@ -119,10 +120,12 @@ class Turns:
     ):
         """The manager's parts a turn uses; ``flush_evicted`` hands what the
         core evicted to the tier; ``match``, ``wait`` (busy="wait"),
-        ``settles`` and ``max_context`` are the manager's options."""
+        ``settles`` and ``max_context`` are the manager's options;
+        ``reload_reason`` is what a turn from the tier's cache reports."""
         self._model, self._tokenizer, self._core = model, tokenizer, core
         self._bridge, self._prefill, self._tier = bridge, prefill, tier
         self._settler, self._compiled, self._flush_evicted = settler, compiled, flush_evicted
+        self._reload_reason = reload_reason
         self._match, self._wait, self._settles = match, wait, settles
         self._max_context = max_context
 
@@ -170,7 +173,7 @@ class Turns:
                     reloaded=reloaded,
                     plain=plain,
                     rewritten_tail=request.rewritten_tail,
-                    reload_reason=self._tier.reload_reason,
+                    reload_reason=self._reload_reason,
                 ) as turn:
                     plan = turn.plan
                     if plan.reload_error:

@@ -49,8 +49,9 @@ class Tier:
     # Whether other processes write it (a SharedTier), so it may hold more
     # than a resident session.
     shared = False
-    # The core's reason (TurnReport.reason) for a turn that starts from this
-    # tier's cache: spill_reload, or store_reload for a store others share.
+    # The reason (TurnReport.reason) of a turn that starts from this tier's
+    # cache: "spill_reload", or "store_reload" (RedisTier's); the name or the
+    # core's enum. Read once, when the manager is built.
     reload_reason = _C.ReuseReason.spill_reload
     # Set by the manager: sessions share stored data only within their namespace.
     isolate_namespaces = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import LONG_SYSTEM, MAX_NEW, exact_turns, reference_turn, user_message
+from helpers import LONG_SYSTEM, MAX_NEW, SYSTEM, exact_turns, reference_turn, user_message
 from kvchat import _C, SessionManager, SharedTier, Tier
 
 
@@ -117,10 +117,11 @@ def test_a_shared_tier_must_be_a_shared_tier(llama, tokenizer):
         SessionManager(llama, tokenizer, tier=WritesTurns())
 
 
-def test_a_tier_with_a_reload_reason_the_core_has_not_is_refused(llama, tokenizer):
-    """The reason is the core's enum: a string (the old attribute) or another
-    reason is refused when the manager is built, not at the first reload."""
-    for reason in ("spill_reload", "my_reload", _C.ReuseReason.extend):
+def test_a_tier_says_its_reload_reason_and_a_reason_that_is_no_reload_is_refused(llama, tokenizer):
+    """A tier's reload_reason is "spill_reload" or "store_reload" (the name or
+    the core's enum), read once the tier is bound; anything else is refused
+    when the manager is built, not at the first reload."""
+    for reason in ("my_reload", "extend", _C.ReuseReason.extend, 3, None):
 
         class Named(MemoryTier):
             reload_reason = reason
@@ -128,15 +129,26 @@ def test_a_tier_with_a_reload_reason_the_core_has_not_is_refused(llama, tokenize
         with pytest.raises(TypeError, match="tier: reload_reason must be"):
             SessionManager(llama, tokenizer, tier=Named())
 
-    class FromAStore(MemoryTier):
-        reload_reason = _C.ReuseReason.store_reload
+    class SaysSoWhenBound(MemoryTier):
+        def bind(self, *args):
+            super().bind(*args)
+            self.reload_reason = "store_reload"
 
-    mgr = SessionManager(llama, tokenizer, tier=FromAStore(), max_sessions=1, share_prefixes=False)
+    mgr = SessionManager(llama, tokenizer, tier=SaysSoWhenBound(), max_sessions=1)
+    mgr.tier.reload_reason = "my_reload"  # too late: read once, when the manager was built
     messages = [LONG_SYSTEM, user_message(0)]
     mgr.chat("a", messages, max_new_tokens=MAX_NEW)
-    mgr.chat("b", messages, max_new_tokens=MAX_NEW)  # evicts "a" to the tier
+    mgr.chat("b", [SYSTEM, user_message(1)], max_new_tokens=MAX_NEW)  # evicts "a" to the tier
     mgr.chat("a", [*messages, {"role": "assistant", "content": "ok"}, user_message(1)])
     assert mgr.last_turn("a").reason == "store_reload"
+
+    class BadWhenBound(MemoryTier):
+        def bind(self, *args):
+            super().bind(*args)
+            self.reload_reason = "my_reload"
+
+    with pytest.raises(TypeError, match="tier: reload_reason must be"):
+        SessionManager(llama, tokenizer, tier=BadWhenBound())
 
 
 def test_a_tier_reading_the_old_bridge_attribute_gets_the_layout(llama, tokenizer):
