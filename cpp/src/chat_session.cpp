@@ -102,7 +102,6 @@ ReusePlan ChatSession::plan(const int64_t* prompt, int64_t prompt_tokens) const 
 
 int64_t ChatSession::held_tokens(const int64_t* prompt, int64_t prompt_tokens) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (layers_.empty()) return 0;
   const int64_t common = common_prefix_length(
       cached_ids_.data(), static_cast<int64_t>(cached_ids_.size()), prompt, prompt_tokens);
   return std::min(common, trusted_tokens_);

@@ -25,10 +25,10 @@ enum class ReuseReason {
   kInvalidated,            // a check (corruption, repetition, layer limits) capped the reuse
   kSharedPrefix,           // started from a prefix another session holds
   kTierReload,             // started from the cache a storage tier gave back ("spill_reload")
-  kStoreReload,            // started from a snapshot in a store other processes share
   kUnsupportedLayers,      // cache layers kvchat cannot carry: plain generate
   kMultipleSequences,      // beam search or several sequences: plain generate
   kUnsupportedGeneration,  // a generation mode a cache cannot serve exactly: plain generate
+  kStoreReload,            // started from a snapshot in a store other processes share
 };
 
 std::string to_string(ReuseReason reason);
