@@ -12,6 +12,7 @@ tests use and llama.cpp's LICENSE (MIT) into that folder; ``make test`` runs it.
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import tarfile
@@ -58,6 +59,15 @@ def fetch(target: Path = DEFAULT_DIR) -> Path:
     if (target / _DONE).exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
+    # Two pytest workers may both get here: one downloads, the other waits for it.
+    with open(target / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _DONE).exists():
+            _download(target)
+    return target
+
+
+def _download(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(download_sdist(Path(tmp))) as archive:
             for member in archive:
@@ -71,7 +81,6 @@ def fetch(target: Path = DEFAULT_DIR) -> Path:
     if missing or not (target / "templates").is_dir():
         raise RuntimeError(f"{SDIST} lacks the expected files (vocabularies missing: {missing})")
     (target / _DONE).write_text(f"{SDIST}\n")
-    return target
 
 
 if __name__ == "__main__":

@@ -96,7 +96,6 @@ class AppContext:
         """A turn's reply, with its session's header: ``events()`` streamed as
         server-sent events, or, once the turn is finished, ``await body(items)``
         (the reply's items) as JSON."""
-        # Made first: a turn is never run for a reply that cannot be sent.
         headers = self.turns.session_header(turn)
         if stream:
             return self.streamed(turn, events(), headers)
