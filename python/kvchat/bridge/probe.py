@@ -133,6 +133,8 @@ class SplitError:
 # (transformers 5.24's reference convolution): four are allowed. A recurrent
 # state that the history does not move is another matter (a scan that
 # ignores its cache): it stays at one rounding.
+# Windows that no history can reach at all (every layer before them only
+# convolves, within the probe's tail) are not compared: see _split_errors.
 _WINDOW_ROUNDINGS = 4
 
 
@@ -168,14 +170,32 @@ def _split_errors(model, arguments: ForwardArguments) -> list[SplitError]:
         )
         lost = run(prefix, total, lost_cache)
     pieces = [("logits", whole, split, lost, _PROBE_TAIL, 1)]
+    # How many tokens back the next layer's inputs reach while every layer
+    # so far mixes tokens only through a convolution window; None once one
+    # carries history (attention keys or a recurrent state).
+    reach = 0
     for index, layers in enumerate(
         zip(whole_cache.layers, split_cache.layers, lost_cache.layers, strict=True)
     ):
-        if hasattr(layers[0], "number_of_states"):  # a layer with recurrent tensors
-            for kind, i in recurrent_slots(layers[0]):
-                tensors = [getattr(layer, f"{kind}_states")[i] for layer in layers]
-                roundings = _WINDOW_ROUNDINGS if kind == "conv" else 1
-                pieces.append((f"layer {index} {kind} {i}", *tensors, None, roundings))
+        slots = recurrent_slots(layers[0]) if hasattr(layers[0], "number_of_states") else ()
+        keys = getattr(layers[0], "keys", None)
+        windows_only = bool(slots) and all(kind == "conv" for kind, _ in slots)
+        windows_only = windows_only and (keys is None or keys.numel() == 0)
+        widest = 0
+        for kind, i in slots:
+            tensors = [getattr(layer, f"{kind}_states")[i] for layer in layers]
+            width = tensors[0].shape[-1]
+            widest = max(widest, width)
+            if windows_only and reach is not None and reach + width <= _PROBE_TAIL:
+                # Filled from the tail's own tokens whatever came before (LFM2's
+                # first two layers are convolutions): no history to lose, only
+                # rounding, which grows with each layer's width.
+                logger.debug("kvchat probe: layer %d %s %d holds no history", index, kind, i)
+                continue
+            roundings = _WINDOW_ROUNDINGS if kind == "conv" else 1
+            pieces.append((f"layer {index} {kind} {i}", *tensors, None, roundings))
+        if reach is not None:
+            reach = reach + widest - 1 if windows_only else None
     # The coarsest precision the computation went through: the model's
     # dtype even where a state is kept in float32, and never finer than
     # float32, which chunked kernels use even in a float64 model.

@@ -348,3 +348,35 @@ def test_a_hybrid_whose_scan_ignores_the_cache_runs_as_plain_generate(caplog, to
         assert_plain_turns(mgr, model, tokenizer, turns=2)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_convolution_windows_no_history_reaches_are_not_held_to_the_history(
+    caplog, tokenizer, dtype
+):
+    """LFM2's first two layers are convolutions (LFM2-350M: conv, conv,
+    attention, ...): their windows are filled from the probe's last tokens
+    whatever came before, so only rounding moves them, and at LFM2-350M's
+    width that was ten roundings, over the allowance: the probe refused a
+    model that continues its state exactly, and every turn ran as plain
+    generate. Such windows are not compared now; a window behind an attention
+    layer still is, and a model that loses its state is still refused."""
+    layers = ["conv", "conv", "full_attention", "conv"]
+    model = tiny_model("lfm2", dtype=dtype, layer_types=layers)
+    with caplog.at_level("DEBUG", logger="kvchat"):
+        mgr = SessionManager(model, tokenizer)
+    assert "layer 0 conv 0 holds no history" in caplog.text
+    assert "layer 1 conv 0 holds no history" in caplog.text
+    assert "name='layer 3 conv 0'" in caplog.text  # behind attention: compared
+    assert mgr.stats().requests == 0 and mgr._bridge.supported  # test-only access
+    _, reports = exact_turns(mgr, "s", [LONG_SYSTEM], model, tokenizer, 3)
+    assert all(r.reused_tokens > 0.8 * r.prompt_tokens for r in reports[1:]), reports
+
+    caplog.clear()
+    hook = model.register_forward_pre_hook(_forget_state_on_long_forwards, with_kwargs=True)
+    try:
+        with caplog.at_level("WARNING", logger="kvchat"):
+            SessionManager(model, tokenizer)
+        assert "does not continue the cached state" in caplog.text
+    finally:
+        hook.remove()
