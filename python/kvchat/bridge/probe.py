@@ -186,10 +186,11 @@ def _split_errors(model, arguments: ForwardArguments) -> list[SplitError]:
             tensors = [getattr(layer, f"{kind}_states")[i] for layer in layers]
             width = tensors[0].shape[-1]
             widest = max(widest, width)
-            if windows_only and reach is not None and reach + width <= _PROBE_TAIL:
-                # Filled from the tail's own tokens whatever came before (LFM2's
-                # first two layers are convolutions): no history to lose, only
-                # rounding, which grows with each layer's width.
+            if kind == "conv" and reach is not None and reach + width <= _PROBE_TAIL:
+                # A layer's convolution reads the layer's input (LFM2's, Mamba2's
+                # and gated DeltaNet's do), here filled from the tail's own tokens
+                # whatever came before (the first layer; LFM2's second too): no
+                # history to lose, only rounding, which grows with the width.
                 logger.debug("kvchat probe: layer %d %s %d holds no history", index, kind, i)
                 continue
             roundings = _WINDOW_ROUNDINGS if kind == "conv" else 1

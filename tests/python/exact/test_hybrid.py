@@ -372,6 +372,14 @@ def test_convolution_windows_no_history_reaches_are_not_held_to_the_history(
     _, reports = exact_turns(mgr, "s", [LONG_SYSTEM], model, tokenizer, 3)
     assert all(r.reused_tokens > 0.8 * r.prompt_tokens for r in reports[1:]), reports
 
+    # FalconH1-0.5B's first window (beside its attention and Mamba2 scan)
+    # was refused the same way, at 4.2 roundings; the second is compared.
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="kvchat"):
+        SessionManager(tiny_model("falcon_h1", dtype=dtype), tokenizer)
+    assert "layer 0 conv 0 holds no history" in caplog.text
+    assert "name='layer 1 conv 0'" in caplog.text
+
     caplog.clear()
     hook = model.register_forward_pre_hook(_forget_state_on_long_forwards, with_kwargs=True)
     try:
