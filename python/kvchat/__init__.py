@@ -31,6 +31,7 @@ _check_torch_matches_build()
 
 from . import _C  # noqa: E402
 from .arguments import ContextLengthError  # noqa: E402
+from .bridge.layout import LayerKind, ModelLayout  # noqa: E402
 from .manager import SessionManager  # noqa: E402
 from .report import ManagerStats, SessionInfo, TurnReport  # noqa: E402
 from .tiers import SessionFileError, SharedTier, StoreUnavailable, Tier  # noqa: E402
@@ -44,7 +45,9 @@ logging.getLogger("kvchat").addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 __all__ = [
     "ContextLengthError",
+    "LayerKind",
     "ManagerStats",
+    "ModelLayout",
     "SessionBusy",
     "SessionFileError",
     "SessionInfo",

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from . import _C
 from .arguments import check_path, check_session_id
+from .bridge.layout import ModelLayout
 from .conversation import as_dicts, core_messages
 from .prompting import validate_messages
 from .report import ManagerStats, SessionInfo, TurnReport
@@ -49,6 +50,19 @@ class SessionAdmin:
         """The session's conversation so far (system prompt first), as chat() takes it."""
         session = self._core.find(check_session_id(session_id))
         return as_dicts(session.messages())
+
+    def cached_ids(self, session_id: str) -> list[int]:
+        """The token ids the session's cache holds, in order: what its next
+        turn can reuse (up to where the prompt departs from them). After a
+        settle, the history as the template renders it; empty once cleared."""
+        return list(self._core.find(check_session_id(session_id)).cached_ids())
+
+    @property
+    def layout(self) -> ModelLayout:
+        """What kvchat carries of this model's cache, layer by layer (read once,
+        off a cache the model filled). ``layout.supported`` is False when every
+        turn runs as plain generate, and ``layout.problem`` then says why."""
+        return self._bridge.layout
 
     def sessions(self) -> list[str]:
         """Session ids, least recently used first."""

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
-from kvchat import SessionBusy, SessionManager
+from kvchat import LayerKind, ModelLayout, SessionBusy, SessionManager
 
 
 def test_info_stats_clear_remove(llama, tokenizer):
@@ -26,6 +26,30 @@ def test_info_stats_clear_remove(llama, tokenizer):
     mgr.remove("a")
     assert mgr.sessions() == []
     assert mgr.stats().requests == 1  # totals keep removed sessions
+
+
+def test_cached_ids_are_the_prompt_and_reply_the_next_turn_can_reuse(llama, tokenizer):
+    mgr = SessionManager(llama, tokenizer, settle=False)
+    messages = [SYSTEM, user_message(0)]
+    _, prompt, output = reference_turn(llama, tokenizer, messages)
+    mgr.chat("a", messages, max_new_tokens=MAX_NEW)
+    held = mgr.cached_ids("a")
+    # The prompt, then the reply up to its last token (generated, never fed back).
+    assert held == prompt.tolist() + list(output[:-1])
+    assert mgr.info("a").cached_tokens == len(held)
+    mgr.clear("a")
+    assert mgr.cached_ids("a") == []
+    with pytest.raises(KeyError, match="ghost"):
+        mgr.cached_ids("ghost")
+    with pytest.raises(TypeError, match="session_id"):
+        mgr.cached_ids(7)
+
+
+def test_layout_names_every_layer_kvchat_carries(llama, tokenizer):
+    layout = SessionManager(llama, tokenizer).layout
+    assert isinstance(layout, ModelLayout) and layout.supported and layout.problem is None
+    assert layout.num_layers == llama.config.num_hidden_layers
+    assert set(layout.parts) == {(LayerKind.attention,)}
 
 
 def test_lru_order_and_count_eviction(llama, tokenizer):

@@ -40,7 +40,7 @@ def test_truncate_drops_the_oldest_whole_turns_and_stays_exact(llama, tokenizer)
     mgr.chat("s", messages, max_new_tokens=MAX_NEW)
     t = mgr.last_turn("s")
     assert t.prompt_tokens + MAX_NEW <= LIMIT
-    kept = [{"role": m.role, "content": m.content} for m in mgr._core.find("s").messages()][:-1]
+    kept = mgr.messages("s")[:-1]  # the truncated prompt, then the reply
     assert kept[0] == SYSTEM and kept[-1] == messages[-1]  # system and the question stay
     assert kept[1]["role"] == "user" and kept[1] != messages[1]  # oldest turns went first
     assert kept[1:] == messages[len(messages) - len(kept) + 1 :]  # whole turns, in order
