@@ -44,39 +44,72 @@ MAX_NEW = 12
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
 
 
-def reference_turn(model, tokenizer, messages, max_new_tokens=MAX_NEW, tools=None, **kwargs):
-    """Plain generate on the full conversation, no cache: (reply text, prompt
-    ids, output ids). ``kwargs`` go to generate (a grammar's logits processor)."""
-    prompt = render_prompt(tokenizer, messages, tools=tools)
+def reference_ids(
+    model, prompt, /, max_new_tokens=MAX_NEW, seed=None, first_scores=False, **kwargs
+):
+    """The reference: plain generate on ``prompt`` (1-D ids), no cache; the ids
+    it generates, as a tuple. Greedy, or sampled after ``torch.manual_seed(seed)``.
+    ``kwargs`` go to generate (a grammar's logits processor, say). With
+    ``first_scores``: (ids, the first step's scores, one row)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs.setdefault("do_sample", seed is not None)
     out = model.generate(
         prompt.unsqueeze(0).to(model.device),
         max_new_tokens=max_new_tokens,
-        do_sample=False,
+        output_scores=first_scores,
+        return_dict_in_generate=True,
         **kwargs,
     )
-    output_ids = out[0, prompt.numel() :]
-    return (
-        tokenizer.decode(output_ids, skip_special_tokens=True),
-        prompt,
-        tuple(output_ids.tolist()),
-    )
+    ids = tuple(out.sequences[0, prompt.numel() :].tolist())
+    return (ids, out.scores[0][0]) if first_scores else ids
+
+
+def reference_turn(model, tokenizer, messages, /, max_new_tokens=MAX_NEW, tools=None, **kwargs):
+    """``reference_ids`` on the full conversation: (reply text, prompt ids,
+    output ids). ``kwargs`` go to generate."""
+    prompt = render_prompt(tokenizer, messages, tools=tools)
+    output_ids = reference_ids(model, prompt, max_new_tokens, **kwargs)
+    return tokenizer.decode(output_ids, skip_special_tokens=True), prompt, output_ids
+
+
+# Logits of these random models spread by about 0.15; bfloat16 rounding moved
+# them by at most 0.004 between a cached and a full prefill (one bfloat16 step
+# at their size). A lead of five times that is a clear first token.
+MARGIN = 0.02  # in the model's dtype: bfloat16, float16, float32
+
+
+def plain_with_margin(model, prompt):
+    """Plain generate's ids, and by how much its first token led the next."""
+    ids, scores = reference_ids(model, prompt, first_scores=True)
+    top = scores.float().topk(2).values
+    return ids, float(top[0] - top[1])
+
+
+def exact_turn(manager, session, messages, model, tokenizer, max_new_tokens=MAX_NEW, **kwargs):
+    """One turn on ``messages`` through ``manager``, asserted token-identical
+    to ``reference_turn`` (``kwargs`` go to both): (reply, report)."""
+    reply = manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
+    expected = reference_turn(model, tokenizer, messages, max_new_tokens, **kwargs)[2]
+    report = manager.last_turn(session)
+    where = f"{session!r} turn {sum(m['role'] == 'user' for m in messages)}"
+    assert report.output_ids == expected, f"{where} differs from generate"
+    return reply, report
 
 
 def exact_turns(
     manager, session, messages, model, tokenizer, turns, start=0, max_new_tokens=MAX_NEW, **kwargs
 ):
     """The conversation helper: ``turns`` user turns (``user_message(start)``
-    on) after ``messages`` on ``manager``'s ``session``, each reply fed back as
-    the model wrote it and each asserted token-identical to ``reference_turn``
-    (``kwargs`` go to both). Returns the conversation (a new list) and each
-    turn's report."""
+    on) after ``messages``, each an ``exact_turn`` and its reply fed back as
+    the model wrote it. Returns the conversation (a new list) and each turn's
+    report."""
     messages, reports = list(messages), []
     for turn in range(start, start + turns):
         messages.append(user_message(turn))
-        reply = manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
-        expected = reference_turn(model, tokenizer, messages, max_new_tokens, **kwargs)[2]
-        report = manager.last_turn(session)
-        assert report.output_ids == expected, f"{session!r} turn {turn} differs from generate"
+        reply, report = exact_turn(
+            manager, session, messages, model, tokenizer, max_new_tokens, **kwargs
+        )
         reports.append(report)
         messages.append({"role": "assistant", "content": reply})
     return messages, reports

@@ -23,18 +23,10 @@ from helpers import (
 from kvchat import SessionFileError, SessionManager
 
 
-def run_turns(mgr, sid, messages, turns, start=0):
-    for turn in range(start, start + turns):
-        messages.append(user_message(turn))
-        reply = mgr.chat(sid, messages, max_new_tokens=MAX_NEW)
-        messages.append({"role": "assistant", "content": reply})
-    return messages
-
-
 def saved_after_two_turns(model, tokenizer, tmp_path):
     """A session of two turns, saved: (its manager, its messages, the file)."""
     stayed = SessionManager(model, tokenizer)
-    messages = run_turns(stayed, "s", [LONG_SYSTEM], 2)
+    messages = exact_turns(stayed, "s", [LONG_SYSTEM], model, tokenizer, 2)[0]
     stayed.wait_settled()  # the file and the session here then hold the same
     path = tmp_path / "s.safetensors"
     stayed.save("s", path)
@@ -66,8 +58,8 @@ def test_a_session_started_from_a_shared_prefix_saves_and_loads(family, tokenize
     refused as 'a hybrid state [attention, recurrent]' before)."""
     model = model_for(family)
     stayed = SessionManager(model, tokenizer)
-    run_turns(stayed, "donor", [LONG_SYSTEM], 1)
-    messages = run_turns(stayed, "s", [LONG_SYSTEM], 1, start=3)
+    exact_turns(stayed, "donor", [LONG_SYSTEM], model, tokenizer, 1)
+    messages = exact_turns(stayed, "s", [LONG_SYSTEM], model, tokenizer, 1, 3)[0]
     assert stayed.last_turn("s").reason == "shared_prefix"
     stayed.save("s", tmp_path / "s.safetensors")
     fresh = SessionManager(model, tokenizer)
@@ -120,7 +112,7 @@ def test_restart_in_a_new_process_continues_exactly(family, tokenizer, tmp_path)
 @pytest.fixture
 def saved(llama, tokenizer, tmp_path):
     mgr = SessionManager(llama, tokenizer)
-    run_turns(mgr, "s", [SYSTEM], 2)
+    exact_turns(mgr, "s", [SYSTEM], llama, tokenizer, 2)
     path = tmp_path / "s.safetensors"
     mgr.save("s", path)
     return path
@@ -134,7 +126,7 @@ def assert_unchanged(mgr, before_ids, before_messages):
 
 def bad_file_is_rejected(llama, tokenizer, path, match):
     mgr = SessionManager(llama, tokenizer)
-    run_turns(mgr, "kept", [SYSTEM], 1, start=5)
+    exact_turns(mgr, "kept", [SYSTEM], llama, tokenizer, 1, 5)
     assert mgr.wait_settled(timeout=60)  # settling would grow the cache after `before`
     before = (mgr.info("kept").cached_tokens, mgr.messages("kept"))
     with pytest.raises(SessionFileError, match=match):
@@ -174,7 +166,7 @@ def test_save_and_load_argument_errors(llama, tokenizer, tmp_path):
     mgr = SessionManager(llama, tokenizer)
     with pytest.raises(KeyError, match="nobody"):
         mgr.save("nobody", tmp_path / "x.safetensors")
-    run_turns(mgr, "s", [SYSTEM], 1)
+    exact_turns(mgr, "s", [SYSTEM], llama, tokenizer, 1)
     with pytest.raises(TypeError, match="path"):
         mgr.save("s", 42)
     with pytest.raises(FileNotFoundError, match="missing"):
@@ -185,7 +177,7 @@ def test_save_and_load_argument_errors(llama, tokenizer, tmp_path):
 
 def test_spill_dir_reloads_evicted_sessions_exactly(llama, tokenizer, tmp_path):
     probe = SessionManager(llama, tokenizer)
-    run_turns(probe, "p", [LONG_SYSTEM], 1)
+    exact_turns(probe, "p", [LONG_SYSTEM], llama, tokenizer, 1)
     budget = int(probe.info("p").nbytes * 1.5)  # about one session
     spill = tmp_path / "spill"
     mgr = SessionManager(llama, tokenizer, max_cache_bytes=budget, spill_dir=spill)

@@ -21,31 +21,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, LONG_SYSTEM, MAX_NEW, user_message
+from families import FAMILIES, MAMBA2, SHAPE, tiny_from_config
+from helpers import DEVICE, LONG_SYSTEM, MARGIN, MAX_NEW, plain_with_margin, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
-from test_families import FAMILIES, RECURRENT_ONLY, SHAPE, _tiny
 
 pytestmark = pytest.mark.slow
 
-# Logits of these random models spread by about 0.15; bfloat16 rounding moved
-# them by at most 0.004 between a cached and a full prefill (one bfloat16 step
-# at their size). A lead of five times that is a clear first token.
-MARGIN = 0.02
 TURNS = 6
-
-
-def _plain(model, prompt):
-    out = model.generate(
-        prompt.unsqueeze(0).to(DEVICE),
-        max_new_tokens=MAX_NEW,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    top = out.scores[0][0].float().topk(2).values
-    return tuple(out.sequences[0, prompt.numel() :].tolist()), float(top[0] - top[1])
 
 
 # Every hybrid family kvchat supports, and two attention-only ones.
@@ -58,10 +42,10 @@ def _build(family, dtype, tokenizer):
     if family in TINY_FAMILIES:
         return tiny_model(family, dtype=dtype, seed=0).to(DEVICE)
     if family == "mamba2":
-        fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
-        return _tiny("mamba2", dtype, fields, tokenizer)
+        fields = MAMBA2
+        return tiny_from_config("mamba2", dtype, fields, tokenizer)
     model_type, _, fields, _ = FAMILIES[family]
-    return _tiny(model_type, dtype, dict(SHAPE, **fields), tokenizer)
+    return tiny_from_config(model_type, dtype, dict(SHAPE, **fields), tokenizer)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -69,11 +53,11 @@ def _build(family, dtype, tokenizer):
 def test_bfloat16_turns_keep_plain_generates_clear_first_tokens(family, dtype, tokenizer):
     model = _build(family, dtype, tokenizer)
     manager = SessionManager(model, tokenizer)
-    assert manager._bridge.supported, f"{family} in {dtype} runs as plain generate"
+    assert manager.layout.supported, f"{family} in {dtype} runs as plain generate"
     messages, checked = [LONG_SYSTEM], 0
     for turn in range(TURNS):
         messages.append(user_message(turn))
-        expected, margin = _plain(model, render_prompt(tokenizer, messages))
+        expected, margin = plain_with_margin(model, render_prompt(tokenizer, messages))
         manager.chat("s", messages, max_new_tokens=MAX_NEW)
         report = manager.last_turn("s")
         if turn == 0:

@@ -19,7 +19,6 @@ from helpers import DEVICE, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.bridge.static_cache import bucket
 from kvchat.compiled import CompiledDecode, compile_everywhere
-from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
 from transformers import CompileConfig, StaticCache
 
@@ -347,14 +346,9 @@ def test_a_stop_string_that_matches_or_never_does(matches, tokenizer):
     stop = re.findall(r"[A-Za-z]{3,}", free_reply)[0] if matches else "zebra-never-said"
     kwargs = dict(stop_strings=[stop], tokenizer=tokenizer)
 
-    def plain(messages):
-        prompt = render_prompt(tokenizer, messages).unsqueeze(0).to(model.device)
-        out = model.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False, **kwargs)
-        return tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
-
     for turn in range(2):
         reply = manager.chat("s", messages, max_new_tokens=MAX_NEW, **kwargs)
-        assert reply == plain(messages)
+        assert reply == reference_turn(model, tokenizer, messages, MAX_NEW, **kwargs)[0]
         if turn == 0:
             assert (len(reply) < len(free_reply)) == matches
         messages += [{"role": "assistant", "content": reply}, user_message(turn + 1)]

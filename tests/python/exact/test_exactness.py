@@ -35,7 +35,7 @@ def test_ten_turns_identical_and_prefill_only_new(family_model, tokenizer, settl
     for turn in range(10):
         messages.append(user_message(turn))
         mgr.wait_settled()
-        held = torch.tensor(mgr._core.find("s").cached_ids() if previous else [])  # test-only
+        held = torch.tensor(mgr.cached_ids("s") if previous else [])
         reply, prompt, output_ids = chat_and_check(mgr, family_model, tokenizer, "s", messages)
         report = mgr.last_turn("s")
         if previous is None:

@@ -13,8 +13,8 @@ import inspect
 
 import pytest
 import torch
+from families import FAMILIES, MAMBA2, MOE, RECURRENT_ONLY, SHAPE, tiny_from_config
 from helpers import (
-    DEVICE,
     LONGER_SYSTEM,
     SYSTEM,
     assert_plain_turns,
@@ -25,97 +25,14 @@ from helpers import (
 )
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
-from transformers import AutoConfig, AutoModelForCausalLM
-
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-    bos_token_id=None,
-    tie_word_embeddings=False,
-)
-MOE = dict(num_experts_per_tok=1)
-# family: (model type, dtype, config fields, the cache layer classes it builds)
-FAMILIES = {
-    "mistral-sliding": (
-        "mistral",
-        torch.float64,
-        dict(num_hidden_layers=2, sliding_window=16),
-        ["DynamicSlidingWindowLayer"] * 2,
-    ),
-    "olmo3": (
-        "olmo3",
-        torch.float64,
-        dict(
-            num_hidden_layers=4,
-            sliding_window=16,
-            layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        ),
-        ["DynamicSlidingWindowLayer"] * 3 + ["DynamicLayer"],
-    ),
-    "granitemoehybrid": (
-        "granitemoehybrid",
-        torch.float32,
-        dict(
-            MOE,
-            num_hidden_layers=4,
-            layer_types=["mamba", "attention"] * 2,
-            num_local_experts=2,
-            shared_intermediate_size=128,
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=8,
-            mamba_n_groups=1,
-            mamba_chunk_size=16,
-            mamba_expand=1,
-        ),
-        ["LinearAttentionLayer", "DynamicLayer"] * 2,
-    ),
-    "gpt-oss": (
-        "gpt_oss",
-        torch.float32,
-        dict(
-            MOE,
-            num_hidden_layers=2,
-            sliding_window=16,
-            num_local_experts=2,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-        ["DynamicSlidingWindowLayer", "DynamicLayer"],
-    ),
-    # Mamba2 layers, and hybrid layers where a shared attention block sits
-    # beside Mamba2: LinearAttentionLayer and LinearAttentionAndFullAttentionLayer.
-    "zamba2": (
-        "zamba2",
-        torch.float64,
-        dict(
-            num_hidden_layers=4,
-            layers_block_type=["mamba", "hybrid"] * 2,
-            hybrid_layer_ids=[1, 3],
-            attention_head_dim=16,
-            mamba_d_state=8,
-            mamba_headdim=16,
-            n_mamba_heads=8,
-            mamba_ngroups=1,
-            chunk_size=16,
-            num_mem_blocks=1,
-            use_shared_attention_adapter=False,
-            use_mem_rope=True,
-        ),
-        ["LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"] * 2,
-    ),
-}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_is_exact_and_reuses(family, tokenizer):
     model_type, dtype, fields, layers = FAMILIES[family]
-    model = _tiny(model_type, dtype, dict(SHAPE, **fields), tokenizer)
+    model = tiny_from_config(model_type, dtype, dict(SHAPE, **fields), tokenizer)
     manager = SessionManager(model, tokenizer)
-    assert manager._bridge.layer_classes == layers
+    assert list(manager.layout.layer_classes) == layers
     _converse(manager, model, tokenizer, SYSTEM, max_new_tokens=8, min_reuse=0.5)
 
 
@@ -127,20 +44,6 @@ def test_stateless_layer_families_reuse_a_normal_conversation(family, tokenizer)
     model = model_for(family)
     manager = SessionManager(model, tokenizer)
     _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=12, min_reuse=0.9)
-
-
-def _tiny(model_type, dtype, fields, tokenizer):
-    """A random model of ``model_type`` from ``fields``, seeded, on the test device."""
-    config = AutoConfig.for_model(
-        model_type,
-        **fields,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).to(dtype).to(DEVICE).eval()
 
 
 def _converse(manager, model, tokenizer, system, max_new_tokens, min_reuse, turns=4):
@@ -195,7 +98,7 @@ DSA_VARIANTS = {
 
 def _dsa(variant, tokenizer, **fields):
     dtype, variant_fields, _ = DSA_VARIANTS[variant]
-    return _tiny("glm_moe_dsa", dtype, dict(DSA, **variant_fields, **fields), tokenizer)
+    return tiny_from_config("glm_moe_dsa", dtype, dict(DSA, **variant_fields, **fields), tokenizer)
 
 
 @pytest.mark.parametrize("variant", DSA_VARIANTS)
@@ -232,9 +135,9 @@ def test_dsa_indexed_layers_carry_keys_values_and_indexer_keys(
     model = _dsa(variant, tokenizer, index_topk=1024)
     manager = SessionManager(model, tokenizer)
     layers = len(model.config.layer_types)
-    assert manager._bridge.layer_classes == ["DynamicIndexedLayer"] * layers
+    assert list(manager.layout.layer_classes) == ["DynamicIndexedLayer"] * layers
     # One core layer per cache layer, then one per indexer that fills its keys.
-    assert manager._bridge.num_layers == layers + DSA_VARIANTS[variant][2]
+    assert manager.layout.num_layers == layers + DSA_VARIANTS[variant][2]
     _converse(manager, model, tokenizer, LONGER_SYSTEM, max_new_tokens=8, min_reuse=0.9)
 
     messages = [LONGER_SYSTEM, user_message(5)]
@@ -275,25 +178,11 @@ def test_dsa_indexer_positions_run_as_plain_generate_exactly(tokenizer, caplog, 
     hook = model.model.register_forward_pre_hook(keep_positions, with_kwargs=True)
     try:
         manager = SessionManager(model, tokenizer)
-        assert not manager._bridge.supported
+        assert not manager.layout.supported
         assert "layer 0 keeps indexer_position_ids" in caplog.text
         assert_plain_turns(manager, model, tokenizer, turns=2, max_new_tokens=6)
     finally:
         hook.remove()
-
-
-# Caches of recurrent layers alone, which cannot count their tokens: kvchat
-# does, and cuts generate's first forward to the tokens the cache lacks.
-# initializer_range 0.2, so these random models' replies depend on context.
-RECURRENT_ONLY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    state_size=16,
-    expand=2,
-    conv_kernel=4,
-    initializer_range=0.2,
-    bos_token_id=None,
-)
 
 
 @pytest.mark.slow  # its float64 chunked scan: tens of seconds on a CPU
@@ -302,10 +191,10 @@ def test_mamba2_reuses_its_recurrent_state_exactly(tokenizer, tmp_path):
     and its chunked scan starts from the cached state: from turn 2 on every
     turn reuses at least 90% of a normal conversation's prompt and is exact, a regenerate restores a
     checkpoint, and a saved session continues exactly (float64)."""
-    fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
-    model = _tiny("mamba2", torch.float64, fields, tokenizer)
+    fields = MAMBA2
+    model = tiny_from_config("mamba2", torch.float64, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
-    assert manager._bridge.layer_classes == ["LinearAttentionLayer"] * 2
+    assert list(manager.layout.layer_classes) == ["LinearAttentionLayer"] * 2
     # The name its forward declares: cache_params, or cache from transformers 5.24.
     declared = inspect.signature(model.forward).parameters
     assert manager._bridge.cache_argument == ("cache" if "cache" in declared else "cache_params")
@@ -336,8 +225,8 @@ def test_mamba2_processors_see_the_whole_prompt(tokenizer):
     the uncached tail, so a repetition penalty and an n-gram ban, which read
     the prompt's ids, act as in plain generate; the returned ids are the whole
     sequence too. Feeding generate the tail alone failed this (float64)."""
-    fields = dict(RECURRENT_ONLY, head_dim=16, num_heads=8, n_groups=1, chunk_size=16)
-    model = _tiny("mamba2", torch.float64, fields, tokenizer)
+    fields = MAMBA2
+    model = tiny_from_config("mamba2", torch.float64, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     penalties = dict(repetition_penalty=3.0, no_repeat_ngram_size=2, max_new_tokens=12)
     messages = [LONGER_SYSTEM]
@@ -390,7 +279,7 @@ def test_a_scan_that_ignores_the_cache_runs_as_plain_generate(model_type, half, 
     The probe's bound follows the precision, so in bfloat16 and float16 too."""
     dtype, fields = ZERO_START_SCANS[model_type]
     dtype = half or dtype
-    model = _tiny(model_type, dtype, fields, tokenizer)
+    model = tiny_from_config(model_type, dtype, fields, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert "does not continue the cached state" in caplog.text
     assert_plain_turns(manager, model, tokenizer, turns=4, max_new_tokens=8)
@@ -415,7 +304,7 @@ def _refused_by_the_probe_and_exact(model, tokenizer, caplog) -> list:
     plain generate's reply, reusing nothing. Returns the turns' reports."""
     with caplog.at_level("WARNING", logger="kvchat"):
         manager = SessionManager(model, tokenizer)
-    assert not manager._bridge.supported
+    assert not manager.layout.supported
     assert "does not continue the cached state" in caplog.text
     messages, reports = [LONGER_SYSTEM], []
     for turn in range(4):

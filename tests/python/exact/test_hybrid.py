@@ -18,9 +18,10 @@ from helpers import (
     MAX_NEW,
     SYSTEM,
     assert_plain_turns,
+    exact_turn,
     exact_turns,
     model_for,
-    reference_turn,
+    reference_ids,
     user_message,
 )
 from kvchat import SessionManager
@@ -34,15 +35,6 @@ from kvchat.tiny import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def chat_turn(mgr, model, tokenizer, messages, session="s", **generate_kwargs):
-    """One kvchat turn checked against the no-cache reference; returns (reply, report)."""
-    _, _, expected = reference_turn(model, tokenizer, messages, **generate_kwargs)
-    reply = mgr.chat(session, messages, max_new_tokens=MAX_NEW, **generate_kwargs)
-    report = mgr.last_turn(session)
-    assert report.output_ids == expected, f"turn {len(messages) // 2} differs from generate"
-    return reply, report
 
 
 def checked_turns(mgr, model, tokenizer, system, turns):
@@ -60,7 +52,7 @@ def test_eight_turns_identical_when_replies_retokenize_differently(any_family, t
     messages, previous_prompt, diverged = [SYSTEM], None, 0
     for turn in range(8):
         messages.append(user_message(turn))
-        reply, t = chat_turn(mgr, model, tokenizer, messages)
+        reply, t = exact_turn(mgr, "s", messages, model, tokenizer)
         if previous_prompt is not None:
             # Everything up to the previous reply is reused, whatever the reply.
             assert t.reused_tokens >= previous_prompt - 1, (turn, t)
@@ -80,7 +72,7 @@ def test_normal_conversation_reuses_at_least_90_percent(any_family, tokenizer):
     messages = [LONG_SYSTEM]
     for turn in range(8):
         messages.append(user_message(turn))
-        reply, t = chat_turn(mgr, model, tokenizer, messages, suppress_tokens=suppress)
+        reply, t = exact_turn(mgr, "s", messages, model, tokenizer, suppress_tokens=suppress)
         if turn > 0:
             assert t.reason == "extend", (family, turn, t)
             assert t.reused_tokens >= 0.9 * t.prompt_tokens, (family, turn, t)
@@ -98,7 +90,7 @@ def test_template_that_drops_earlier_think_blocks(any_family):
         messages.append(user_message(turn))
         if turn > 0:
             assert "<think>" not in tokenizer.apply_chat_template(messages, tokenize=False)
-        reply, t = chat_turn(mgr, model, tokenizer, messages)
+        reply, t = exact_turn(mgr, "s", messages, model, tokenizer)
         if previous_prompt is not None:
             assert t.reused_tokens >= previous_prompt - 1, (turn, t)
             if family in CHECKPOINT_FAMILIES:
@@ -121,7 +113,7 @@ def test_template_that_opens_a_think_block_in_the_generation_prompt(any_family, 
     for turn in range(4):
         messages.append(user_message(turn))
         prompt = render_prompt(tokenizer, messages).tolist()
-        reply, t = chat_turn(mgr, model, tokenizer, messages)
+        reply, t = exact_turn(mgr, "s", messages, model, tokenizer)
         if previous_prompt is not None:
             common = next(
                 (i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
@@ -131,7 +123,7 @@ def test_template_that_opens_a_think_block_in_the_generation_prompt(any_family, 
             assert t.reused_tokens == common, (turn, t, common)
             if family in CHECKPOINT_FAMILIES:
                 assert t.checkpoint_restored == common, (turn, t)
-        held, previous_prompt = list(mgr._core.find("s").cached_ids()), t.prompt_tokens
+        held, previous_prompt = mgr.cached_ids("s"), t.prompt_tokens
         messages.append({"role": "assistant", "content": f"Let me see.</think>\n\n{reply}"})
 
 
@@ -144,7 +136,7 @@ def test_regenerated_turn_reuses_up_to_its_checkpoint(any_family, tokenizer, che
     mgr = SessionManager(model, tokenizer, checkpoints=checkpoints, settle=False)
     messages, first = checked_turns(mgr, model, tokenizer, SYSTEM, 3)
     reply = messages.pop()["content"]  # the user asks for another answer to the same question
-    again, t = chat_turn(mgr, model, tokenizer, messages)
+    again, t = exact_turn(mgr, "s", messages, model, tokenizer)
     assert again == reply and t.output_ids == first.output_ids
     assert t.reason == "prompt_cached"
     if family not in CHECKPOINT_FAMILIES:
@@ -164,7 +156,7 @@ def test_edited_earlier_message_restores_a_checkpoint_before_it(any_family, toke
     messages[1] = {"role": "user", "content": "Actually, tell me about Tokyo instead."}
     messages.append(user_message(4))
     after = render_prompt(tokenizer, messages)
-    _, t = chat_turn(mgr, model, tokenizer, messages)
+    _, t = exact_turn(mgr, "s", messages, model, tokenizer)
     system_text = tokenizer.apply_chat_template(messages[:1], tokenize=False)
     # The checkpoint sits right after the system message's end-of-turn token,
     # before the newline the template writes after it.
@@ -230,20 +222,14 @@ def test_text_mode_keeps_the_whole_cache_when_retokenization_differs(any_family,
     # (safely) fall back to token matching; keep them out to test text matching.
     suppress = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>")]
     mgr = SessionManager(model, tokenizer, match="text")
-    session = mgr._core.find  # test-only access to the ids kvchat prompted with
     messages, cached, fresh_differs = [SYSTEM], None, 0
     for turn in range(8):
         messages.append(user_message(turn))
         reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW, suppress_tokens=suppress)
         t = mgr.last_turn("s")
-        used = torch.tensor(session("s").cached_ids()[: t.prompt_tokens])
-        plain = model.generate(
-            used.unsqueeze(0).to(model.device),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            suppress_tokens=suppress,
-        )
-        assert t.output_ids == tuple(plain[0, t.prompt_tokens :].tolist()), (family, turn)
+        used = torch.tensor(mgr.cached_ids("s")[: t.prompt_tokens])
+        plain = reference_ids(model, used, suppress_tokens=suppress)
+        assert t.output_ids == plain, (family, turn)
         if cached is not None:
             assert t.reason == "extend" and t.reused_tokens == cached, (family, turn, t)
         fresh_differs += not torch.equal(used, render_prompt(tokenizer, messages))
@@ -268,7 +254,7 @@ def test_checkpoint_memory_stays_bounded_over_30_turns(family, tokenizer, settle
     messages = [SYSTEM]
     for turn in range(30):
         messages.append(user_message(turn))
-        reply, t = chat_turn(mgr, model, tokenizer, messages)
+        reply, t = exact_turn(mgr, "s", messages, model, tokenizer)
         mgr.wait_settled()
         info, stats = mgr.info("s"), mgr.stats()
         assert 1 <= info.checkpoints <= 2, (turn, info)  # 2.5 checkpoints' bytes hold 2
@@ -368,7 +354,7 @@ def test_convolution_windows_no_history_reaches_are_not_held_to_the_history(
     assert "layer 0 conv 0 holds no history" in caplog.text
     assert "layer 1 conv 0 holds no history" in caplog.text
     assert "name='layer 3 conv 0'" in caplog.text  # behind attention: compared
-    assert mgr.stats().requests == 0 and mgr._bridge.supported  # test-only access
+    assert mgr.stats().requests == 0 and mgr.layout.supported
     _, reports = exact_turns(mgr, "s", [LONG_SYSTEM], model, tokenizer, 3)
     assert all(r.reused_tokens > 0.8 * r.prompt_tokens for r in reports[1:]), reports
 

@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from helpers import common_prefix, reference_ids
 from kvchat import SessionManager
 from kvchat.pretrained import load_pretrained, smollm2_path
 from kvchat.prompting import render_prompt
@@ -51,23 +52,6 @@ def smollm2():
     return _smollm2()
 
 
-def _plain(model, prompt: torch.Tensor, seed: int | None) -> tuple[int, ...]:
-    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=seed is not None)
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = model.generate(prompt[None], **kwargs)
-    return tuple(out[0, prompt.numel() :].tolist())
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _converse(model, tokenizer, history: str) -> tuple[int, int]:
     """Ten turns; kvchat's reply (greedy) against plain generate's every turn,
     and its reuse against the longest common prefix of what the session held
@@ -82,26 +66,26 @@ def _converse(model, tokenizer, history: str) -> tuple[int, int]:
     for turn in range(TURNS):
         messages.append({"role": "user", "content": QUESTIONS[turn]})
         prompt = render_prompt(tokenizer, messages)
-        reply = _plain(model, prompt, None)
+        reply = reference_ids(model, prompt, MAX_NEW)
         manager.wait_settled()  # the user reads the reply: the session settles
         if turn:
-            held = list(manager._core.find("s").cached_ids())  # test-only access
+            held = manager.cached_ids("s")
         manager.chat("s", messages, max_new_tokens=MAX_NEW)
         report = manager.last_turn("s")
         assert report.output_ids == reply, f"turn {turn + 1}"
         if held is not None:
-            lcp = min(_common_prefix(held, prompt.tolist()), prompt.numel() - 1)
+            lcp = min(common_prefix(held, prompt.tolist()), prompt.numel() - 1)
             assert report.reused_tokens == lcp, f"turn {turn + 1}"
             reused, reusable = reused + report.reused_tokens, reusable + prompt.numel()
         if history == "regenerate":
             seed = 1000 + turn
-            reply = _plain(model, prompt, seed)
+            reply = reference_ids(model, prompt, MAX_NEW, seed=seed)
             torch.manual_seed(seed)
             manager.chat("s", messages, max_new_tokens=MAX_NEW, do_sample=True)
             report = manager.last_turn("s")
             assert report.output_ids == reply, f"turn {turn + 1}, regenerated"
         elif history == "sampled":
-            reply = _plain(model, prompt, 2000 + turn)
+            reply = reference_ids(model, prompt, MAX_NEW, seed=2000 + turn)
         text = tokenizer.decode(reply, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
     return reused, reusable
@@ -137,7 +121,7 @@ def test_kvchat_serve_answers_from_a_gguf_file_exactly(smollm2):
         messages = [SYSTEM]
         for turn in range(4):
             messages.append({"role": "user", "content": QUESTIONS[turn]})
-            expected = _plain(model, render_prompt(tokenizer, messages), None)
+            expected = reference_ids(model, render_prompt(tokenizer, messages), MAX_NEW)
             response = client.chat.completions.create(
                 model="smollm2",
                 messages=messages,

@@ -20,11 +20,13 @@ import torch
 from helpers import (
     CHECKPOINT_FAMILIES,
     LONG_SYSTEM,
+    MARGIN,
     MAX_NEW,
     SYSTEM,
     common_prefix,
     history_ids,
     model_for,
+    plain_with_margin,
     reference_turn,
     user_message,
 )
@@ -55,7 +57,7 @@ def test_every_family_prefills_only_the_new_message_once_settled(any_family, tok
     for turn in range(6):
         messages.append(user_message(turn))
         prompt = render_prompt(tokenizer, messages)
-        held = mgr._core.find("s").cached_ids() if turn else []  # test-only access
+        held = mgr.cached_ids("s") if turn else []
         reply, t = _checked(mgr, model, tokenizer, messages)
         if turn:
             fixed = _fixed(tokenizer, messages[:-1], prompt)
@@ -192,7 +194,7 @@ def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_fami
     # The user edits the reply before going on.
     messages += [{"role": "assistant", "content": "Edited: " + reply}, user_message(1)]
     prompt = render_prompt(tokenizer, messages)
-    held = mgr._core.find("s").cached_ids()  # test-only access: the settled history
+    held = mgr.cached_ids("s")  # the settled history
     _, t = _checked(mgr, model, tokenizer, messages)
     assert mgr.stats().settle_misses == 1
     # The previous prompt's end (a checkpoint on a hybrid) is reused still:
@@ -208,7 +210,7 @@ def test_a_failed_settle_leaves_the_cache_it_started_from(tokenizer):
     messages = [LONG_SYSTEM, user_message(0)]
     reply, first = _checked(mgr, model, tokenizer, messages)
     mgr.wait_settled(timeout=60)
-    held = mgr._core.find("s").cached_ids()
+    held = mgr.cached_ids("s")
     forward = mgr._settler._prefill.forward
 
     def failing(*args, **kwargs):
@@ -217,7 +219,7 @@ def test_a_failed_settle_leaves_the_cache_it_started_from(tokenizer):
     mgr._settler._prefill.forward = failing
     mgr.settle("s", [*messages, {"role": "assistant", "content": reply + " (edited)"}])
     assert mgr.wait_settled(timeout=60)
-    assert mgr._core.find("s").cached_ids() == held
+    assert mgr.cached_ids("s") == held
     mgr._settler._prefill.forward = forward
     messages += [{"role": "assistant", "content": reply}, user_message(1)]
     _, t = _checked(mgr, model, tokenizer, messages)
@@ -285,7 +287,7 @@ def test_max_checkpoints_one_keeps_the_checkpoint_the_next_turn_needs(tokenizer)
     messages = [SYSTEM]
     for turn in range(3):
         messages.append(user_message(turn))
-        held = mgr._core.find("s").cached_ids() if turn else []
+        held = mgr.cached_ids("s") if turn else []
         prompt = render_prompt(tokenizer, messages)
         reply, t = _checked(mgr, model, tokenizer, messages)
         if turn:
@@ -326,7 +328,6 @@ def test_settled_half_precision_turns_keep_clear_first_tokens(family, dtype, tok
     token is plain generate's); settled, each turn also prefills only its new
     message."""
     from kvchat.tiny import tiny_model
-    from test_bfloat16 import MARGIN, _plain
 
     model = tiny_model(family, dtype=dtype, seed=0)
     mgr = SessionManager(model, tokenizer)
@@ -334,7 +335,7 @@ def test_settled_half_precision_turns_keep_clear_first_tokens(family, dtype, tok
     for turn in range(5):
         messages.append(user_message(turn))
         prompt = render_prompt(tokenizer, messages)
-        expected, margin = _plain(model, prompt)
+        expected, margin = plain_with_margin(model, prompt)
         mgr.chat("s", messages, max_new_tokens=MAX_NEW)
         t = mgr.last_turn("s")
         if turn:

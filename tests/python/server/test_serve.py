@@ -16,7 +16,15 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers import LONG_SYSTEM, TESTS, doc_table_rows, model_for, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    TESTS,
+    doc_table_rows,
+    model_for,
+    reference_ids,
+    reference_turn,
+    user_message,
+)
 from kvchat.tiny import tiny_model, tiny_tokenizer
 from serving import (
     KEY_A,
@@ -101,8 +109,9 @@ def test_a_tool_calling_conversation_is_exact_and_reuses(llama_server, tokenizer
             messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        out = model.generate(ids.to(model.device), max_new_tokens=MAX_NEW, do_sample=False)
-        assert reply == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        assert reply == tokenizer.decode(
+            reference_ids(model, ids[0], MAX_NEW), skip_special_tokens=True
+        )
         cached = usage.prompt_tokens_details.cached_tokens
         if turn:
             # Everything the last turn's prompt held is reused, tool calls included.

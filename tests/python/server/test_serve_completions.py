@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import reference_ids
 from kvchat.tiny import tiny_tokenizer
 from serving import reference_model, start_server
 
@@ -27,8 +28,8 @@ def _plain(server, prompt: str, max_new: int = MAX_NEW, **kwargs) -> tuple[str, 
     tokenizer = tiny_tokenizer()
     model = reference_model(server.model.partition(":")[2])
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
-    out = model.generate(ids, max_new_tokens=max_new, do_sample=False, **kwargs)[0, ids.shape[1] :]
-    return tokenizer.decode(out, skip_special_tokens=True), tuple(out.tolist())
+    out = reference_ids(model, ids[0], max_new, **kwargs)
+    return tokenizer.decode(out, skip_special_tokens=True), out
 
 
 def _streamed(client, **kwargs) -> tuple[str, str, dict]:

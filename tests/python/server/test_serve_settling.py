@@ -15,8 +15,7 @@ import json
 import re
 
 import pytest
-from helpers import LONG_SYSTEM, MAX_NEW, common_prefix, history_ids
-from kvchat.prompting import render_prompt
+from helpers import LONG_SYSTEM, MAX_NEW, common_prefix, history_ids, reference_turn
 from serving import KEY_A, reference_model, start_server
 
 pytestmark = pytest.mark.server
@@ -54,9 +53,7 @@ def _turn(server, client, messages, key, **extra):
 
 def _plain(model, tokenizer, messages, stop=None):
     """Plain generate's reply, cut at ``stop`` as the server cuts it; (text, prompt ids)."""
-    prompt = render_prompt(tokenizer, messages, tools=TOOLS)
-    out = model.generate(prompt[None], max_new_tokens=MAX_NEW, do_sample=False)
-    text = tokenizer.decode(out[0, prompt.numel() :], skip_special_tokens=True)
+    text, prompt, _ = reference_turn(model, tokenizer, messages, tools=TOOLS)
     if stop is not None and stop in text:
         text = text[: text.index(stop)]
     return text, prompt
