@@ -109,6 +109,14 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
         server.settled()  # the user's time to read and type
 
 
+ONE_CALL = dict(tools=TOOLS, parallel_tool_calls=False)
+
+
+def _named(name: str) -> dict:
+    """tool_choice naming one function."""
+    return {"type": "function", "function": {"name": name}}
+
+
 def _create(server, key: str, messages: list, max_tokens: int, **extra):
     """One greedy request on session ``key``, through the openai SDK."""
     return server.client().chat.completions.create(
@@ -161,16 +169,8 @@ def test_a_named_function_is_the_one_called(server):
     messages = [SYSTEM, {"role": "user", "content": "Time?"}]
     for name in ("get_time", "get_weather"):
         key = f"named-{name}"
-        response = _create(
-            server,
-            key,
-            messages,
-            CALL_TOKENS,
-            tools=TOOLS,
-            tool_choice={"type": "function", "function": {"name": name}},
-            # One call: a random model may chain calls until max_tokens cuts one short.
-            parallel_tool_calls=False,
-        )
+        # One call: a random model may chain calls until max_tokens cuts one short.
+        response = _create(server, key, messages, CALL_TOKENS, **ONE_CALL, tool_choice=_named(name))
         calls = response.choices[0].message.tool_calls
         assert calls and {c.function.name for c in calls} == {name}
         assert response.choices[0].finish_reason == "tool_calls"
@@ -192,15 +192,8 @@ def test_tools_beside_a_json_format_let_the_model_call_or_answer(server):
     for i, question in enumerate(["Rain?", "Sun?", "Wind today?"]):
         key = f"call-or-json-{i}"
         messages = [SYSTEM, {"role": "user", "content": question}]
-        response = _create(
-            server,
-            key,
-            messages,
-            CALL_TOKENS,
-            tools=TOOLS,
-            response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}},
-            parallel_tool_calls=False,
-        )
+        schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
+        response = _create(server, key, messages, CALL_TOKENS, **ONE_CALL, response_format=schema)
         choice = response.choices[0]
         if choice.message.tool_calls:  # which of the two is the model's own affair
             assert choice.finish_reason == "tool_calls"
@@ -237,13 +230,7 @@ def test_structured_output_matches_its_schema_and_plain_generate(server, respons
     family = family_of(server)
     messages = [SYSTEM, {"role": "user", "content": "Is it raining?"}]
     key = f"json-{response_format['type']}"
-    response = _create(
-        server,
-        key,
-        messages,
-        CALL_TOKENS,
-        response_format=response_format,
-    )
+    response = _create(server, key, messages, CALL_TOKENS, response_format=response_format)
     content = response.choices[0].message.content
     tokenizer, model, grammars = tiny_tokenizer(), reference_model(family), _grammars(family)
     if response_format["type"] == "json_schema":
@@ -270,14 +257,7 @@ def test_tool_choice_none_and_auto_leave_a_random_model_writing_text(server):
     messages = [SYSTEM, {"role": "user", "content": "Hello"}]
     for choice in ("none", "auto"):
         key = f"free-{choice}"
-        response = _create(
-            server,
-            key,
-            messages,
-            ANSWER_TOKENS,
-            tools=TOOLS,
-            tool_choice=choice,
-        )
+        response = _create(server, key, messages, ANSWER_TOKENS, tools=TOOLS, tool_choice=choice)
         assert response.choices[0].message.tool_calls is None
         assert response.choices[0].finish_reason in ("stop", "length")
         assert _last_output(server, key) == _reference_ids(family, messages, ANSWER_TOKENS)
@@ -289,15 +269,8 @@ def test_the_settle_predicts_the_tool_calls_sent_back(server):
     prefills only the tool's result and the generation prompt."""
     key = "settled-call"
     messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
-    response = _create(
-        server,
-        key,
-        messages,
-        CALL_TOKENS,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        parallel_tool_calls=False,
-    )
+    named = _named("get_weather")
+    response = _create(server, key, messages, CALL_TOKENS, **ONE_CALL, tool_choice=named)
     message = response.choices[0].message.model_dump(exclude_none=True, exclude={"refusal"})
     message["content"] = None
     call = message["tool_calls"][0]
@@ -310,13 +283,7 @@ def test_the_settle_predicts_the_tool_calls_sent_back(server):
         after, tools=TOOLS, add_generation_prompt=True, tokenize=False
     )
     assert full.startswith(history)
-    _create(
-        server,
-        key,
-        after,
-        2,
-        tools=TOOLS,
-    )
+    _create(server, key, after, 2, tools=TOOLS)
     last = server.session(key)["last_turn"]
     new = len(tokenizer(full[len(history) :], add_special_tokens=False)["input_ids"])
     assert last["prefilled_tokens"] <= new + 2, last
