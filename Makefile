@@ -11,7 +11,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 # Order matters: torch first, so nothing below can pull a CUDA build of it.
 # What the library, its build and the demo need (the demo reads a .gguf) ...
 RUN_DEPS := "transformers>=5.0,<6" "tokenizers>=0.20" "safetensors>=0.4" "tqdm>=4.60" \
-	"scikit-build-core>=0.10" "cmake>=3.18" "ninja>=1.10" "gguf>=0.10"
+	"scikit-build-core>=0.10" "cmake>=3.18" "ninja>=1.10" "gguf>=0.10" "accelerate>=1.1"
 # ... and what the tests, the server and the benchmarks add.
 PY_DEPS := "matplotlib>=3.7" "pytest>=7" "hypothesis>=6" "ruff>=0.5" \
 	"pytest-xdist>=3" "peft>=0.13" "nbformat>=5" "nbclient>=0.9" "ipykernel>=6" "nbconvert>=7" \

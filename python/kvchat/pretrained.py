@@ -98,6 +98,10 @@ def _patched(gguf):
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
+# What transformers needs to load a .gguf file (the gguf extra and make demo install these).
+GGUF_NEEDS = ("gguf>=0.10", "accelerate>=1.1")
+
+
 def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,10 +113,15 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
-        if importlib.util.find_spec("gguf") is None:  # else transformers' own message
+        # transformers needs both to load a .gguf file (it asks for accelerate
+        # only after reading the whole tokenizer): say so before anything is read.
+        missing = [
+            name for name in GGUF_NEEDS if importlib.util.find_spec(name.split(">=")[0]) is None
+        ]
+        if missing:
             raise ImportError(
-                "reading a .gguf file needs the gguf package: pip install 'kvchat[gguf]' "
-                "(or pip install 'gguf>=0.10')"
+                f"reading a .gguf file needs {' and '.join(missing)}: pip install 'kvchat[gguf]' "
+                f"(or pip install {' '.join(repr(m) for m in missing)})"
             )
         path, kwargs = path.parent, {"gguf_file": path.name}
     with _quiet_imports(), _gguf_read_once():
