@@ -96,7 +96,10 @@ class ManagerStats:
     shared_prefixes: int  # prefixes (e.g. a system prompt) held once for several sessions
     prefix_shares: int  # turns that started from another session's prefix
     shared_tokens: int  # tokens those turns took from it instead of prefilling
-    spill_writes: int = 0  # evicted caches written to spill_dir
+    # Whatever the tier: caches it stored, and turns that started from one of them.
+    tier_writes: int = 0
+    tier_loads: int = 0
+    spill_writes: int = 0  # evicted caches written to spill_dir (the disk tier's tier_writes)
     spill_loads: int = 0  # turns that read their cache back from spill_dir
     store_writes: int = 0  # snapshots published to the Redis store
     store_loads: int = 0  # turns that started from a stored snapshot

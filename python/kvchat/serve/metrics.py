@@ -21,6 +21,13 @@ STATS_METRICS = [
         "prefix_shares",
         "counter",
     ),
+    ("kvchat_tier_writes", "Caches the storage tier stored", "tier_writes", "counter"),
+    (
+        "kvchat_tier_loads",
+        "Turns that started from a cache the storage tier held",
+        "tier_loads",
+        "counter",
+    ),
     (
         "kvchat_store_writes",
         "Session snapshots published to the Redis store",

@@ -112,5 +112,6 @@ class Tier:
         """Finishes pending writes and lets go of resources."""
 
     def counters(self) -> dict[str, int]:
-        """The tier's counters, as ``ManagerStats`` fields."""
-        return {"spill_writes": self.writes, "spill_loads": self.loads}
+        """The tier's counters, as ``ManagerStats`` fields: ``writes`` and
+        ``loads`` as ``tier_writes`` and ``tier_loads``; a tier adds its own."""
+        return {"tier_writes": self.writes, "tier_loads": self.loads}

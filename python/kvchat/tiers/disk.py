@@ -85,3 +85,6 @@ class Spill(Tier):
             self.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
             self.loads += 1
             return saved.state
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "spill_writes": self.writes, "spill_loads": self.loads}

@@ -196,6 +196,7 @@ def test_spill_dir_reloads_evicted_sessions_exactly(llama, tokenizer, tmp_path):
             reasons.append(report.reason)
     stats = mgr.stats()
     assert stats.evictions > 0 and stats.spill_writes > 0 and stats.spill_loads > 0
+    assert (stats.tier_writes, stats.tier_loads) == (stats.spill_writes, stats.spill_loads)
     assert "spill_reload" in reasons
     # Reading a spill file never deletes it; removing the session does.
     files = list(spill.glob("*.safetensors"))

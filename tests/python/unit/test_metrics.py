@@ -64,6 +64,8 @@ def test_the_counters_a_user_tunes_by_are_exported():
         "settle_misses",
         "store_writes",
         "store_loads",
+        "tier_writes",
+        "tier_loads",
         "evictions",
         "resident_bytes",
     ):

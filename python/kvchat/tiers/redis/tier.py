@@ -222,6 +222,7 @@ class RedisTier(SharedTier):
     def counters(self) -> dict:
         misses = self.reader.misses
         return {
+            **super().counters(),
             "store_writes": self.writes,
             "store_loads": self.loads,
             "store_misses": sum(misses.values()),
