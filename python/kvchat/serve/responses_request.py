@@ -132,7 +132,7 @@ def parse_request(body) -> ResponsesRequest:
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+        chat["tools"] = chat_tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     _check_metadata(body.get("metadata"))
@@ -177,7 +177,9 @@ def _check_metadata(metadata) -> None:
             )
 
 
-def _tools(tools) -> list[dict]:
+def chat_tools(tools) -> list[dict]:
+    """The Responses API's function tools as chat completions' tools (the
+    chat template's), or a 400 naming ``tools``."""
     if not isinstance(tools, list):
         raise bad_request("tools", "tools must be a list of function tools")
     out = []

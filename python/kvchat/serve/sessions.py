@@ -37,7 +37,7 @@ from ..tiers import StoreUnavailable
 _KEPT = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
-def _digests(messages: list[dict]) -> list[str]:
+def conversation_digests(messages: list[dict]) -> list[str]:
     """digest[k]: of messages[:k], for every k; None-valued fields and fields a
     client adds on the way back (refusal, annotations) do not count."""
     h = hashlib.sha256()
@@ -117,7 +117,7 @@ class SessionRouter:
         It may ask the shared store: call it off the event loop."""
         if explicit is not None:
             return self._claim_by_id(ns, self.internal(ns, explicit))
-        digests = _digests(messages)
+        digests = conversation_digests(messages)
         if self._routes is not None:
             try:  # longest first, short of the last message
                 found = self._routes.take(ns, digests[len(messages) - 1 : 0 : -1])
@@ -210,7 +210,7 @@ class SessionRouter:
                 return
             running.turns -= 1
             if conversation is not None:
-                running.key = (ns, _digests(conversation)[-1])
+                running.key = (ns, conversation_digests(conversation)[-1])
             if running.turns > 0:
                 return
             del self._running[session]

@@ -17,7 +17,7 @@ from helpers import reference_turn
 from kvchat.agents import ToolCall, ToolCallParser, detect
 from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
-from kvchat.serve.responses_request import _tools
+from kvchat.serve.responses_request import chat_tools
 from kvchat.tiny import tiny_tokenizer
 from serving import KEY_A, KEY_B, family_of, reference_model, start_server
 
@@ -59,18 +59,18 @@ def _reference_reply(server, messages, tools, max_new, grammar=None) -> tuple:
     ("tool" for a required call of ``tools``, else a JSON schema)."""
     family = family_of(server)
     tokenizer, model = tiny_tokenizer(), reference_model(family)
-    chat_tools = _tools(tools) if tools else None
+    function_tools = chat_tools(tools) if tools else None
     kwargs = {}
     if grammar is not None:
         grammars = Grammars(
             tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
         )
         if grammar == "tool":
-            text = grammars.tool_calls(detect(tokenizer), chat_tools, parallel=False)
+            text = grammars.tool_calls(detect(tokenizer), function_tools, parallel=False)
         else:
             text = grammars.json_schema(grammar)
         kwargs = dict(logits_processor=[grammars.processor(text, "x")], suppress_tokens=None)
-    return reference_turn(model, tokenizer, messages, max_new, tools=chat_tools, **kwargs)[2]
+    return reference_turn(model, tokenizer, messages, max_new, tools=function_tools, **kwargs)[2]
 
 
 def _output_ids(server, key: str) -> tuple:
@@ -393,7 +393,7 @@ def test_the_agents_sdk_runner_completes_a_tool_loop(server):
     first, last = (server.client().responses.retrieve(r.response_id) for r in result.raw_responses)
     tools = [t.model_dump(exclude_none=True) for t in first.tools]
     ids = _reference_reply(server, history[:2], tools, CALL_TOKENS, grammar="tool")
-    parser = ToolCallParser(detect(tiny_tokenizer()), _tools(tools))
+    parser = ToolCallParser(detect(tiny_tokenizer()), chat_tools(tools))
     parser.feed(tiny_tokenizer().decode(ids[:-1]))
     (call,) = [c for c in parser.finish() if isinstance(c, ToolCall)]
     sent = history[2]["tool_calls"][0]["function"]

@@ -38,7 +38,7 @@ from helpers import (
 from kvchat import _C, RedisTier, SessionManager, StoreUnavailable
 from kvchat.prompting import render_prompt
 from kvchat.serve.process import redis_server
-from kvchat.serve.sessions import _digests
+from kvchat.serve.sessions import conversation_digests
 from kvchat.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.store
@@ -1090,7 +1090,7 @@ def test_a_route_written_during_an_outage_lands_once_redis_is_back(tokenizer):
         with _Replicas(server.redis_url, timeout=0.3, retry_after=0.5) as replicas:
             session, first, history = _second_turn_during_an_outage(server, replicas)
             client = redis.Redis.from_url(server.redis_url)
-            route = replicas.managers[0].tier.keys.route("open", _digests(history)[-1])
+            route = replicas.managers[0].tier.keys.route("open", conversation_digests(history)[-1])
             deadline = time.monotonic() + 30
             while not client.exists(route) and time.monotonic() < deadline:
                 time.sleep(0.1)
