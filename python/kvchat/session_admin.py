@@ -52,9 +52,9 @@ class SessionAdmin:
         return as_dicts(session.messages())
 
     def cached_ids(self, session_id: str) -> list[int]:
-        """The token ids the session's cache holds, in order: what its next
-        turn can reuse (up to where the prompt departs from them). After a
-        settle, the history as the template renders it; empty once cleared."""
+        """The token ids the session's cache holds in memory, in order. After a
+        settle, the history as the template renders it. Empty once cleared,
+        while evicted (a tier may still hold it) and while a turn runs on it."""
         return list(self._core.find(check_session_id(session_id)).cached_ids())
 
     @property

@@ -13,8 +13,10 @@ two of them for a hybrid layer (attention first).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 
 import torch
 
@@ -108,9 +110,10 @@ class ModelLayout:
         return len(self.templates) if self.supported else len(self.stateful)
 
     @cached_property
-    def indexer_of(self) -> dict[int, int]:
-        """Cache layer -> the core layer that holds its indexer keys."""
-        return {i: len(self.stateful) + k for k, i in enumerate(self.indexed)}
+    def indexer_of(self) -> Mapping[int, int]:
+        """Cache layer -> the core layer that holds its indexer keys (read-only:
+        the layout is shared with callers of ``SessionManager.layout``)."""
+        return MappingProxyType({i: len(self.stateful) + k for k, i in enumerate(self.indexed)})
 
     @property
     def knows_length(self) -> bool:

@@ -126,6 +126,10 @@ def _decode(meta, name: str, tensors: dict, template, snapshot: bool = False):
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"{name}: tensor count {count!r} is not a count")
     states = [tensors[f"{name}.{j}"] for j in range(count)]
+    for j, tensor in enumerate(states):
+        # A cache with NaN or infinity in it would poison every turn that reuses it.
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name}.{j}: holds values that are not finite (NaN or infinity)")
     offset = 0
     for part, desc in zip(names, descs, strict=True):
         used = desc.get("tensors")
@@ -260,6 +264,11 @@ def decode_state(layout: dict, tensors: dict[str, torch.Tensor], model_layout: M
     describe, every state checked against the model's layer templates; raises
     ValueError naming what does not fit."""
     templates, slots = model_layout.templates, model_layout.slots
+    ids, trusted = layout["ids"], layout["trusted_tokens"]
+    if not isinstance(ids, list) or not all(_count(i) for i in ids):
+        raise ValueError("its token ids are not a list of non-negative ints")
+    if not _count(trusted) or trusted > len(ids):
+        raise ValueError(f"trusted_tokens {trusted!r} is not a count of its {len(ids)} tokens")
     if layout["slots"] != slots:
         raise ValueError(
             f"it records recurrent tensors {layout['slots']}, this model fills {slots}"
@@ -272,6 +281,8 @@ def decode_state(layout: dict, tensors: dict[str, torch.Tensor], model_layout: M
     ]
     checkpoints = []
     for c, cp in enumerate(layout["checkpoints"]):
+        if not _count(cp["position"]):
+            raise ValueError(f"checkpoint {c}'s position {cp['position']!r} is not a count")
         if len(cp["states"]) != len(templates):
             raise ValueError(f"checkpoint {c} has the wrong layers")
         states = [
@@ -282,7 +293,12 @@ def decode_state(layout: dict, tensors: dict[str, torch.Tensor], model_layout: M
     text = layout["text"]
     if not isinstance(text, str):
         raise ValueError("its cached text is not a string")
-    return _C.CachedState(layout["ids"], layers, checkpoints, text, layout["trusted_tokens"])
+    return _C.CachedState(ids, layers, checkpoints, text, trusted)
+
+
+def _count(value) -> bool:
+    """A JSON count: an int >= 0, and not a bool (JSON true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_session(path, fingerprint: dict, device, model_layout: ModelLayout) -> SessionFile:
@@ -313,6 +329,12 @@ def _read_session(path, fingerprint: dict, device, model_layout: ModelLayout) ->
         except ValueError as error:
             raise SessionFileError(f"path {str(path)!r}: {error}") from error
     session_id = metadata["session_id"]
-    if not isinstance(session_id, str) or not isinstance(messages, list):
-        raise SessionFileError(f"path {str(path)!r} has a malformed session id or messages")
+    if not isinstance(messages, list):
+        raise SessionFileError(f"path {str(path)!r} has malformed messages")
+    from ..arguments import check_session_id  # arguments imports the tiers
+
+    try:
+        check_session_id(session_id)
+    except (TypeError, ValueError) as error:
+        raise SessionFileError(f"path {str(path)!r} has no usable session id: {error}") from None
     return SessionFile(session_id, messages, state)

@@ -19,6 +19,7 @@ from kvchat.tiers.session_file import (
     read_session,
     write_session,
 )
+from safetensors.torch import save_file
 
 HEADS, DIM, TOKENS = 2, 8, 5
 RECURRENT_SHAPES = ((1, 4, 3), (1, 2, 8, 8))  # a conv window, a scan state
@@ -108,6 +109,23 @@ def test_nothing_cached_encodes_as_no_layout():
         (lambda d, t, layout: d["layers"].__setitem__(0, None), "no state"),
         (lambda d, t, layout: d["checkpoints"][0]["states"].pop(), "checkpoint 0"),
         (lambda d, t, layout: d.update(text=7), "text"),
+        (lambda d, t, layout: _both(t, "layer.0", lambda x: x.double()), "layer.0"),
+        (lambda d, t, layout: _both(t, "layer.0", lambda x: x[..., :4]), "layer.0"),
+        (lambda d, t, layout: t.update({"layer.0.1": t["layer.0.1"][:, :, :3]}), "layer.0"),
+        (lambda d, t, layout: t.update({"layer.1.3": t["layer.1.3"][..., :4]}), "layer.1.1"),
+        (lambda d, t, layout: _one_recurrent_tensor(d), "1 recurrent tensors"),
+        (lambda d, t, layout: d["layers"][0].update(tensors=True), "tensor count True"),
+        (lambda d, t, layout: d["checkpoints"][0]["states"].__setitem__(1, None), "no state"),
+        (lambda d, t, layout: t["layer.1.1"].view(-1).__setitem__(0, float("nan")), "finite"),
+        (
+            lambda d, t, layout: t["checkpoint.0.1.0"].view(-1).__setitem__(0, float("inf")),
+            "finite",
+        ),
+        (lambda d, t, layout: d["ids"].__setitem__(0, -1), "ids"),
+        (lambda d, t, layout: d["ids"].__setitem__(0, True), "ids"),
+        (lambda d, t, layout: d.update(trusted_tokens=True), "trusted_tokens"),
+        (lambda d, t, layout: d.update(trusted_tokens=TOKENS + 1), "trusted_tokens"),
+        (lambda d, t, layout: d["checkpoints"][0].update(position=True), "position"),
     ],
     ids=[
         "attention-heads",
@@ -119,6 +137,20 @@ def test_nothing_cached_encodes_as_no_layout():
         "missing-layer",
         "checkpoint-layers",
         "text",
+        "attention-dtype",
+        "head-size",
+        "values-tokens",
+        "recurrent-shape",
+        "recurrent-count",
+        "bool-count",
+        "checkpoint-hybrid-omitted",
+        "nan",
+        "checkpoint-inf",
+        "negative-id",
+        "bool-id",
+        "bool-trusted",
+        "trusted-past-ids",
+        "bool-position",
     ],
 )
 def test_a_layout_that_does_not_fit_the_model_names_what(change, match):
@@ -128,6 +160,19 @@ def test_a_layout_that_does_not_fit_the_model_names_what(change, match):
     change(described, tensors, layout)
     with pytest.raises(ValueError, match=match):
         decode_state(described, tensors, layout, "cpu")
+
+
+def _both(tensors, layer, change):
+    """``change`` applied to the layer's keys and values alike."""
+    for j in (0, 1):
+        tensors[f"{layer}.{j}"] = change(tensors[f"{layer}.{j}"])
+
+
+def _one_recurrent_tensor(described):
+    """The hybrid layer's description claims one recurrent tensor of its two."""
+    hybrid = described["layers"][1]
+    hybrid["parts"][1]["tensors"] = 1
+    hybrid["tensors"] = 3
 
 
 def _write(tmp_path, state=None, dtype=torch.float32):
@@ -186,3 +231,17 @@ def test_a_session_with_nothing_cached_saves_its_messages_only(tmp_path):
     path, messages, _ = _write(tmp_path, state=empty)
     loaded = read_session(path, FINGERPRINT, "cpu", _layout(torch.float32))
     assert loaded.state is None and loaded.messages == messages
+
+
+def test_a_file_with_no_usable_session_id_is_a_session_file_error(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write_session(path, "", [], _state(torch.float32), FINGERPRINT, _layout(torch.float32).slots)
+    with pytest.raises(SessionFileError, match="session id"):
+        read_session(path, FINGERPRINT, "cpu", _layout(torch.float32))
+
+
+def test_a_safetensors_file_kvchat_did_not_write_is_not_a_session_file(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(SessionFileError, match="not a kvchat session file"):
+        read_session(path, FINGERPRINT, "cpu", _layout(torch.float32))
