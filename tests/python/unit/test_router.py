@@ -62,6 +62,15 @@ def test_a_conversation_continues_on_its_session(router, manager):
     assert router.claim(ns, None, third) == session
 
 
+def _text_session(router, manager, ns, text):
+    """A completion's session, idle and holding ``text``."""
+    session = router.claim_text(ns, None, text)
+    manager.held.add(session)
+    router.release(ns, session, None)
+    router.remember_text(ns, session, text)
+    return session
+
+
 def test_a_fork_of_an_older_point_never_takes_the_session_over(router, manager):
     ns = namespace(None)
     first = [SYSTEM, _user("Hi")]
@@ -161,20 +170,65 @@ def test_overlapping_turns_leave_the_session_out_of_the_map(router, manager):
     assert router.claim(ns, explicit, second) == session
 
 
+def _text_session(router, manager, ns, text):
+    """A completion's session, idle and holding ``text``."""
+    session = router.claim_text(ns, None, text)
+    manager.held.add(session)
+    router.release(ns, session, None)
+    router.remember_text(ns, session, text)
+    return session
+
+
 def test_text_completions_continue_the_longest_text_they_start_with(router, manager):
     ns = namespace(None)
-    short = router.claim_text(ns, None, "Once")
-    manager.held.add(short)
-    router.release(ns, short, None)
-    router.remember_text(ns, short, "Once upon")
-    long = router.claim_text(ns, None, "Once upon a time")
-    assert long == short  # the only text it starts with
+    long = _text_session(router, manager, ns, "Once upon a time")
+    short = _text_session(router, manager, ns, "Once")  # "Once" does not continue it
+    assert long != short
+    assert router.claim_text(ns, None, "Once upon a time there was") == long
+    assert router.claim_text(ns, None, "Once more") == short
+    assert router.claim_text(ns, None, "Twice") not in (long, short)
+
+
+def test_a_text_in_another_namespace_is_never_continued(router, manager):
+    ns = namespace(None)
+    session = _text_session(router, manager, ns, "Once upon")
+    assert router.claim_text(namespace("k"), None, "Once upon a time") != session
+    assert router.claim_text(ns, None, "Once upon a time") == session
+
+
+def test_the_longest_held_conversation_wins(router, manager):
+    """Two idle sessions hold nested conversations: a request continuing the
+    longer one goes to it, not to the one holding its prefix."""
+    ns = namespace(None)
+    first = [SYSTEM, _user("Hi")]
+    short = _turn(router, manager, ns, first, "Hello!")
+    second = [*first, _assistant("Hello!"), _user("Weather?")]
+    assert router.claim(ns, None, second) == short
+    long = router.claim(ns, None, second)  # meanwhile, the same request again
     manager.held.add(long)
-    router.release(ns, long, None)
-    router.remember_text(ns, long, "Once upon a time there")
-    other = router.claim_text(ns, None, "Twice")
-    assert other != short
-    assert router.claim_text(namespace("k"), None, "Once upon a time there was") != short
+    router.release(ns, long, [*second, _assistant("Sunny.")])
+    router.release(ns, short, None)  # the first one failed: it holds `first` again
+    third = [*second, _assistant("Sunny."), _user("Tomorrow?")]
+    assert router.claim(ns, None, third) == long
+    assert router.claim(ns, None, second) == short
+
+
+def test_conversations_that_differ_only_in_tool_calls_are_two(router, manager):
+    ns = namespace(None)
+    first = [SYSTEM, _user("Weather?")]
+    call = {"role": "assistant", "content": None, "tool_calls": [_call("paris")]}
+    session = router.claim(ns, None, first)
+    manager.held.add(session)
+    router.release(ns, session, [*first, call])
+    other = {"role": "assistant", "content": None, "tool_calls": [_call("rome")]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert router.claim(ns, None, [*first, other, result]) != session
+    assert router.claim(ns, None, [*first, call, result]) == session
+
+
+def _call(city):
+    arguments = f'{{"city": "{city}"}}'
+    return {"id": "c1", "type": "function", "function": {"name": "w", "arguments": arguments}}
 
 
 class _SharedRoutes:
@@ -217,6 +271,20 @@ def test_a_shared_map_routes_a_conversation_this_replica_never_saw():
     second = [*first, _assistant("Hello!"), _user("Weather?")]
     assert second_replica.claim(ns, None, second) == session  # the store's map routed it
     assert first_replica.claim(ns, None, second) != session  # taken out while its turn runs
+
+
+def test_a_route_the_store_gives_from_another_namespace_is_not_taken():
+    """The store's map is keyed by namespace; should it ever hand back another
+    namespace's session, the router starts a new one rather than use it."""
+    routes = _SharedRoutes()
+    manager = _Manager(routes)
+    router = SessionRouter(manager)
+    first = [SYSTEM, _user("Hi")]
+    foreign = _turn(router, manager, namespace("k"), first, "Hello!")
+    routes.take = lambda ns, digests: (foreign, digests[0])  # a store that ignores ns
+    second = [*first, _assistant("Hello!"), _user("Weather?")]
+    mine = router.claim(namespace(None), None, second)
+    assert mine != foreign and mine.startswith(f"{namespace(None)}/")
 
 
 def test_the_map_here_stands_in_while_the_store_is_down():
