@@ -50,6 +50,10 @@ def test_layout_names_every_layer_kvchat_carries(llama, tokenizer):
     assert isinstance(layout, ModelLayout) and layout.supported and layout.problem is None
     assert layout.num_layers == llama.config.num_hidden_layers
     assert set(layout.parts) == {(LayerKind.attention,)}
+    with pytest.raises((AttributeError, TypeError)):  # shared with the manager: read-only
+        layout.indexer_of[0] = 1
+    with pytest.raises(AttributeError):
+        layout.problem = "changed"
 
 
 def test_lru_order_and_count_eviction(llama, tokenizer):
