@@ -170,15 +170,6 @@ def test_overlapping_turns_leave_the_session_out_of_the_map(router, manager):
     assert router.claim(ns, explicit, second) == session
 
 
-def _text_session(router, manager, ns, text):
-    """A completion's session, idle and holding ``text``."""
-    session = router.claim_text(ns, None, text)
-    manager.held.add(session)
-    router.release(ns, session, None)
-    router.remember_text(ns, session, text)
-    return session
-
-
 def test_text_completions_continue_the_longest_text_they_start_with(router, manager):
     ns = namespace(None)
     long = _text_session(router, manager, ns, "Once upon a time")
