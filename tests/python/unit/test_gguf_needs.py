@@ -8,7 +8,7 @@ always there when it was tried. No model."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import re
 
 import pytest
@@ -28,20 +28,33 @@ def test_make_demo_installs_what_loading_a_gguf_needs():
     assert _names(pretrained.GGUF_NEEDS) <= installed
 
 
-@pytest.mark.parametrize("extra", ["gguf", "serve"])
+@pytest.mark.parametrize("extra", ["gguf", "serve", "test"])
 def test_the_extras_that_read_gguf_files_install_what_it_needs(extra):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert _names(pretrained.GGUF_NEEDS) <= _names(project["optional-dependencies"][extra])
 
 
-@pytest.mark.parametrize("absent", ["gguf", "accelerate"])
-def test_a_missing_package_is_named_before_the_file_is_read(absent, tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a)
-    )
+@pytest.mark.parametrize(
+    ("package", "installed"),
+    [("gguf", None), ("accelerate", None), ("gguf", "0.9.1"), ("accelerate", "0.34.2")],
+    ids=["no-gguf", "no-accelerate", "old-gguf", "old-accelerate"],
+)
+def test_a_missing_or_old_package_is_named_before_the_file_is_read(
+    package, installed, tmp_path, monkeypatch
+):
+    real = importlib.metadata.version
+
+    def version(name):
+        if name != package:
+            return real(name)
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
     model_file = tmp_path / "model.gguf"
     model_file.write_bytes(b"not read")
-    named = rf"needs {absent}>=[0-9.]+: pip install 'kvchat\[gguf\]'"
+    found = "" if installed is None else rf" \(found {re.escape(installed)}\)"
+    named = rf"needs {package}>=[0-9.]+{found}: pip install 'kvchat\[gguf\]'"
     with pytest.raises(ImportError, match=named):
         pretrained.load_pretrained(model_file)
