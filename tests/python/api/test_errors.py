@@ -258,6 +258,8 @@ README_ROWS = {
         "test_file_validation.py::test_recurrent_slots_changed_in_the_metadata_are_refused",
         "test_file_validation.py::test_a_file_signed_anew_is_still_checked_against_the_model",
         "test_file_validation.py::test_every_one_byte_header_change_is_refused_or_harmless",
+        "test_session_file.py::test_a_layout_that_does_not_fit_the_model_names_what",
+        "test_session_file.py::test_a_file_with_no_usable_session_id_is_a_session_file_error",
         "test_fingerprint.py::test_file_from_a_model_differing_in_a_middle_layer_is_refused",
     ],
     "a misspelled or invalid `generate` argument": [

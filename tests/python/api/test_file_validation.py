@@ -79,9 +79,31 @@ def test_recurrent_slots_changed_in_the_metadata_are_refused(tokenizer, tmp_path
     assert mgr.last_turn("s").reused_tokens > 0
 
 
-def test_a_file_signed_anew_is_still_checked_against_the_model(tokenizer, tmp_path):
-    # Even with a valid checksum, a state that does not fit the model is refused:
-    # the file is rewritten with the slots swapped and its digest recomputed.
+def _swap_slots(metadata, cache, tensors):
+    layer = next(i for i, s in enumerate(cache["slots"]) if s)
+    cache["slots"][layer] = [["conv", 1]]
+
+
+def _nan_in_keys(metadata, cache, tensors):
+    tensors["layer.0.0"].view(-1)[0] = float("nan")
+
+
+def _empty_session_id(metadata, cache, tensors):
+    metadata["session_id"] = ""
+
+
+@pytest.mark.parametrize(
+    ("forge", "match"),
+    [
+        (_swap_slots, "recurrent tensors"),
+        (_nan_in_keys, "not finite"),
+        (_empty_session_id, "no usable session id"),
+    ],
+    ids=["slots", "nan", "session-id"],
+)
+def test_a_file_signed_anew_is_still_checked_against_the_model(forge, match, tokenizer, tmp_path):
+    """The checksum has no key: a file rewritten and its digest recomputed
+    passes it, and must still be refused whole, leaving the manager as it was."""
     from kvchat.tiers import session_file as persist
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -91,14 +113,15 @@ def test_a_file_signed_anew_is_still_checked_against_the_model(tokenizer, tmp_pa
         metadata = dict(f.metadata())
     tensors = load_file(str(path))
     cache = json.loads(metadata["cache"])
-    layer = next(i for i, s in enumerate(cache["slots"]) if s)
-    cache["slots"][layer] = [["conv", 1]]
+    forge(metadata, cache, tensors)
     metadata["cache"] = json.dumps(cache)
     metadata["sha256"] = persist._digest(metadata, tensors)
     forged = tmp_path / "forged.safetensors"
     save_file(tensors, str(forged), metadata=metadata)
-    with pytest.raises(SessionFileError, match="recurrent tensors"):
-        SessionManager(model, tokenizer).load(forged)
+    mgr = SessionManager(model, tokenizer)
+    with pytest.raises(SessionFileError, match=match):
+        mgr.load(forged)
+    assert mgr.sessions() == []
 
 
 @pytest.mark.slow
