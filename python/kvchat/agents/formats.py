@@ -31,7 +31,11 @@ class CallGrammar:
     ``name_close`` and the arguments, then ``call_close``. The arguments are
     one JSON object, or with ``xml`` (key_open, key_close, value_close) one
     tagged parameter each: key_open KEY key_close VALUE value_close, a string
-    written as its text and any other value as JSON."""
+    written as its text and any other value as JSON; or with
+    ``keyword_arguments``, ``key=VALUE`` joined by ", " (LFM2's Python
+    calls), a value written as the template writes it where the parser
+    reads that back (a plain string in single quotes, True, False, None)
+    and as JSON otherwise, which the parser also reads."""
 
     call_open: str
     call_close: str = ""
@@ -42,6 +46,7 @@ class CallGrammar:
     name_close: str = ""
     arguments_key: str = "arguments"
     xml: tuple[str, str, str] | None = None
+    keyword_arguments: bool = False
     # Booleans as the template writes them: Qwen's XML templates apply |string
     # to a scalar (True, False), GLM's tojson (true, false).
     python_scalars: bool = False
@@ -57,7 +62,8 @@ class ToolFormat:
     first character. ``spec``: the transformers ``response_template`` the
     section is parsed with; None for a reply that is one JSON object (Llama
     3.x), read whole. ``grammar``: how a constrained turn writes calls; None
-    where kvchat cannot constrain this markup (LFM2's Python arguments).
+    where kvchat cannot constrain this markup (a tokenizer's own
+    ``response_template``, whose markup kvchat does not know).
     """
 
     name: str
@@ -181,6 +187,16 @@ LFM2 = ToolFormat(  # LFM2 / LFM2.5: a Python list of calls
         "python-call-list",
         _EACH,
         transform_each=True,
+    ),
+    grammar=CallGrammar(
+        "",
+        ")",
+        separator=", ",
+        section_open="<|tool_call_start|>[",
+        section_close="]<|tool_call_end|>",
+        name_in_json=False,
+        name_close="(",
+        keyword_arguments=True,
     ),
 )
 MISTRAL_V11 = ToolFormat(  # Mistral Small 3.2, Devstral: [TOOL_CALLS]NAME[ARGS]{...}

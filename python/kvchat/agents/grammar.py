@@ -109,13 +109,16 @@ class Grammars:
         else:
             alternatives = []
             for i, tool in enumerate(tools):
-                if g.xml is None:
+                name = tool["function"]["name"]
+                if g.keyword_arguments:
+                    _check_python_name(name, tool, "tool name")
+                    rules.append(f"arguments_{i}: {self._keyword_arguments(tool, i, rules)}")
+                elif g.xml is None:
                     schema = {**_parameters(tool), "x-guidance": _JSON_STYLE}
                     rules.append(f"arguments_{i}: %json {json.dumps(schema)}")
                 else:
                     arguments = self._xml_arguments(g, tool, i, rules)
                     rules.append(f"arguments_{i}: {arguments}")
-                name = tool["function"]["name"]
                 alternatives.append(
                     self._seq(
                         g.call_open + name + g.name_close,
@@ -181,6 +184,50 @@ class Grammars:
             parts.append(part if key in required else f"({part})?")
         return " ".join(parts) or '""'
 
+    def _keyword_arguments(self, tool: dict, i: int, rules: list) -> str:
+        """Lark for a tool's parameters as Python keyword arguments
+        (``key=VALUE, ...``, LFM2), in the schema's order, the required ones
+        always. A value is written as LFM2's template writes it where the
+        parser reads that back the same (a plain string in single quotes, a
+        boolean as True or False, None), and as compact JSON otherwise, which
+        the parser also reads (JSON's true, false and null included)."""
+        schema = _parameters(tool)
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        pieces = []  # (Lark for key=VALUE, required)
+        for j, (key, prop) in enumerate(properties.items()):
+            _check_python_name(key, tool, "parameter")
+            value = f"value_{i}_{j}"
+            rules.append(f"{value}: {self._python_value(prop if isinstance(prop, dict) else {})}")
+            pieces.append((f"{self._literal(key + '=')} {value}", key in required))
+        if not pieces:
+            return '""'
+        # The parameters written, joined by ", ": after the first one written,
+        # each is ", " then itself; before it, an optional one may be left out.
+        later = [f'(", " {p})' + ("" if req else "?") for p, req in pieces]
+        first = '""'
+        for k in range(len(pieces) - 1, -1, -1):
+            piece, req = pieces[k]
+            written = " ".join([piece, *later[k + 1 :]])
+            first = written if req else f"({written}) | ({first})"
+        return first
+
+    def _python_value(self, prop: dict) -> str:
+        choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
+        types = _types(prop)
+        if choices and all(isinstance(c, str) for c in choices):
+            return " | ".join(self._literal(_python_string(c)) for c in choices)
+        constrained = {"pattern", "format", "minLength", "maxLength"} & set(prop)
+        if not choices and types == {"string"} and not constrained:
+            # Single quotes and no escapes, as the template writes it; no "<|",
+            # which would start the call's closing marker.
+            return r"/'([^'\\\n\r<]|<+[^'\\\n\r<|])*<*'/"
+        if not choices and types == {"boolean"}:
+            return '"True" | "False"'
+        if not choices and types == {"null"}:
+            return '"None"'
+        return f"%json {json.dumps({**_bounded(prop), 'x-guidance': _JSON_STYLE})}"
+
     def _text_until(self, close: str) -> tuple[str, str]:
         """(a rule body, after its name, for a string written as its text up
         to ``close``; what of ``close`` is left to write after it). The parser
@@ -230,6 +277,48 @@ class Grammars:
             elif piece:
                 parts.append(json.dumps(piece))
         return " ".join(parts)
+
+
+_PYTHON_INT = 2**53 - 1
+# A name transformers' python-call-list parser reads (tool and parameter names).
+_PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:[-.][A-Za-z0-9_]+)*")
+
+
+def _bounded(schema):
+    """``schema`` with every number within what the parser reads: it refuses
+    an integer literal beyond 2**53 - 1, which JSON for a number may write."""
+    if isinstance(schema, list):
+        return [_bounded(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bounded(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if kinds & {"integer", "number"}:
+        for key, limit, pick in (("minimum", -_PYTHON_INT, max), ("maximum", _PYTHON_INT, min)):
+            bound = schema.get(key)
+            numeric = isinstance(bound, (int, float)) and not isinstance(bound, bool)
+            out[key] = pick(bound, limit) if numeric else limit
+    return out
+
+
+def _check_python_name(name, tool: dict, what: str) -> None:
+    if not isinstance(name, str) or not _PYTHON_NAME.fullmatch(name):
+        raise GrammarError(
+            "tool_choice",
+            f"tools: {what} {name!r} of {tool['function']['name']!r} cannot be written in "
+            "this model's tool-call markup (a Python call: letters, digits and '_', "
+            "not starting with a digit)",
+        )
+
+
+def _python_string(text: str) -> str:
+    """``text`` as a Python string literal the parser reads back: in single
+    quotes as the template writes it, or as JSON where that would need an
+    escape."""
+    if any(c in text for c in "'\\\n\r"):
+        return json.dumps(text)
+    return f"'{text}'"
 
 
 def _types(prop: dict) -> set[str]:

@@ -5,8 +5,10 @@ with arguments their schemas allow, or as the JSON the schema allows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -58,7 +60,7 @@ ANSWER = {
     "required": ["ok"],
     "additionalProperties": False,
 }
-CONSTRAINABLE = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, QWEN_XML, GLM]
+CONSTRAINABLE = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, QWEN_XML, GLM, LFM2]
 
 
 def _grammars() -> Grammars:
@@ -148,8 +150,10 @@ def test_tools_beside_a_json_format_allow_a_call_or_the_json(fmt):
 
 
 def test_markup_kvchat_cannot_constrain_is_refused_by_name():
-    with pytest.raises(GrammarError, match=LFM2.name) as error:  # Python call arguments
-        _grammars().tool_calls(LFM2, TOOLS)
+    # A tokenizer's own response_template: kvchat does not know how it writes calls.
+    own = dataclasses.replace(HERMES, name="response_template", grammar=None)
+    with pytest.raises(GrammarError, match="response_template") as error:
+        _grammars().tool_calls(own, TOOLS)
     assert error.value.param == "tool_choice"
 
 
@@ -259,9 +263,10 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
         ]
 
 
-@pytest.mark.parametrize("template", ["Qwen3.5-4B", "GLM-4.6"])
-def test_a_forced_xml_call_is_plain_generates_and_reads_back(template):
-    """Forced calls on real XML templates, with the tiny float64 model."""
+@pytest.mark.parametrize("template", ["Qwen3.5-4B", "GLM-4.6", "LFM2.5-8B-A1B"])
+def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):
+    """Forced calls on real XML and Python-call templates, with the tiny
+    float64 model."""
     from helpers import model_for
 
     _forced_loop(template, model_for("llama"))
@@ -326,3 +331,82 @@ def test_xml_values_are_written_as_the_parser_reads_them_back():
     assert not _accepts(grammars, grammar, written.format("true"))
     with pytest.raises(GrammarError, match="'a>b'"):
         grammars.tool_calls(QWEN_XML, _one({"a>b": {"type": "integer"}}))
+
+
+def _lfm2_template_tokenizer():
+    from llama_cpp_models import fetch
+
+    template = (fetch() / "templates" / "LFM2.5-8B-A1B.jinja").read_text()
+    return tiny_tokenizer(chat_template=template)
+
+
+def test_python_call_arguments_are_written_as_the_template_renders_them_back():
+    """LFM2's calls are Python (``name(key=VALUE)``): what the grammar lets a
+    model write reads back typed by the schema, within the numbers the parser
+    reads (it refuses an integer literal past 2**53 - 1, which JSON for a
+    number or a nested integer may write), and is the text LFM2.5's template
+    renders when the call is sent back, so the next turn's prompt starts
+    with the reply as it was cached."""
+    grammars, tokenizer = _grammars(), _lfm2_template_tokenizer()
+    grammar = grammars.tool_calls(LFM2, [BOOKING], parallel=False)
+    notes, cities, same = set(), set(), 0
+    for seed in range(16):
+        text = _walk(grammars, grammar, seed, close="'")
+        parser = ToolCallParser(LFM2, [BOOKING])
+        parser.feed(text)
+        parser.finish()
+        assert parser.content == "" and len(parser.calls) == 1, text
+        arguments = json.loads(parser.calls[0].arguments)
+        assert type(arguments["nights"]) is int and type(arguments["guests"]["adults"]) is int
+        assert isinstance(arguments["city"], str) and isinstance(arguments["budget"], (int, float))
+        cities.add(arguments["city"])
+        notes.add("note" in arguments)
+        call = {"type": "function", "function": {"name": "book", "arguments": arguments}}
+        rendered = tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "Book it."},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+            ],
+            tokenize=False,
+        )
+        # A number JSON wrote with more digits than a float holds is rendered
+        # as Python prints it: that one value differs, nothing else.
+        written = re.search(r"budget=([^,)]+)", text)[1]
+        expected = text.replace(f"budget={written}", f"budget={arguments['budget']}")
+        assert expected + "<|im_end|>" in rendered, (text, rendered)
+        same += expected == text
+    assert notes == {True, False} and len(cities) > 8 and same > 8
+
+
+def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
+    """Strings the template would quote badly are JSON instead, a string never
+    spells the closing marker, booleans and None are Python's, and a name the
+    parser cannot read is refused by name."""
+    grammars = _grammars()
+    written = "<|tool_call_start|>[f(s={})]<|tool_call_end|>"
+    choices = _one({"s": {"enum": ["it's", "plain"]}})
+    grammar = grammars.tool_calls(LFM2, choices, parallel=False)
+    assert _accepts(grammars, grammar, written.format('"it\'s"'))
+    assert _accepts(grammars, grammar, written.format("'plain'"))
+    assert not _accepts(grammars, grammar, written.format("'it's'"))
+    strings = grammars.tool_calls(LFM2, _one({"s": {"type": "string"}}), parallel=False)
+    assert _accepts(grammars, strings, written.format("'a <b> | c<'"))
+    assert not _accepts(grammars, strings, written.format("'a<|tool_call_end|>'"))
+    flags = grammars.tool_calls(LFM2, _one({"s": {"type": "boolean"}}), parallel=False)
+    assert _accepts(grammars, flags, written.format("True"))
+    assert not _accepts(grammars, flags, written.format("true"))
+    optional = _one({"s": {"type": "integer"}, "t": {"type": "null"}})
+    optional[0]["function"]["parameters"]["required"] = ["t"]
+    grammar = grammars.tool_calls(LFM2, optional, parallel=False)
+    assert _accepts(grammars, grammar, "<|tool_call_start|>[f(t=None)]<|tool_call_end|>")
+    assert _accepts(grammars, grammar, "<|tool_call_start|>[f(s=3, t=None)]<|tool_call_end|>")
+    assert not _accepts(grammars, grammar, "<|tool_call_start|>[f(s=3)]<|tool_call_end|>")
+    big = "<|tool_call_start|>[f(s=9007199254740992, t=None)]<|tool_call_end|>"
+    assert not _accepts(grammars, grammar, big)
+    with pytest.raises(GrammarError, match="'1st'") as error:
+        grammars.tool_calls(LFM2, _one({"1st": {"type": "integer"}}))
+    assert error.value.param == "tool_choice"
+    renamed = _one({"s": {"type": "integer"}})
+    renamed[0]["function"]["name"] = "2fast"
+    with pytest.raises(GrammarError, match="'2fast'"):
+        grammars.tool_calls(LFM2, renamed)

@@ -44,15 +44,31 @@ def server(request):
     yield from start_server(f"tiny:{request.param}")
 
 
-def _grammars(family: str) -> Grammars:
+@pytest.fixture(scope="module")
+def lfm2_template_server(tmp_path_factory):
+    """``kvchat serve`` on a folder: the tiny LFM2 hybrid with LFM2.5's own
+    chat template, whose calls are Python (``[name(key=VALUE)]``)."""
+    folder = tmp_path_factory.mktemp("lfm2-template")
+    reference_model("lfm2").save_pretrained(folder)
+    _lfm2_tokenizer().save_pretrained(folder)
+    yield from start_server(str(folder))
+
+
+def _lfm2_tokenizer():
+    from llama_cpp_models import fetch
+
+    return tiny_tokenizer((fetch() / "templates" / "LFM2.5-8B-A1B.jinja").read_text())
+
+
+def _grammars(family: str, tokenizer=None) -> Grammars:
     """What the server builds its grammars with, for the reference."""
-    tokenizer, model = tiny_tokenizer(), reference_model(family)
+    tokenizer, model = tokenizer or tiny_tokenizer(), reference_model(family)
     return Grammars(tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config))
 
 
-def _grammar_processor(family: str, tools, parallel: bool):
-    grammars = _grammars(family)
-    grammar = grammars.tool_calls(detect(tiny_tokenizer()), tools, parallel)
+def _grammar_processor(family: str, tools, parallel: bool, tokenizer=None):
+    grammars = _grammars(family, tokenizer)
+    grammar = grammars.tool_calls(detect(tokenizer or tiny_tokenizer()), tools, parallel)
     return grammars.processor(grammar, "tool_choice")
 
 
@@ -60,17 +76,28 @@ def _last_output(server, session: str) -> tuple:
     return tuple(server.session(session)["last_turn"]["output_ids"])
 
 
-def _reference_ids(family, messages, max_new, **kwargs) -> tuple:
-    model = reference_model(family)
-    return reference_turn(model, tiny_tokenizer(), messages, max_new, tools=TOOLS, **kwargs)[2]
+def _reference_ids(family, messages, max_new, tokenizer=None, **kwargs) -> tuple:
+    model, tokenizer = reference_model(family), tokenizer or tiny_tokenizer()
+    return reference_turn(model, tokenizer, messages, max_new, tools=TOOLS, **kwargs)[2]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
-    family, client = family_of(server), server.client()
+    _tool_loop(server, family_of(server), tiny_tokenizer(), stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_forced_tool_loop_in_lfm2s_python_calls(lfm2_template_server, stream):
+    """The same loop on LFM2.5's template, whose forced calls the grammar
+    writes as Python, read back into JSON arguments, rendered back as Python."""
+    _tool_loop(lfm2_template_server, "lfm2", _lfm2_tokenizer(), stream, rounds=2)
+
+
+def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) -> None:
+    client = server.client()
     key = f"loop-{stream}"
     messages = [SYSTEM, {"role": "user", "content": "What should I wear today?"}]
-    for turn in range(3):
+    for turn in range(rounds):
         # The first turn of each round must call a tool; the next answers
         # (tool_choice back to auto, as the Agents SDK does after a tool ran).
         kwargs = dict(
@@ -89,9 +116,14 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
         name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
         tool = next(t for t in TOOLS if t["function"]["name"] == name)
         assert set(arguments) == set(tool["function"]["parameters"]["required"])
-        processor = _grammar_processor(family, TOOLS, parallel=False)
+        processor = _grammar_processor(family, TOOLS, parallel=False, tokenizer=tokenizer)
         expected = _reference_ids(
-            family, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+            family,
+            messages,
+            CALL_TOKENS,
+            tokenizer,
+            logits_processor=[processor],
+            suppress_tokens=None,
         )
         assert _last_output(server, key) == expected
         if turn:
@@ -103,7 +135,9 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
         message, finish, usage = _complete(
             client, stream, **{**kwargs, "tool_choice": "auto", "max_tokens": ANSWER_TOKENS}
         )
-        assert _last_output(server, key) == _reference_ids(family, messages, ANSWER_TOKENS)
+        assert _last_output(server, key) == _reference_ids(
+            family, messages, ANSWER_TOKENS, tokenizer
+        )
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
         messages += [message, {"role": "user", "content": f"And in {turn + 2} hours?"}]
         server.settled()  # the user's time to read and type
@@ -310,4 +344,19 @@ def test_bad_tools_are_refused_through_the_sdk_and_touch_no_session(server):
             client.chat.completions.create(**base, **extra, prompt_cache_key="bad")
         assert error.value.body["param"] == param, (extra, error.value.body)
         assert error.value.body["code"] == "invalid_value"
+    assert server.get("/v1/sessions").json()["data"] == before
+
+
+def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(lfm2_template_server):
+    """A tool or parameter name that is no Python name cannot be written in
+    LFM2's calls: forcing a call of it is a 400 naming it, with no session."""
+    server = lfm2_template_server
+    server.settled()
+    before = server.get("/v1/sessions").json()["data"]
+    digit_first = function_tool("2fast", "Fast.", {"x": {"type": "integer"}})
+    spaced = function_tool("slow", "Slow.", {"a b": {"type": "integer"}})
+    for tools, name in ((digit_first, "'2fast'"), (spaced, "'a b'")):
+        with pytest.raises(openai.BadRequestError) as error:
+            _create(server, "bad-name", [SYSTEM], 8, tools=[tools], tool_choice="required")
+        assert error.value.body["param"] == "tool_choice" and name in error.value.body["message"]
     assert server.get("/v1/sessions").json()["data"] == before
