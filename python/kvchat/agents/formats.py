@@ -76,6 +76,11 @@ class ToolFormat:
     closed: bool = True
     # Markup around the calls that is not content (Kimi's section markers).
     ignore: tuple[str, ...] = ()
+    # The whole reply is channels (gpt-oss's harmony): parsed from its first
+    # character, held to its end, and without a call its content is what its
+    # "final" channel says (and any text outside the channels), not the
+    # markup as it came.
+    channels: bool = False
 
     def new_id(self) -> str:
         if self.mistral_ids:
@@ -227,6 +232,59 @@ MISTRAL_V3 = ToolFormat(  # Mistral Nemo: [TOOL_CALLS][{"name": ..., "arguments"
     mistral_ids=True,
     closed=False,
 )
+# gpt-oss (harmony): messages in channels. The generation prompt is
+# "<|start|>assistant"; the model reasons in "analysis", may address the user
+# in "commentary", answers in "final", and calls a function in "commentary"
+# with a recipient, written after the role (as the template renders a call
+# sent back) or in the channel's header (as the model usually writes it).
+# "<|call|>" and "<|return|>" end the reply, so the decode drops them.
+_HARMONY_HEAD = r"(?:<\|start\|>assistant)?\s*"
+HARMONY = ToolFormat(
+    "harmony",
+    markers=(),
+    spec={
+        "defaults": {"role": "assistant"},
+        "start_anchor_pattern": r"\A",
+        "fields": {
+            "thinking": {
+                "open_pattern": _HARMONY_HEAD + r"<\|channel\|>analysis\s*<\|message\|>",
+                "close": "<|end|>",
+                "content": "text",
+                "repeats": True,
+                "join": "",
+            },
+            "tool_calls": {
+                "open_pattern": _HARMONY_HEAD
+                + r"(?:to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary"
+                + r"|<\|channel\|>commentary\s+to=functions\.(?P<name>[^\s<]+))"
+                + r"\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>",
+                "close": "<|call|>",
+                "repeats": True,
+                "content": "json",
+                "transform": _CALL,
+            },
+            "final": {
+                "open_pattern": _HARMONY_HEAD
+                + r"<\|channel\|>(?:final|commentary)\s*<\|message\|>",
+                "close_pattern": r"<\|end\|>|<\|return\|>",
+                "content": "text",
+                "repeats": True,
+                "join": "",
+            },
+            "content": {"content": "text"},  # text outside every channel
+        },
+    },
+    # The recipient after the role and no constraint token: as the template
+    # renders the call when it is sent back, so the settled history is the reply.
+    grammar=CallGrammar(
+        " to=functions.",
+        separator=None,  # one call a message
+        name_in_json=False,
+        name_close="<|channel|>commentary json<|message|>",
+    ),
+    closed=False,  # "<|call|>" ends the reply and is not decoded
+    channels=True,
+)
 LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}
     "llama3-json",
     markers=("<|python_tag|>", "{"),
@@ -252,6 +310,8 @@ def detect(tokenizer) -> ToolFormat | None:
         template = template.get("tool_use") or template.get("default")
     if not isinstance(template, str):
         return None
+    if "<|channel|>" in template and "<|call|>" in template:
+        return HARMONY
     if "<|tool_call_begin|>" in template:
         return KIMI
     if "<|tool_call_start|>" in template:

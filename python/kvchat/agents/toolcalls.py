@@ -104,7 +104,7 @@ class ToolCallParser:
             calls = [self._call(item) for item in items if not isinstance(item, str)]
         except (ValueError, TypeError, KeyError) as error:
             return self._fail(error)
-        if not calls:  # a marker and no call: the section is text
+        if not calls and not self._format.channels:  # a marker and no call: the section is text
             return self._fail(ValueError("no tool call in the section"))
         out = []
         for item in _joined(items):
@@ -162,7 +162,7 @@ class ToolCallParser:
     def _read(self, events: list[dict]) -> None:
         """Keeps the section's content pieces and parsed calls, in order."""
         for event in events:
-            if event["type"] == "region_chunk" and event["field"] == "content":
+            if event["type"] == "region_chunk" and event["field"] in ("content", "final"):
                 self._held.append(event["text"])
             elif event["type"] == "region_close" and event["field"] == "tool_calls":
                 value = event["value"]

@@ -17,6 +17,7 @@ from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
     APRIEL,
     GLM,
+    HARMONY,
     HERMES,
     KIMI,
     LFM2,
@@ -33,6 +34,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
+            "description": "The weather.",  # gpt-oss's template reads it
             "parameters": {
                 "type": "object",
                 "properties": {"unit": {"enum": ["c", "f"]}, "hourly": {"type": "boolean"}},
@@ -45,6 +47,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_time",
+            "description": "The time.",
             "parameters": {
                 "type": "object",
                 "properties": {"zone": {"enum": ["utc", "local"]}},
@@ -60,7 +63,18 @@ ANSWER = {
     "required": ["ok"],
     "additionalProperties": False,
 }
-CONSTRAINABLE = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, QWEN_XML, GLM, LFM2]
+CONSTRAINABLE = [
+    HERMES,
+    APRIEL,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    KIMI,
+    LLAMA3_JSON,
+    QWEN_XML,
+    GLM,
+    LFM2,
+    HARMONY,
+]
 
 
 def _grammars() -> Grammars:
@@ -118,7 +132,7 @@ def test_what_a_tool_grammar_lets_a_model_write_parses_as_calls(fmt, parallel):
         assert calls and all(_allowed(c) for c in calls), text
         assert content.strip() == "", text
         counts.add(len(calls))
-    if not parallel or fmt is LLAMA3_JSON:  # Llama writes one call a reply
+    if not parallel or fmt in (LLAMA3_JSON, HARMONY):  # one call a reply
         assert counts == {1}
 
 
@@ -263,7 +277,9 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
         ]
 
 
-@pytest.mark.parametrize("template", ["Qwen3.5-4B", "GLM-4.6", "LFM2.5-8B-A1B"])
+@pytest.mark.parametrize(
+    "template", ["Qwen3.5-4B", "GLM-4.6", "LFM2.5-8B-A1B", "openai-gpt-oss-120b"]
+)
 def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):
     """Forced calls on real XML and Python-call templates, with the tiny
     float64 model."""

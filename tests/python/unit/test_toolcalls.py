@@ -11,7 +11,7 @@ import json
 
 import pytest
 from kvchat.agents import Content, ToolCall, ToolCallParser, detect
-from kvchat.agents.formats import HERMES, LLAMA3_JSON, ToolFormat
+from kvchat.agents.formats import HARMONY, HERMES, LLAMA3_JSON, ToolFormat
 from kvchat.prompting import render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import fetch
@@ -61,9 +61,11 @@ CASES = {
     "meta-llama-Llama-3.1-8B-Instruct": "llama3-json",
     "meta-llama-Llama-3.2-3B-Instruct": "llama3-json",
     "meta-llama-Llama-3.3-70B-Instruct": "llama3-json",
+    "openai-gpt-oss-120b": "harmony",
 }
 # What a model ends its turn with, in these templates (the reply is cut there).
 ENDS = (
+    "<|call|>",
     "<|im_end|>",
     "<|eot_id|>",
     "<|end_of_text|>",
@@ -107,9 +109,10 @@ def _rendered_reply(template: str, content: str) -> tuple[str, int]:
                 tools=[WEATHER],
                 tokenize=False,
             )
-            break
         except Exception:  # a template that takes one call at a time (Llama 3.x)
             continue
+        if count == 1 or "Rome" in full:  # not one that renders only the first (gpt-oss)
+            break
     # Where the history departs from the prompt (a template that rewrites its
     # generation prompt, an opening <think> say, departs inside it): from the
     # end of the line or tag before.
@@ -149,7 +152,6 @@ def test_the_format_is_chosen_from_the_template(template):
         "google-gemma-2-2b-it",  # no tools at all
         "microsoft-Phi-3.5-mini-instruct",
         "MiniMax-M3",  # <invoke name=...> inside <tool_call>: not Hermes JSON
-        "openai-gpt-oss-120b",  # harmony channels: not parsed (docs/agents.md)
     ],
 )
 def test_a_template_whose_markup_kvchat_does_not_read_has_no_format(template):
@@ -173,8 +175,10 @@ def test_rendered_calls_parse_back_whole_and_split_at_every_position(template):
 
 
 # Templates that drop an assistant's content beside its tool calls (and
-# Llama's, whose call is the whole reply).
+# Llama's, whose call is the whole reply; gpt-oss's, which renders it as its
+# reasoning, held with the reply to its end).
 NO_CONTENT = {
+    "openai-gpt-oss-120b",
     "Mistral-Small-3.2-24B-Instruct-2506",
     "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
@@ -341,3 +345,50 @@ def test_a_template_that_writes_text_arguments_keeps_them_as_sent(template):
         {"role": "assistant", "content": "", "tool_calls": [call]},
     ]
     assert compact in render_text(tokenizer, messages, [WEATHER])
+
+
+# gpt-oss's replies as it writes them (the decode drops "<|call|>" and
+# "<|return|>", which end the reply): reasoning, then a call addressed in the
+# channel's header, or a preamble and a call, or an answer.
+HARMONY_REPLIES = {
+    "reasoned call": (
+        "<|channel|>analysis<|message|>The user wants Paris.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+        '<|constrain|>json<|message|>{"city": "Paris", "days": 3}',
+        "",
+        [{"city": "Paris", "days": 3}],
+    ),
+    "preamble and call": (
+        "<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather json"
+        '<|message|>{"city": "Rome", "days": 1}',
+        "Checking the forecast.",
+        [{"city": "Rome", "days": 1}],
+    ),
+    "answer": (
+        "<|channel|>analysis<|message|>Easy.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.",
+        "It is sunny in Paris.",
+        [],
+    ),
+    "no channels": ("It is sunny in Paris.", "It is sunny in Paris.", []),
+}
+
+
+@pytest.mark.parametrize("reply", sorted(HARMONY_REPLIES))
+def test_harmony_channels_give_the_call_or_the_final_answer(reply):
+    """The analysis channel is reasoning, not content; a call is read from
+    a commentary channel with a recipient; content is the final (or the
+    commentary preamble's) text, whole or split at every position."""
+    text, content, arguments = HARMONY_REPLIES[reply]
+    for pieces in [[text]] + [[text[:i], text[i:]] for i in range(1, len(text))]:
+        got, calls, _ = _parse(HARMONY, pieces)
+        assert (got, _arguments(calls)) == (content, arguments), pieces
+
+
+def test_a_harmony_call_cut_short_stays_its_text():
+    """Cut inside its JSON (max_tokens), the call is the reply's text."""
+    text = HARMONY_REPLIES["reasoned call"][0]
+    cut = text[: text.index('"Paris') + 4]
+    content, calls, _ = _parse(HARMONY, list(cut))
+    assert calls == [] and content == cut
