@@ -235,7 +235,7 @@ MISTRAL_V3 = ToolFormat(  # Mistral Nemo: [TOOL_CALLS][{"name": ..., "arguments"
 # gpt-oss (harmony): messages in channels. The generation prompt is
 # "<|start|>assistant"; the model reasons in "analysis", may address the user
 # in "commentary", answers in "final", and calls a function in "commentary"
-# with a recipient, written after the role (as the template renders a call
+# (at times "analysis") with a recipient, written after the role (as the template renders a call
 # sent back) or in the channel's header (as the model usually writes it).
 # "<|call|>" and "<|return|>" end the reply, so the decode drops them.
 _HARMONY_HEAD = r"(?:<\|start\|>assistant)?\s*"
@@ -255,8 +255,8 @@ HARMONY = ToolFormat(
             },
             "tool_calls": {
                 "open_pattern": _HARMONY_HEAD
-                + r"(?:to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary"
-                + r"|<\|channel\|>commentary\s+to=functions\.(?P<name>[^\s<]+))"
+                + r"(?:to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>(?:commentary|analysis)"
+                + r"|<\|channel\|>(?:commentary|analysis)\s+to=functions\.(?P<name>[^\s<]+))"
                 + r"\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>",
                 "close": "<|call|>",
                 "repeats": True,
@@ -283,6 +283,7 @@ HARMONY = ToolFormat(
         name_close="<|channel|>commentary json<|message|>",
     ),
     closed=False,  # "<|call|>" ends the reply and is not decoded
+    ignore=("<|start|>assistant",),  # a next message's head, cut short
     channels=True,
 )
 LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}

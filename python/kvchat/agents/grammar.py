@@ -168,7 +168,8 @@ class Grammars:
                 if types == {"boolean"} and g.python_scalars:
                     rules.append(f'{value}: "True" | "False"')
                 else:
-                    schema_text = json.dumps({**prop, "x-guidance": _JSON_STYLE})
+                    value_schema = {**prop, **_definitions(schema), "x-guidance": _JSON_STYLE}
+                    schema_text = json.dumps(value_schema)
                     rules.append(f"{value}: %json {schema_text}")
             elif choices:  # text the parser would not cast back to these values
                 raise GrammarError(
@@ -198,7 +199,8 @@ class Grammars:
         for j, (key, prop) in enumerate(properties.items()):
             _check_python_name(key, tool, "parameter")
             value = f"value_{i}_{j}"
-            rules.append(f"{value}: {self._python_value(prop if isinstance(prop, dict) else {})}")
+            prop = prop if isinstance(prop, dict) else {}
+            rules.append(f"{value}: {self._python_value(prop, _definitions(schema))}")
             pieces.append((f"{self._literal(key + '=')} {value}", key in required))
         if not pieces:
             return '""'
@@ -212,7 +214,7 @@ class Grammars:
             first = written if req else f"({written}) | ({first})"
         return first
 
-    def _python_value(self, prop: dict) -> str:
+    def _python_value(self, prop: dict, definitions: dict) -> str:
         choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
         types = _types(prop)
         if choices and all(isinstance(c, str) for c in choices):
@@ -226,7 +228,9 @@ class Grammars:
             return '"True" | "False"'
         if not choices and types == {"null"}:
             return '"None"'
-        return f"%json {json.dumps({**_bounded(prop), 'x-guidance': _JSON_STYLE})}"
+        value = _bounded({**prop, **definitions})
+        value["$defs"] = {**value.get("$defs", {}), _ANY: _BOUNDED_ANY}
+        return f"%json {json.dumps({**value, 'x-guidance': _JSON_STYLE})}"
 
     def _text_until(self, close: str) -> tuple[str, str]:
         """(a rule body, after its name, for a string written as its text up
@@ -265,7 +269,12 @@ class Grammars:
         model writes), the rest as strings."""
         if not text:
             return ""
-        specials = sorted(set(getattr(self._tokenizer, "all_special_tokens", ())), key=len)
+        # Markers a tokenizer added as special tokens (gpt-oss's "<|channel|>",
+        # LFM2's "<|tool_call_start|>") are not all in all_special_tokens.
+        added = getattr(self._tokenizer, "added_tokens_decoder", {}).values()
+        specials = set(getattr(self._tokenizer, "all_special_tokens", ()))
+        specials |= {t.content for t in added if getattr(t, "special", False)}
+        specials = sorted(specials, key=len)
         specials = [s for s in reversed(specials) if s and s in text]  # longest first
         if not specials:
             return json.dumps(text)
@@ -284,17 +293,55 @@ _PYTHON_INT = 2**53 - 1
 _PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:[-.][A-Za-z0-9_]+)*")
 
 
+# Any JSON value whose numbers, however deep, the parser reads: what
+# ``_bounded`` puts where a schema allows any value inside an object or array.
+_ANY = "kvchat_bounded_any"
+_BOUNDED_ANY = {
+    "minimum": -(2**53 - 1),
+    "maximum": 2**53 - 1,
+    "items": {"$ref": f"#/$defs/{_ANY}"},
+    "additionalProperties": {"$ref": f"#/$defs/{_ANY}"},
+}
+
+
+def _bounded_any(schema):
+    return {"$ref": f"#/$defs/{_ANY}"} if schema is True or schema == {} else _bounded(schema)
+
+
+def _definitions(schema: dict) -> dict:
+    """The arguments schema's definitions, which a parameter's schema, compiled
+    on its own, refers to (``#/$defs/...``, as pydantic writes them)."""
+    return {key: schema[key] for key in ("$defs", "definitions") if key in schema}
+
+
 def _bounded(schema):
-    """``schema`` with every number within what the parser reads: it refuses
-    an integer literal beyond 2**53 - 1, which JSON for a number may write."""
-    if isinstance(schema, list):
-        return [_bounded(item) for item in schema]
+    """``schema`` with every number it allows within what the parser reads:
+    it refuses an integer literal beyond 2**53 - 1 and a float that
+    overflows, which JSON for a number, or for a value of any type, may
+    write. Walks the subschemas that hold values (properties, items, ...)."""
+    if schema is True:
+        schema = {}
     if not isinstance(schema, dict):
         return schema
-    out = {key: _bounded(value) for key, value in schema.items()}
+    out = dict(schema)
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _bounded(sub) for name, sub in schema[key].items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(schema.get(key), list):
+            out[key] = [_bounded(sub) for sub in schema[key]]
+    if "$ref" in schema:  # bounded where it is defined ($defs, walked above)
+        return out
     kind = schema.get("type")
-    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
-    if kinds & {"integer", "number"}:
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+    # A value of any type may be an object, an array or a number.
+    if kinds is None or "object" in kinds:
+        if schema.get("additionalProperties", True) is not False:
+            out["additionalProperties"] = _bounded_any(schema.get("additionalProperties", True))
+    if kinds is None or "array" in kinds:
+        if isinstance(schema.get("items", True), dict) or schema.get("items", True) is True:
+            out["items"] = _bounded_any(schema.get("items", True))
+    if kinds is None or kinds & {"integer", "number"}:
         for key, limit, pick in (("minimum", -_PYTHON_INT, max), ("maximum", _PYTHON_INT, min)):
             bound = schema.get(key)
             numeric = isinstance(bound, (int, float)) and not isinstance(bound, bool)
@@ -308,7 +355,7 @@ def _check_python_name(name, tool: dict, what: str) -> None:
             "tool_choice",
             f"tools: {what} {name!r} of {tool['function']['name']!r} cannot be written in "
             "this model's tool-call markup (a Python call: letters, digits and '_', "
-            "not starting with a digit)",
+            "with '-' or '.' only between them, not starting with a digit)",
         )
 
 

@@ -419,6 +419,22 @@ def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
     assert not _accepts(grammars, grammar, "<|tool_call_start|>[f(s=3)]<|tool_call_end|>")
     big = "<|tool_call_start|>[f(s=9007199254740992, t=None)]<|tool_call_end|>"
     assert not _accepts(grammars, grammar, big)
+    # Any value (no type, an array or object of anything): numbers bounded at
+    # every depth, so what the grammar allows the parser reads.
+    anything = grammars.tool_calls(LFM2, _one({"s": {}}), parallel=False)
+    for value in ('[1, "a", true, null]', '{"a": [1, {"b": -2.5}]}', '"s"', "null"):
+        assert _accepts(grammars, anything, written.format(value)), value
+    for value in ("12345678901234567890", "[1, [12345678901234567890]]", "1e400"):
+        assert not _accepts(grammars, anything, written.format(value)), value
+        assert not _accepts(grammars, anything, written.format(f'{{"a": {value}}}')), value
+    with pytest.raises(GrammarError, match="nsatisfiable"):  # a constant it cannot read
+        grammars.processor(grammars.tool_calls(LFM2, _one({"s": {"const": 2**60}})), "x")
+    # A parameter that refers to the arguments schema's $defs (as pydantic writes).
+    referring = _one({"s": {"$ref": "#/$defs/P"}})
+    referring[0]["function"]["parameters"]["$defs"] = {"P": {"type": "boolean"}}
+    grammar = grammars.tool_calls(LFM2, referring, parallel=False)
+    assert _accepts(grammars, grammar, written.format("true"))
+    assert not _accepts(grammars, grammar, written.format("1"))
     with pytest.raises(GrammarError, match="'1st'") as error:
         grammars.tool_calls(LFM2, _one({"1st": {"type": "integer"}}))
     assert error.value.param == "tool_choice"

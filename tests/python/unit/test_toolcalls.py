@@ -365,6 +365,16 @@ HARMONY_REPLIES = {
         "Checking the forecast.",
         [{"city": "Rome", "days": 1}],
     ),
+    "call from analysis": (
+        '<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}',
+        "",
+        [{"city": "Oslo"}],
+    ),
+    "reasoning cut short after its message": (
+        "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant",
+        "",
+        [],
+    ),
     "answer": (
         "<|channel|>analysis<|message|>Easy.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.",
@@ -392,3 +402,17 @@ def test_a_harmony_call_cut_short_stays_its_text():
     cut = text[: text.index('"Paris') + 4]
     content, calls, _ = _parse(HARMONY, list(cut))
     assert calls == [] and content == cut
+
+
+def test_markers_a_tokenizer_added_as_special_tokens_are_written_as_those_tokens():
+    """gpt-oss's and LFM2's markers are added special tokens, not all in
+    all_special_tokens: a forced call writes the token the model was
+    trained on, not the marker spelled out in pieces."""
+    from kvchat.agents.grammar import Grammars
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken("<|channel|>", special=True)])
+    channel = tokenizer.convert_tokens_to_ids("<|channel|>")
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    assert grammars._literal("a<|channel|>b") == f'"a" <[{channel}]> "b"'
