@@ -240,8 +240,12 @@ int64_t SessionManager::share_prefix(ChatSession& session, const int64_t* prompt
   }
   if (donor) {
     // Cut at a message boundary, so sessions that differ after the system
-    // prompt all land on the same prefix instead of one each.
-    const int64_t cut = last_turn_boundary(prompt, n, donor_common, settings_.markers);
+    // prompt all land on the same prefix instead of one each. A text with no
+    // boundary in reach (a text completion, a few-shot header) is cut at a
+    // multiple of the minimum instead: prompts that differ a little after a
+    // common header still land on one or two prefixes, not one each.
+    int64_t cut = last_turn_boundary(prompt, n, donor_common, settings_.markers);
+    if (cut < min_tokens) cut = donor_common - donor_common % min_tokens;
     SharedPrefixPtr made =
         cut >= min_tokens && cut > have ? donor->export_prefix(prompt, cut) : nullptr;
     if (made) {

@@ -82,7 +82,8 @@ class SessionManager(SessionAdmin):
             whole turns after the system prompt until it fits.
         share_prefixes: a session with less cached than another resident
             session holds of its prompt starts from that prefix (cut at a
-            message boundary, at least ``min_shared_tokens`` long), and the
+            message boundary, at least ``min_shared_tokens`` long; in text with
+            no boundary, at a multiple of ``min_shared_tokens``), and the
             sessions then hold it once. Off: every session keeps its own copy.
         spill_dir: a folder where evicted sessions' caches are written; a
             session's next turn reads its file back when the measured load

@@ -227,6 +227,27 @@ TEST(SharedPrefixManager, ATurnInFlightKeepsThePrefixItsPlanHolds) {
   EXPECT_EQ(mgr->stats().shared_prefixes, 1);
 }
 
+TEST(SharedPrefixManager, TextWithoutMessageBoundariesSharesAtAMultipleOfTheMinimum) {
+  // Text completions: a common header and no end-of-message token anywhere.
+  auto mgr = sharing_manager();  // a minimum of 4 tokens
+  std::vector<int64_t> header{20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30};
+  auto text = [&](std::vector<int64_t> tail) {
+    auto ids = header;
+    ids.insert(ids.end(), tail.begin(), tail.end());
+    return ids;
+  };
+  commit(*mgr, "a", text({40, 41, 42}));
+  auto lease_b = mgr->acquire("b");
+  EXPECT_EQ(share(*mgr, *lease_b, text({50, 51})), 8);  // 11 in common, cut at 8
+  // A third text that differs later still lands on the same prefix.
+  auto lease_c = mgr->acquire("c");
+  EXPECT_EQ(share(*mgr, *lease_c, text({60, 61, 62})), 8);
+  EXPECT_EQ(mgr->stats().shared_prefixes, 1);
+  // Fewer tokens in common than the minimum: nothing.
+  auto lease_d = mgr->acquire("d");
+  EXPECT_EQ(share(*mgr, *lease_d, std::vector<int64_t>{20, 21, 22, 99, 98, 97}), 0);
+}
+
 TEST(SharedPrefixManager, NoShareBelowTheMinimumOrWhenOwnCacheIsBetter) {
   auto mgr = sharing_manager();
   commit(*mgr, "a", conversation(50, 12));

@@ -54,7 +54,7 @@ struct ManagerLimits {
   int64_t num_layers = 0;        // layers every commit must provide (0: any)
   CheckpointPolicy checkpoints;  // per session; checkpoint bytes count toward max_cache_bytes
   // Sessions share prefixes of at least this many tokens, cut at a message
-  // boundary; 0 turns sharing off.
+  // boundary (where there is none, at a multiple of this); 0 turns sharing off.
   int64_t min_shared_tokens = 0;
   // Keep what eviction drops in a queue (take_evicted) for spilling to disk.
   bool keep_evicted = false;

@@ -3,8 +3,9 @@ template. It runs as a chat request whose prompt is the text, so it gets the
 same checks (sampling, ``stop``, ``max_tokens``) and errors. Its turn runs on
 the session ``prompt_cache_key`` or ``user`` names (never one that holds a
 chat), else on the session whose prompt and completion the prompt continues,
-else on a new one. Prefixes are not shared between text sessions: the core
-shares at message boundaries, and a text has none."""
+else on a new one, which starts from another text session's prefix where they
+share one (the core cuts a text, which has no message boundary, at a multiple
+of ``min_shared_tokens``)."""
 
 from __future__ import annotations
 

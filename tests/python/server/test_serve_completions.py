@@ -83,6 +83,37 @@ def test_a_named_completion_session_writes_plain_generates_tokens(server):
         prompt = f"{prompt}{text} Next,"
 
 
+FEW_SHOT = "".join(
+    f"Q: What do the {thing} do at dawn?\nA: They {act}.\n\n"
+    for thing, act in [("gulls", "circle the boats"), ("boats", "go out"), ("nets", "dry")] * 3
+)
+
+
+def test_text_prompts_with_a_common_header_share_it(server):
+    """Keyless text prompts that share a few-shot header and differ in their
+    last question: each is a session of its own, and on an attention model a
+    later one starts from the header, cut at a multiple of the minimum (32
+    tokens; a text has no message boundary to cut at), exactly as plain
+    generate writes. A hybrid shares no text prefix: its recurrent state
+    exists only at checkpoints, and none lies at such a cut."""
+    client, tokenizer = server.client(), tiny_tokenizer()
+    family = server.model.partition(":")[2]
+    first = f"{FEW_SHOT}Q: What does the lighthouse do at dawn?\nA:"
+    client.completions.create(model=server.model, prompt=first, max_tokens=4, temperature=0)
+    for question in ("the harbour master", "the old ferry"):
+        prompt = f"{FEW_SHOT}Q: What does {question} do at dawn?\nA:"
+        kwargs = dict(model=server.model, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        response = client.completions.create(**kwargs)
+        assert response.choices[0].text == _plain(server, prompt)[0]
+        ids, held = tokenizer(prompt)["input_ids"], tokenizer(first)["input_ids"]
+        common = next(i for i, (a, b) in enumerate(zip(ids, held, strict=False)) if a != b)
+        cached = response.usage.prompt_tokens_details.cached_tokens
+        if family == "llama":
+            assert cached >= common - common % 32 > 64, (cached, common)
+        else:
+            assert cached == 0
+
+
 def test_a_completion_on_a_chat_session_is_refused_and_changes_nothing(server):
     client = server.client()
     messages = [{"role": "user", "content": "Hello"}]
