@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from ..agents.streamed_calls import CallStart
+
 
 def completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
@@ -32,20 +34,23 @@ def message(content: str, calls: list) -> dict:
 
 
 def tool_call_deltas(index: int, call) -> list[dict]:
-    """A streamed call: its index, id and name, then its arguments."""
-    return [
-        {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            ]
-        },
-        {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
-    ]
+    """A call given out whole: its index, id and name, then its arguments."""
+    return [call_start(CallStart(index, call.id, call.name)), call_arguments(index, call.arguments)]
+
+
+def call_start(start: CallStart) -> dict:
+    """A streamed call's first delta: its index, id, type and name."""
+    function = {"name": start.name, "arguments": ""}
+    return {
+        "tool_calls": [
+            {"index": start.index, "id": start.id, "type": "function", "function": function}
+        ]
+    }
+
+
+def call_arguments(index: int, text: str) -> dict:
+    """A piece of call ``index``'s arguments."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
 def completion(cid: str, model: str, message: dict, finish_reason: str, report) -> dict:

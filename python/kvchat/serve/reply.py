@@ -8,6 +8,7 @@ import threading
 from starlette.responses import StreamingResponse
 
 from ..agents import Content, ToolCall, ToolCallParser, ToolFormat
+from ..agents.streamed_calls import CallStream, streamable
 from . import chat_response
 
 DONE = object()
@@ -16,7 +17,10 @@ DONE = object()
 class Reply:
     """A turn's stream as the client gets it: ``next_items()`` gives the
     next ``Content`` and ``ToolCall`` items (an empty list while text is held
-    back), then ``DONE``."""
+    back), then ``DONE``. A forced call (a tool-call grammar in a format whose
+    arguments are JSON) also gives ``CallStart`` and ``CallArguments`` items
+    as it is written; its ``ToolCall`` at the end carries the same id and
+    arguments."""
 
     def __init__(self, stream, first, chat, max_tokens, session, ns, fmt):
         self.stream, self.chat, self.session, self.ns = stream, chat, session, ns
@@ -25,6 +29,9 @@ class Reply:
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
         self._trim = StopTrimmer(chat.stop)
         self._parser = ToolCallParser(fmt, chat.tools) if fmt is not None else None
+        # A forced call is certain from its name on: followed as it is written.
+        forced = chat.tool_choice == "required" and streamable(fmt)
+        self._follow = CallStream(fmt) if forced else None
         self._ended = False  # the stream's end was seen: never ask it again
         self.text = ""  # the reply as sent, before tool calls are read out of it
         self.content = ""
@@ -65,6 +72,10 @@ class Reply:
             items = [Content(text)] if text else []
         else:
             items = self._parser.feed(text) + (self._parser.finish() if final else [])
+        if self._follow is not None:
+            started = self._follow.feed(text)
+            calls = self._follow.settle([i for i in items if isinstance(i, ToolCall)])
+            items = started + [calls.pop(0) if isinstance(i, ToolCall) else i for i in items]
         if not self.chat.parallel_tool_calls:  # one call at most: the first
             kept: list = []
             for item in items:
@@ -75,7 +86,7 @@ class Reply:
         for item in items:
             if isinstance(item, ToolCall):
                 self.calls.append(item)
-            else:
+            elif isinstance(item, Content):
                 self.content += item.text
         return items
 

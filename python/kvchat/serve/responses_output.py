@@ -7,6 +7,7 @@ import time
 import uuid
 
 from ..agents import ToolCall
+from ..agents.streamed_calls import CallArguments, CallStart
 from .responses_request import ResponsesRequest
 
 
@@ -101,6 +102,8 @@ class Output:
         self._message: dict | None = None  # the message item being written
         self._text = ""
         self._blank = ""  # whitespace not given out yet
+        self._started: list[tuple[str, int]] = []  # calls given out as written: (id, index)
+        self._ended = 0  # of them, how many are done
 
     def event(self, kind: str, **fields) -> dict:
         out = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -110,7 +113,18 @@ class Output:
     def feed(self, items: list) -> list[dict]:
         events: list[dict] = []
         for item in items:
-            if isinstance(item, ToolCall):
+            if isinstance(item, CallStart):
+                self._blank = ""
+                events += self._close_message() + self._start_call(item)
+            elif isinstance(item, CallArguments):
+                where = {
+                    "item_id": self._started[item.index][0],
+                    "output_index": self._started[item.index][1],
+                }
+                events.append(
+                    self.event("response.function_call_arguments.delta", **where, delta=item.text)
+                )
+            elif isinstance(item, ToolCall):
                 self._blank = ""
                 events += self._close_message() + self._call(item)
             elif item.text:
@@ -177,18 +191,32 @@ class Output:
             self.event("response.output_item.done", output_index=index, item=done),
         ]
 
+    def _start_call(self, start: CallStart) -> list[dict]:
+        """A call given out as it is written: its item, arguments to come."""
+        item_id, index = new_id("fc"), len(self.items) + len(self._started) - self._ended
+        self._started.append((item_id, index))
+        begun = call_item(item_id, ToolCall(start.id, start.name, ""), "in_progress")
+        return [self.event("response.output_item.added", output_index=index, item=begun)]
+
     def _call(self, call: ToolCall) -> list[dict]:
-        item_id, index = new_id("fc"), len(self.items)
+        if self._ended < len(self._started):  # its item and arguments are out
+            (item_id, index), self._ended = self._started[self._ended], self._ended + 1
+            opened = []
+        else:
+            item_id, index = new_id("fc"), len(self.items)
+            where = {"item_id": item_id, "output_index": index}
+            opened = [
+                self.event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item=call_item(item_id, call, "in_progress"),
+                ),
+                self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            ]
         done = call_item(item_id, call)
         self.items.append(done)
         where = {"item_id": item_id, "output_index": index}
-        return [
-            self.event(
-                "response.output_item.added",
-                output_index=index,
-                item=call_item(item_id, call, "in_progress"),
-            ),
-            self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+        return opened + [
             self.event(
                 "response.function_call_arguments.done",
                 **where,

@@ -360,3 +360,32 @@ def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(lfm2_template_
             _create(server, "bad-name", [SYSTEM], 8, tools=[tools], tool_choice="required")
         assert error.value.body["param"] == "tool_choice" and name in error.value.body["message"]
     assert server.get("/v1/sessions").json()["data"] == before
+
+
+def test_a_forced_calls_arguments_stream_as_they_are_written(server):
+    """Under a tool-call grammar the call is certain from its name on: the
+    stream gives its index, id and name first, then its arguments in pieces
+    as the model writes them, which join into the arguments the same request
+    answered whole has (both are plain generate's tokens)."""
+    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
+    kwargs = dict(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=_named("get_weather"),
+        parallel_tool_calls=False,
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+    )
+    deltas = []
+    for chunk in server.client().chat.completions.create(**kwargs, stream=True, user="pieces"):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+    first, pieces = deltas[0], [d.function.arguments for d in deltas[1:]]
+    assert first.id and first.function.name == "get_weather" and first.function.arguments == ""
+    assert {d.index for d in deltas} == {0} and not any(d.id for d in deltas[1:])
+    assert len(pieces) > 2, pieces
+    whole = server.client().chat.completions.create(**kwargs, user="whole")
+    (call,) = whole.choices[0].message.tool_calls
+    assert "".join(pieces) == call.function.arguments
+    assert set(json.loads(call.function.arguments)) == {"unit", "hourly"}

@@ -77,11 +77,15 @@ def _output_ids(server, key: str) -> tuple:
     return tuple(server.session(key)["last_turn"]["output_ids"])
 
 
+LAST_EVENTS: list = []  # the last streamed response's events
+
+
 def _stream(client, **kwargs):
     with client.responses.stream(**kwargs) as events:
         seen = list(events)
         final = events.get_final_response()
     _check_order(seen, final)
+    LAST_EVENTS[:] = seen
     return final
 
 
@@ -114,10 +118,14 @@ def _check_order(events, final) -> None:
             )
             assert deltas == item.content[0].text
         else:
-            expected += [
-                ("response.function_call_arguments.delta", index),
-                ("response.function_call_arguments.done", index),
+            pieces = [
+                e.delta
+                for e in events
+                if e.type == "response.function_call_arguments.delta" and e.output_index == index
             ]
+            assert pieces and "".join(pieces) == item.arguments
+            expected += [("response.function_call_arguments.delta", index)] * len(pieces)
+            expected.append(("response.function_call_arguments.done", index))
         expected.append(("response.output_item.done", index))
     middle = [(e.type, e.output_index) for e in events[2:-1]]
     assert middle == expected
@@ -149,6 +157,9 @@ def test_a_tool_loop_by_previous_response_id_is_exact_and_reuses(server, stream)
         assert first.status == "completed"
         (call,) = first.output
         assert call.type == "function_call" and call.name == "get_weather"
+        if stream:  # a forced call's arguments go out as they are written
+            kinds = [e.type for e in LAST_EVENTS]
+            assert kinds.count("response.function_call_arguments.delta") > 1, kinds
         assert set(json.loads(call.arguments)) == {"unit", "hourly"}
         expected = _reference_reply(server, messages, [WEATHER], CALL_TOKENS, grammar="tool")
         assert _output_ids(server, key) == expected

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from ...agents import ToolCall
+from ...agents.streamed_calls import CallArguments, CallStart
 from .. import chat_response
 from ..chat_request import header_value, parse_chat_request
 from ..errors import APIError
@@ -47,7 +48,7 @@ def register(app: FastAPI, ctx: AppContext) -> None:
 async def stream_body(turns: TurnRunner, turn: Reply, cid: str):
     model = turn.chat.model
     finished = False
-    calls = 0
+    calls, started = 0, 0  # calls given out; of them, started as they were written
     try:
         yield sse(chat_response.chunk(cid, model, {"role": "assistant", "content": ""}))
         while True:
@@ -55,9 +56,16 @@ async def stream_body(turns: TurnRunner, turn: Reply, cid: str):
             if items is DONE:
                 break
             for item in items:
-                if isinstance(item, ToolCall):
-                    for delta in chat_response.tool_call_deltas(calls, item):
-                        yield sse(chat_response.chunk(cid, model, delta))
+                if isinstance(item, CallStart):
+                    yield sse(chat_response.chunk(cid, model, chat_response.call_start(item)))
+                    started += 1
+                elif isinstance(item, CallArguments):
+                    delta = chat_response.call_arguments(item.index, item.text)
+                    yield sse(chat_response.chunk(cid, model, delta))
+                elif isinstance(item, ToolCall):
+                    if calls >= started:  # not given out as it was written
+                        for delta in chat_response.tool_call_deltas(calls, item):
+                            yield sse(chat_response.chunk(cid, model, delta))
                     calls += 1
                 elif item.text:
                     yield sse(chat_response.chunk(cid, model, {"content": item.text}))

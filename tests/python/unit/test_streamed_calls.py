@@ -1,0 +1,76 @@
+"""A forced call followed as it is written (``CallStream``): on what each
+tool-call grammar lets a model write (a seeded random walk, no model), fed
+whole, one character and three at a time, every call starts with its name
+before its arguments, and the pieces join into the arguments the parser
+reads back; text that is not the grammar's is not followed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from kvchat.agents import ToolCall, ToolCallParser
+from kvchat.agents.formats import (
+    APRIEL,
+    GLM,
+    HARMONY,
+    HERMES,
+    KIMI,
+    LFM2,
+    LLAMA3_JSON,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    QWEN_XML,
+)
+from kvchat.agents.streamed_calls import CallArguments, CallStart, CallStream, streamable
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "exact"))
+from test_grammar import TOOLS, _grammars, _walk  # noqa: E402
+
+FOLLOWED = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, HARMONY]
+
+
+def _follow(fmt, text: str, step: int) -> tuple[list, list[ToolCall]]:
+    stream, items = CallStream(fmt), []
+    for i in range(0, len(text), step):
+        items += stream.feed(text[i : i + step])
+    parser = ToolCallParser(fmt, TOOLS)
+    parser.feed(text)
+    parser.finish()
+    return items, stream.settle(parser.calls)
+
+
+@pytest.mark.parametrize("fmt", FOLLOWED, ids=lambda f: f.name)
+def test_each_call_starts_with_its_name_and_its_pieces_join_into_its_arguments(fmt):
+    grammars = _grammars()
+    grammar = grammars.tool_calls(fmt, TOOLS, parallel=True)
+    pieces_seen = 0
+    for seed in range(6):
+        text = _walk(grammars, grammar, seed)
+        for step in (1, 3, len(text)):
+            items, calls = _follow(fmt, text, step)
+            starts = [i for i in items if isinstance(i, CallStart)]
+            assert [(s.index, s.name) for s in starts] == [(i, c.name) for i, c in enumerate(calls)]
+            assert [s.id for s in starts] == [c.id for c in calls]
+            for index, call in enumerate(calls):
+                pieces = [i for i in items if isinstance(i, CallArguments) and i.index == index]
+                # Each piece after its call's start, and together its arguments.
+                assert items.index(pieces[0]) > items.index(starts[index])
+                assert "".join(p.text for p in pieces) == call.arguments, text
+                assert isinstance(json.loads(call.arguments), dict)
+                pieces_seen = max(pieces_seen, len(pieces))
+    assert pieces_seen > 10  # fed a character at a time, the arguments came in pieces
+
+
+@pytest.mark.parametrize("fmt", [HERMES, KIMI, HARMONY], ids=lambda f: f.name)
+def test_text_that_is_not_the_grammars_is_not_followed(fmt):
+    for text in ("Sure, here you go.", "<tool_call>\nnot json", " to=functions.f<|chan"):
+        items, _ = _follow(fmt, text, 1)
+        assert not [i for i in items if isinstance(i, CallArguments)], (fmt.name, text)
+
+
+def test_formats_whose_arguments_are_not_json_text_are_given_whole():
+    assert all(streamable(f) for f in FOLLOWED)
+    assert not any(streamable(f) for f in (QWEN_XML, GLM, LFM2, None))
