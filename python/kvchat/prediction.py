@@ -34,11 +34,26 @@ def predicted_prefix(
     messages. None when the template refuses every probe; ValueError (naming
     ``messages``) when it refuses the history itself, or a render is longer
     than ``max_chars``, before tokenizing it."""
-    probes = [*_PROBES]
     last = history[-1] if history else {}
     if last.get("role") == "assistant" and last.get("tool_calls"):
+        # What follows a call is its result. A user message instead can render
+        # the call differently (Qwen3.5 renders a reply after the last user
+        # message with its reasoning block, one before it without), and the
+        # common prefix would then stop before the call, settling nothing.
         call_id = (last["tool_calls"][0] or {}).get("id") or "call_0"
-        probes += [dict(probe, tool_call_id=call_id) for probe in _TOOL_PROBES]
+        tool_probes = [dict(probe, tool_call_id=call_id) for probe in _TOOL_PROBES]
+        target = _common_render(
+            tokenizer, history, tool_probes, tools, template_kwargs, max_chars, strict=False
+        )
+        if target is not None:
+            return target
+    return _common_render(tokenizer, history, _PROBES, tools, template_kwargs, max_chars)
+
+
+def _common_render(tokenizer, history, probes, tools, template_kwargs, max_chars, strict=True):
+    """The common prefix of ``history`` rendered with each of ``probes`` next
+    (None where fewer than two render; ``strict``: the refusal, where all
+    are refused, is the history's own)."""
     rendered, refusals = [], []
     for probe in probes:
         try:
@@ -53,7 +68,7 @@ def predicted_prefix(
             )
         rendered.append(tokenize_text(tokenizer, text))
     if len(rendered) < 2:
-        if refusals and len(refusals) == len(probes):
+        if strict and refusals and len(refusals) == len(probes):
             raise refusals[0]  # the history itself, not a probe
         return None
     n = min(ids.numel() for ids in rendered)

@@ -126,13 +126,17 @@ def common_prefix(a, b) -> int:
 
 def history_ids(tokenizer, history: list[dict], tools=None) -> list[int]:
     """The ids every next prompt after ``history`` starts with, whatever the
-    next user message: where renders with two different ones part. Written
-    apart from kvchat's own prediction, with other messages, for the settling
-    tests to check it against."""
-    a, b = (
-        render_prompt(tokenizer, [*history, {"role": "user", "content": text}], tools=tools)
-        for text in ("Zebra crossing", "42")
-    )
+    next message: where renders with two different ones part (a user's, or
+    after a call, the tool's result). Written apart from kvchat's own
+    prediction, with other messages, for the settling tests to check it
+    against."""
+    last = history[-1] if history else {}
+    if last.get("role") == "assistant" and last.get("tool_calls"):
+        call_id = last["tool_calls"][0]["id"]
+        nexts = [{"role": "tool", "tool_call_id": call_id, "content": t} for t in ("Zebra", "42")]
+    else:
+        nexts = [{"role": "user", "content": text} for text in ("Zebra crossing", "42")]
+    a, b = (render_prompt(tokenizer, [*history, message], tools=tools) for message in nexts)
     return a[: common_prefix(a, b)].tolist()
 
 
