@@ -44,20 +44,28 @@ def server(request):
     yield from start_server(f"tiny:{request.param}")
 
 
-@pytest.fixture(scope="module")
-def lfm2_template_server(tmp_path_factory):
-    """``kvchat serve`` on a folder: the tiny LFM2 hybrid with LFM2.5's own
-    chat template, whose calls are Python (``[name(key=VALUE)]``)."""
-    folder = tmp_path_factory.mktemp("lfm2-template")
-    reference_model("lfm2").save_pretrained(folder)
-    _lfm2_tokenizer().save_pretrained(folder)
-    yield from start_server(str(folder))
+# Real templates served from a folder: (the template, the tiny model's family).
+LFM2_TEMPLATE = ("LFM2.5-8B-A1B", "lfm2")  # Python calls, on the hybrid
+GPT_OSS_TEMPLATE = ("openai-gpt-oss-120b", "llama")  # harmony channels
 
 
-def _lfm2_tokenizer():
+@pytest.fixture(scope="module", params=[LFM2_TEMPLATE, GPT_OSS_TEMPLATE], ids=lambda p: p[0])
+def template_server(request, tmp_path_factory):
+    """``kvchat serve`` on a folder: a tiny model with a real chat template
+    whose tool-call markup is not the tiny ChatML's."""
+    template, family = request.param
+    folder = tmp_path_factory.mktemp(template)
+    reference_model(family).save_pretrained(folder)
+    _template_tokenizer(template).save_pretrained(folder)
+    for server in start_server(str(folder)):
+        server.template, server.family = template, family
+        yield server
+
+
+def _template_tokenizer(template: str):
     from llama_cpp_models import fetch
 
-    return tiny_tokenizer((fetch() / "templates" / "LFM2.5-8B-A1B.jinja").read_text())
+    return tiny_tokenizer((fetch() / "templates" / f"{template}.jinja").read_text())
 
 
 def _grammars(family: str, tokenizer=None) -> Grammars:
@@ -87,10 +95,12 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_a_forced_tool_loop_in_lfm2s_python_calls(lfm2_template_server, stream):
-    """The same loop on LFM2.5's template, whose forced calls the grammar
-    writes as Python, read back into JSON arguments, rendered back as Python."""
-    _tool_loop(lfm2_template_server, "lfm2", _lfm2_tokenizer(), stream, rounds=2)
+def test_a_forced_tool_loop_on_a_real_templates_markup(template_server, stream):
+    """The same loop on LFM2.5's template (the hybrid; forced calls written as
+    Python, read back into JSON arguments, rendered back as Python) and on
+    gpt-oss's (calls in a harmony channel, answers read from the reply)."""
+    server = template_server
+    _tool_loop(server, server.family, _template_tokenizer(server.template), stream, rounds=2)
 
 
 def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) -> None:
@@ -347,10 +357,11 @@ def test_bad_tools_are_refused_through_the_sdk_and_touch_no_session(server):
     assert server.get("/v1/sessions").json()["data"] == before
 
 
-def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(lfm2_template_server):
+@pytest.mark.parametrize("template_server", [LFM2_TEMPLATE], ids=["lfm2"], indirect=True)
+def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(template_server):
     """A tool or parameter name that is no Python name cannot be written in
     LFM2's calls: forcing a call of it is a 400 naming it, with no session."""
-    server = lfm2_template_server
+    server = template_server
     server.settled()
     before = server.get("/v1/sessions").json()["data"]
     digit_first = function_tool("2fast", "Fast.", {"x": {"type": "integer"}})
