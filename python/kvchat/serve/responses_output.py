@@ -102,7 +102,8 @@ class Output:
         self._message: dict | None = None  # the message item being written
         self._text = ""
         self._blank = ""  # whitespace not given out yet
-        self._started: list[tuple[str, int]] = []  # calls given out as written: (id, index)
+        # Calls given out as they were written: [item id, index, start, arguments].
+        self._started: list[list] = []
         self._ended = 0  # of them, how many are done
 
     def event(self, kind: str, **fields) -> dict:
@@ -117,23 +118,19 @@ class Output:
                 self._blank = ""
                 events += self._close_message() + self._start_call(item)
             elif isinstance(item, CallArguments):
-                where = {
-                    "item_id": self._started[item.index][0],
-                    "output_index": self._started[item.index][1],
-                }
-                events.append(
-                    self.event("response.function_call_arguments.delta", **where, delta=item.text)
-                )
+                events += self._arguments(item)
             elif isinstance(item, ToolCall):
                 self._blank = ""
                 events += self._close_message() + self._call(item)
             elif item.text:
-                events += self._write(item.text)
+                # Text after a call given out as it was written: the call was
+                # cut short (max_output_tokens, a stop string) and is text.
+                events += self._cut_calls() + self._write(item.text)
         return events
 
     def close(self, any_call: bool) -> list[dict]:
         """The open message's end (an empty reply is one empty message)."""
-        events: list[dict] = []
+        events: list[dict] = self._cut_calls()
         if not any_call and self._message is None and not self.items:
             events += self._open_message()
         if self._blank and self._message is not None:
@@ -192,18 +189,40 @@ class Output:
         ]
 
     def _start_call(self, start: CallStart) -> list[dict]:
-        """A call given out as it is written: its item, arguments to come."""
-        item_id, index = new_id("fc"), len(self.items) + len(self._started) - self._ended
-        self._started.append((item_id, index))
+        """A call given out as it is written: its item now, in its place
+        among the output items, and its arguments as they come."""
+        item_id, index = new_id("fc"), len(self.items)
         begun = call_item(item_id, ToolCall(start.id, start.name, ""), "in_progress")
+        self.items.append(begun)
+        self._started.append([item_id, index, start, ""])
         return [self.event("response.output_item.added", output_index=index, item=begun)]
+
+    def _arguments(self, piece: CallArguments) -> list[dict]:
+        started = self._started[piece.index]
+        started[3] += piece.text
+        where = {"item_id": started[0], "output_index": started[1]}
+        return [self.event("response.function_call_arguments.delta", **where, delta=piece.text)]
+
+    def _cut_calls(self) -> list[dict]:
+        """Calls given out as they were written that never ended: done as
+        incomplete, with the arguments written so far."""
+        events = []
+        while self._ended < len(self._started):
+            item_id, index, start, written = self._started[self._ended]
+            self._ended += 1
+            done = call_item(item_id, ToolCall(start.id, start.name, written), "incomplete")
+            self.items[index] = done
+            events.append(self.event("response.output_item.done", output_index=index, item=done))
+        return events
 
     def _call(self, call: ToolCall) -> list[dict]:
         if self._ended < len(self._started):  # its item and arguments are out
-            (item_id, index), self._ended = self._started[self._ended], self._ended + 1
+            item_id, index, _, _ = self._started[self._ended]
+            self._ended += 1
             opened = []
         else:
             item_id, index = new_id("fc"), len(self.items)
+            self.items.append(None)  # its place
             where = {"item_id": item_id, "output_index": index}
             opened = [
                 self.event(
@@ -214,7 +233,7 @@ class Output:
                 self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
             ]
         done = call_item(item_id, call)
-        self.items.append(done)
+        self.items[index] = done
         where = {"item_id": item_id, "output_index": index}
         return opened + [
             self.event(

@@ -238,10 +238,10 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
     with the same grammar, every reply is read back as an allowed call, and
     the call (sent back with JSON text arguments, as clients do) and its
     result start the next turn, which reuses the cache."""
-    from helpers import SYSTEM, reference_turn
+    from helpers import SYSTEM, common_prefix, history_ids, reference_turn
     from kvchat import SessionManager
     from kvchat.agents import detect
-    from kvchat.prompting import end_ids
+    from kvchat.prompting import end_ids, render_prompt
     from llama_cpp_models import fetch
 
     if template is None:
@@ -267,6 +267,9 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
             )
             assert report.output_ids == expected, f"turn {turn}"
         if turn > 0:  # settled on the call as it is sent back: only the result is new
+            prompt = render_prompt(tokenizer, messages, tools=TOOLS)
+            held = common_prefix(history_ids(tokenizer, messages[:-1], TOOLS), prompt)
+            assert report.reused_tokens >= min(held, prompt.numel() - 1), (report, held)
             assert report.reused_tokens >= 0.9 * report.prompt_tokens, report
         text = tokenizer.decode(list(report.output_ids), skip_special_tokens=False)
         _, calls = _read(fmt, text.split(tokenizer.eos_token)[0])

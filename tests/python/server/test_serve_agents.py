@@ -12,10 +12,10 @@ import json
 
 import openai
 import pytest
-from helpers import reference_turn
+from helpers import common_prefix, history_ids, reference_turn
 from kvchat.agents import detect
 from kvchat.agents.grammar import Grammars
-from kvchat.prompting import end_ids
+from kvchat.prompting import end_ids, render_prompt
 from kvchat.tiny import tiny_tokenizer
 from serving import family_of, function_tool, reference_model, start_server
 
@@ -103,6 +103,16 @@ def test_a_forced_tool_loop_on_a_real_templates_markup(template_server, stream):
     _tool_loop(server, server.family, _template_tokenizer(server.template), stream, rounds=2)
 
 
+def _only_the_new_message_prefilled(usage: dict, tokenizer, messages: list) -> None:
+    """Settled between turns: the turn reused every token its history renders
+    to, so it prefilled only its last message and the generation prompt."""
+    prompt = render_prompt(tokenizer, messages, tools=TOOLS)
+    held = common_prefix(history_ids(tokenizer, messages[:-1], TOOLS), prompt)
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= min(held, prompt.numel() - 1), (cached, held, prompt.numel())
+    assert cached >= 0.9 * usage["prompt_tokens"], usage
+
+
 def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) -> None:
     client = server.client()
     key = f"loop-{stream}"
@@ -137,7 +147,7 @@ def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) ->
         )
         assert _last_output(server, key) == expected
         if turn:
-            assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+            _only_the_new_message_prefilled(usage, tokenizer, messages)
         result = {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}
         messages += [message, result]
         server.settled()  # the tool's time: the session settles meanwhile
@@ -148,7 +158,7 @@ def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) ->
         assert _last_output(server, key) == _reference_ids(
             family, messages, ANSWER_TOKENS, tokenizer
         )
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        _only_the_new_message_prefilled(usage, tokenizer, messages)
         messages += [message, {"role": "user", "content": f"And in {turn + 2} hours?"}]
         server.settled()  # the user's time to read and type
 

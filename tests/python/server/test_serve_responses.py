@@ -95,7 +95,7 @@ def _check_order(events, final) -> None:
     numbered, and the deltas adding up to the final items."""
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] == "response.completed"
+    assert kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     expected = []
     for index, item in enumerate(final.output):
@@ -125,7 +125,8 @@ def _check_order(events, final) -> None:
             ]
             assert pieces and "".join(pieces) == item.arguments
             expected += [("response.function_call_arguments.delta", index)] * len(pieces)
-            expected.append(("response.function_call_arguments.done", index))
+            if item.status != "incomplete":  # a call cut short has no done arguments
+                expected.append(("response.function_call_arguments.done", index))
         expected.append(("response.output_item.done", index))
     middle = [(e.type, e.output_index) for e in events[2:-1]]
     assert middle == expected
@@ -198,6 +199,43 @@ def test_a_tool_loop_by_previous_response_id_is_exact_and_reuses(server, stream)
         ]
         server.settled()  # the user's time to read and type
         previous, new_input = answer.id, "And tomorrow?"
+
+
+def test_a_forced_call_cut_short_is_closed_incomplete_in_the_stream(server):
+    """A forced call goes out as it is written; when max_output_tokens cuts
+    it short, the stream closes its item as incomplete with the arguments
+    written, and the rest of the reply is a message of its own (a new index).
+    Answered whole, the same reply is that text alone, as chat's is."""
+    client, tokenizer = server.client(), tiny_tokenizer()
+    common = dict(
+        model=server.model,
+        instructions=INSTRUCTIONS,
+        input="Do I need a coat?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        store=False,
+    )
+    client.responses.create(**common, max_output_tokens=CALL_TOKENS, prompt_cache_key="uncut")
+    ids = _output_ids(server, "uncut")
+    # Cut two tokens after the arguments begin.
+    cut = next(k for k in range(len(ids)) if '"arguments": {' in tokenizer.decode(ids[:k])) + 2
+    events = list(
+        client.responses.create(
+            **common, max_output_tokens=cut, prompt_cache_key="cut-stream", stream=True
+        )
+    )
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    _check_order(events, streamed)  # each item added, written and done in turn
+    assert streamed.status == "incomplete"
+    call, message = streamed.output
+    assert call.type == "function_call" and call.status == "incomplete"
+    assert call.name == "get_weather" and call.arguments.startswith("{")
+    assert message.type == "message" and "<tool_call>" in message.content[0].text
+    whole = client.responses.create(**common, max_output_tokens=cut, prompt_cache_key="cut")
+    assert [item.type for item in whole.output] == ["message"]
+    assert whole.output[0].content[0].text == message.content[0].text
 
 
 def test_the_whole_item_list_replayed_reuses_as_well(server):

@@ -10,6 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from ...agents.streamed_calls import CallArguments, CallStart
 from ...tiers import StoreUnavailable
 from ..errors import APIError
 from ..reply import DONE, Reply
@@ -50,7 +51,8 @@ def register(app: FastAPI, ctx: AppContext) -> None:
 
         async def body(items) -> dict:
             output = Output()
-            output.feed(items)
+            # Answered whole: a call is given out once read, never as it was written.
+            output.feed([i for i in items if not isinstance(i, (CallStart, CallArguments))])
             output.close(bool(turn.calls))
             return await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
 
