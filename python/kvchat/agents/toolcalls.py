@@ -162,6 +162,10 @@ class ToolCallParser:
     def _read(self, events: list[dict]) -> None:
         """Keeps the section's content pieces and parsed calls, in order."""
         for event in events:
+            if event["type"] == "region_open" and event["field"] == "final":
+                # Another message of the reply (harmony): apart from the text before.
+                if any(isinstance(item, str) and item.strip() for item in self._held):
+                    self._held.append("\n\n")
             if event["type"] == "region_chunk" and event["field"] in ("content", "final"):
                 self._held.append(event["text"])
             elif event["type"] == "region_close" and event["field"] == "tool_calls":

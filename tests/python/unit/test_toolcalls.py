@@ -375,6 +375,18 @@ HARMONY_REPLIES = {
         "",
         [],
     ),
+    "preamble and answer": (
+        "<|channel|>commentary<|message|>Checking.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is sunny.",
+        "Checking.\n\nIt is sunny.",
+        [],
+    ),
+    "a built-in tool's call": (  # not a function: its markup is content, reasoning is not
+        "<|channel|>analysis<|message|>Look it up.<|end|>"
+        '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": "x"}',
+        '<|channel|>analysis to=browser.search code<|message|>{"q": "x"}',
+        [],
+    ),
     "answer": (
         "<|channel|>analysis<|message|>Easy.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris.",
@@ -416,3 +428,21 @@ def test_markers_a_tokenizer_added_as_special_tokens_are_written_as_those_tokens
     channel = tokenizer.convert_tokens_to_ids("<|channel|>")
     grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     assert grammars._literal("a<|channel|>b") == f'"a" <[{channel}]> "b"'
+
+
+def test_a_harmony_answer_as_gpt_oss_s_template_renders_it():
+    """The reasoning and final answer gpt-oss's template renders for an
+    assistant message (what the model writes after the generation prompt, up
+    to the "<|return|>" that ends it): the answer is the content, whole and
+    split at every position."""
+    tokenizer = _tokenizer("openai-gpt-oss-120b")
+    user = [{"role": "user", "content": "The weather?"}]
+    prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    answer = {"role": "assistant", "thinking": "The user asks.", "content": "Sunny, 21 C."}
+    full = tokenizer.apply_chat_template([*user, answer], tokenize=False)
+    assert full.startswith(prompt)
+    reply = full[len(prompt) :].split("<|return|>")[0]
+    assert "The user asks." in reply
+    for pieces in [[reply]] + [[reply[:i], reply[i:]] for i in range(1, len(reply))]:
+        content, calls, _ = _parse(HARMONY, pieces)
+        assert (content, calls) == ("Sunny, 21 C.", []), pieces
