@@ -100,6 +100,8 @@ class Settler:
         self._misses = 0  # turns whose prompt did not start with the prediction
         self._taken_over = 0  # settles a turn on the session took over and committed
         self._settle_ms = 0.0  # time spent prefilling in settles
+        # The last settle commit of each session: (version before, after).
+        self._committed: dict[str, tuple[int, int]] = {}
 
     # ---------------------------------------------------------- scheduling
     def schedule(self, session_id: str, target, version: int) -> None:
@@ -115,6 +117,9 @@ class Settler:
             if self._running is not None and self._running.session_id == session_id:
                 self._running.stop = True  # outdated: its handover is dropped
             self._jobs.pop(session_id, None)
+            before, after = self._committed.get(session_id, (None, None))
+            if version == before:  # read just before a settle of it committed
+                version = after
             self._jobs[session_id] = _Job(session_id, target, version)
             if self._thread is None:  # it ends when nothing is left to do
                 self._thread = threading.Thread(
@@ -128,6 +133,7 @@ class Settler:
         with self._cond:
             self._jobs.pop(session_id, None)
             self._predicted.pop(session_id, None)
+            self._committed.pop(session_id, None)
             if self._running is not None and self._running.session_id == session_id:
                 self._running.stop = True
 
@@ -330,11 +336,26 @@ class Settler:
             job.in_lease = True  # from here the turn waits for the commit
 
         def commit(lease):
+            before = lease.session.version
             layers = self._bridge.from_cache(cache, done)
             result = _C.SettleResult(settled_tokens=done, layers=layers, checkpoints=checkpoints)
-            return self._core.finish_settle(lease, plan, result)
+            finished = self._core.finish_settle(lease, plan, result)
+            self._carry_version(job.session_id, before, lease.session.version)
+            return finished
 
         self._leased(job, commit)
+
+    def _carry_version(self, session_id: str, before: int, after: int) -> None:
+        """A settle's commit is not a turn: a newer settle of the session,
+        scheduled while this one ran (an app's ``settle`` on the tool calls
+        it parsed, right after the turn's own), was predicted from the cache
+        this commit started from, and stays due. Without this, that newer
+        settle found the version moved and was dropped."""
+        with self._cond:
+            self._committed[session_id] = (before, after)
+            waiting = self._jobs.get(session_id)
+            if waiting is not None and waiting.version == before:
+                waiting.version = after
 
     def _pause(self, job: _Job) -> bool:
         """Between chunks: waits while any turn runs. False when a turn on
