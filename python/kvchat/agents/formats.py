@@ -235,8 +235,9 @@ MISTRAL_V3 = ToolFormat(  # Mistral Nemo: [TOOL_CALLS][{"name": ..., "arguments"
 # gpt-oss (harmony): messages in channels. The generation prompt is
 # "<|start|>assistant"; the model reasons in "analysis", may address the user
 # in "commentary", answers in "final", and calls a function in "commentary"
-# (at times "analysis") with a recipient, written after the role (as the template renders a call
-# sent back) or in the channel's header (as the model usually writes it).
+# (at times "analysis") with a recipient, written after the role (as the
+# template renders a call sent back) or in the channel's header (as the model
+# usually writes it).
 # "<|call|>" and "<|return|>" end the reply, so the decode drops them.
 _HARMONY_HEAD = r"(?:<\|start\|>assistant)?\s*"
 HARMONY = ToolFormat(

@@ -297,8 +297,8 @@ _PYTHON_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:[-.][A-Za-z0-9_]+)*")
 # ``_bounded`` puts where a schema allows any value inside an object or array.
 _ANY = "kvchat_bounded_any"
 _BOUNDED_ANY = {
-    "minimum": -(2**53 - 1),
-    "maximum": 2**53 - 1,
+    "minimum": -_PYTHON_INT,
+    "maximum": _PYTHON_INT,
     "items": {"$ref": f"#/$defs/{_ANY}"},
     "additionalProperties": {"$ref": f"#/$defs/{_ANY}"},
 }

@@ -74,8 +74,10 @@ class Reply:
             items = self._parser.feed(text) + (self._parser.finish() if final else [])
         if self._follow is not None:
             started = self._follow.feed(text)
-            calls = self._follow.settle([i for i in items if isinstance(i, ToolCall)])
-            items = started + [calls.pop(0) if isinstance(i, ToolCall) else i for i in items]
+            if final:  # the parsed calls, only read at the end: the ids and text given out
+                calls = self._follow.settle([i for i in items if isinstance(i, ToolCall)])
+                items = [calls.pop(0) if isinstance(i, ToolCall) else i for i in items]
+            items = started + items
         if not self.chat.parallel_tool_calls:  # one call at most: the first
             kept: list = []
             for item in items:
