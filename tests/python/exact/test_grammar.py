@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 
-import numpy as np
 import pytest
 import torch
+from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
     APRIEL,
@@ -29,34 +28,6 @@ from kvchat.agents.formats import (
 from kvchat.agents.grammar import GrammarError, Grammars
 from kvchat.tiny import tiny_tokenizer
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather.",  # gpt-oss's template reads it
-            "parameters": {
-                "type": "object",
-                "properties": {"unit": {"enum": ["c", "f"]}, "hourly": {"type": "boolean"}},
-                "required": ["unit", "hourly"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "The time.",
-            "parameters": {
-                "type": "object",
-                "properties": {"zone": {"enum": ["utc", "local"]}},
-                "required": ["zone"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
 ANSWER = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}},
@@ -77,35 +48,6 @@ CONSTRAINABLE = [
 ]
 
 
-def _grammars() -> Grammars:
-    tokenizer = tiny_tokenizer()
-    return Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-
-
-def _walk(grammars: Grammars, grammar: str, seed: int, limit: int = 1000, close="") -> str:
-    """The text of a random walk through ``grammar`` to its end. ``close``: a
-    text the walk sometimes writes when the grammar allows it (where free
-    text ends at a tag, as a model ends it; random tokens never spell it)."""
-    tokenizer = grammars._tokenizer
-    processor = grammars.processor(grammar, "x")
-    matcher, rng, out = processor._matcher, random.Random(seed), []
-    closing = tokenizer(close, add_special_tokens=False)["input_ids"] if close else []
-    for _ in range(limit):
-        if closing and rng.random() < 0.1 and matcher.validate_tokens(closing) == len(closing):
-            assert matcher.consume_tokens(closing)
-            out += closing
-            continue
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
-        allowed = np.flatnonzero(bits[: len(tokenizer)])
-        assert allowed.size, matcher.get_error()
-        if tokenizer.eos_token_id in allowed and (allowed.size == 1 or rng.random() < 0.8):
-            return tokenizer.decode(out)
-        token = int(rng.choice([t for t in allowed if t != tokenizer.eos_token_id]))
-        assert matcher.consume_token(token)
-        out.append(token)
-    raise AssertionError(f"the walk did not end: {tokenizer.decode(out)!r}")
-
-
 def _read(fmt, text: str) -> tuple[str, list[ToolCall]]:
     parser = ToolCallParser(fmt, TOOLS)
     parser.feed(text)
@@ -123,11 +65,11 @@ def _allowed(call: ToolCall) -> bool:
 @pytest.mark.parametrize("fmt", CONSTRAINABLE, ids=lambda f: f.name)
 @pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
 def test_what_a_tool_grammar_lets_a_model_write_parses_as_calls(fmt, parallel):
-    grammars = _grammars()
+    grammars = tiny_grammars()
     grammar = grammars.tool_calls(fmt, TOOLS, parallel=parallel)
     counts = set()
     for seed in range(12):
-        text = _walk(grammars, grammar, seed)
+        text = walk(grammars, grammar, seed)
         content, calls = _read(fmt, text)
         assert calls and all(_allowed(c) for c in calls), text
         assert content.strip() == "", text
@@ -137,10 +79,10 @@ def test_what_a_tool_grammar_lets_a_model_write_parses_as_calls(fmt, parallel):
 
 
 def test_a_named_function_is_the_only_one_the_grammar_allows():
-    grammars = _grammars()
+    grammars = tiny_grammars()
     grammar = grammars.tool_calls(HERMES, TOOLS[1:], parallel=False)
     for seed in range(8):
-        _, calls = _read(HERMES, _walk(grammars, grammar, seed))
+        _, calls = _read(HERMES, walk(grammars, grammar, seed))
         assert [c.name for c in calls] == ["get_time"]
 
 
@@ -148,11 +90,11 @@ def test_a_named_function_is_the_only_one_the_grammar_allows():
 def test_tools_beside_a_json_format_allow_a_call_or_the_json(fmt):
     """tool_choice auto with a response_format: the model may call a tool, or
     answer in the format; both are read back as what they are."""
-    grammars = _grammars()
+    grammars = tiny_grammars()
     grammar = grammars.tool_calls(fmt, TOOLS, parallel=False, or_json=ANSWER)
     kinds = set()
     for seed in range(24):
-        text = _walk(grammars, grammar, seed)
+        text = walk(grammars, grammar, seed)
         content, calls = _read(fmt, text)
         if calls:
             assert content.strip() == "" and all(_allowed(c) for c in calls), text
@@ -167,7 +109,7 @@ def test_markup_kvchat_cannot_constrain_is_refused_by_name():
     # A tokenizer's own response_template: kvchat does not know how it writes calls.
     own = dataclasses.replace(HERMES, name="response_template", grammar=None)
     with pytest.raises(GrammarError, match="response_template") as error:
-        _grammars().tool_calls(own, TOOLS)
+        tiny_grammars().tool_calls(own, TOOLS)
     assert error.value.param == "tool_choice"
 
 
@@ -200,11 +142,11 @@ BOOKING = {
 
 @pytest.mark.parametrize("fmt", [QWEN_XML, GLM], ids=lambda f: f.name)
 def test_xml_parameters_are_written_as_the_template_writes_them_and_read_back_typed(fmt):
-    grammars = _grammars()
+    grammars = tiny_grammars()
     grammar = grammars.tool_calls(fmt, [BOOKING], parallel=False)
     notes, cities = set(), set()
     for seed in range(16):
-        text = _walk(grammars, grammar, seed, close=fmt.grammar.xml[2])
+        text = walk(grammars, grammar, seed, close=fmt.grammar.xml[2])
         parser = ToolCallParser(fmt, [BOOKING])
         parser.feed(text)
         parser.finish()
@@ -226,7 +168,7 @@ def test_xml_parameters_are_written_as_the_template_writes_them_and_read_back_ty
 
 
 def test_a_schema_llguidance_refuses_names_the_field():
-    grammars = _grammars()
+    grammars = tiny_grammars()
     with pytest.raises(GrammarError) as error:
         grammars.processor(grammars.json_schema({"type": "nonsense"}), "response_format")
     assert error.value.param == "response_format" and "nonsense" in str(error.value)
@@ -293,15 +235,24 @@ def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(temp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("family", ["llama", "lfm2"])
-def test_forced_calls_in_half_precision_stay_calls_and_reuse(family, dtype):
+@pytest.mark.parametrize(
+    "family, template",
+    [
+        ("llama", None),
+        ("lfm2", None),
+        ("lfm2", "LFM2.5-8B-A1B"),  # Python calls, on the hybrid
+        ("llama", "openai-gpt-oss-120b"),  # harmony
+    ],
+)
+def test_forced_calls_in_half_precision_stay_calls_and_reuse(family, template, dtype):
     """In bfloat16 and float16 a cached turn's logits round differently from
     plain generate's (test_bfloat16.py), so only the first turn, with nothing
     to reuse, is token for token plain generate's; every turn is still a
-    call the grammar allows, read back, and every later turn reuses."""
+    call the grammar allows, read back, and every later turn reuses its
+    settled history."""
     from kvchat.tiny import tiny_model
 
-    _forced_loop(None, tiny_model(family, dtype=dtype, seed=0), turns=3, exact=range(1))
+    _forced_loop(template, tiny_model(family, dtype=dtype, seed=0), turns=3, exact=range(1))
 
 
 def _accepts(grammars: Grammars, grammar: str, text: str) -> bool:
@@ -323,7 +274,7 @@ def test_xml_values_are_written_as_the_parser_reads_them_back():
     no type) as bare text, not JSON it would keep quoted; no text holding a
     closing tag the parser would split at; Qwen's booleans as its templates
     write them; keys the parser could not read refused by name."""
-    grammars = _grammars()
+    grammars = tiny_grammars()
     optional = _one({"s": {"anyOf": [{"type": "string"}, {"type": "null"}]}})
     untyped = _one({"s": {"description": "anything"}})
     for tools in (optional, untyped):
@@ -367,11 +318,11 @@ def test_python_call_arguments_are_written_as_the_template_renders_them_back():
     number or a nested integer may write), and is the text LFM2.5's template
     renders when the call is sent back, so the next turn's prompt starts
     with the reply as it was cached."""
-    grammars, tokenizer = _grammars(), _lfm2_template_tokenizer()
+    grammars, tokenizer = tiny_grammars(), _lfm2_template_tokenizer()
     grammar = grammars.tool_calls(LFM2, [BOOKING], parallel=False)
     notes, cities, same = set(), set(), 0
     for seed in range(16):
-        text = _walk(grammars, grammar, seed, close="'")
+        text = walk(grammars, grammar, seed, close="'")
         parser = ToolCallParser(LFM2, [BOOKING])
         parser.feed(text)
         parser.finish()
@@ -402,7 +353,7 @@ def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
     """Strings the template would quote badly are JSON instead, a string never
     spells the closing marker, booleans and None are Python's, and a name the
     parser cannot read is refused by name."""
-    grammars = _grammars()
+    grammars = tiny_grammars()
     written = "<|tool_call_start|>[f(s={})]<|tool_call_end|>"
     choices = _one({"s": {"enum": ["it's", "plain"]}})
     grammar = grammars.tool_calls(LFM2, choices, parallel=False)

@@ -383,6 +383,51 @@ def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(template_serve
     assert server.get("/v1/sessions").json()["data"] == before
 
 
+def test_a_forced_call_cut_short_is_already_out_when_streamed_and_text_when_whole(server):
+    """The one case where a streamed forced call and a whole one differ
+    (docs/agents.md): max_tokens cuts the call after its name. Streamed, its
+    start and the arguments written so far are out, then the reply's text
+    follows with finish_reason length; answered whole, it is that text."""
+    tokenizer = tiny_tokenizer()
+    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
+    kwargs = dict(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=_named("get_weather"),
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    _create(
+        server,
+        "uncut",
+        messages,
+        CALL_TOKENS,
+        **{k: v for k, v in kwargs.items() if k not in ("model", "messages", "temperature")},
+    )
+    ids = _last_output(server, "uncut")
+    cut = next(k for k in range(len(ids)) if '"arguments": {' in tokenizer.decode(ids[:k])) + 2
+    content, deltas, finish = "", [], None
+    stream = server.client().chat.completions.create(
+        **kwargs, max_tokens=cut, stream=True, prompt_cache_key="cut-stream"
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    assert finish == "length"
+    assert deltas and deltas[0].function.name == "get_weather"
+    written = "".join(d.function.arguments or "" for d in deltas)
+    assert written.startswith("{") and written in content and "<tool_call>" in content
+    whole = server.client().chat.completions.create(
+        **kwargs, max_tokens=cut, prompt_cache_key="cut-whole"
+    )
+    choice = whole.choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None)
+    assert choice.message.content == content
+
+
 def test_a_forced_calls_arguments_stream_as_they_are_written(server):
     """Under a tool-call grammar the call is certain from its name on: the
     stream gives its index, id and name first, then its arguments in pieces

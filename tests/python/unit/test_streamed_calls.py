@@ -7,10 +7,9 @@ reads back; text that is not the grammar's is not followed."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
     APRIEL,
@@ -25,9 +24,6 @@ from kvchat.agents.formats import (
     QWEN_XML,
 )
 from kvchat.agents.streamed_calls import CallArguments, CallStart, CallStream, streamable
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "exact"))
-from test_grammar import TOOLS, _grammars, _walk  # noqa: E402
 
 FOLLOWED = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, HARMONY]
 
@@ -44,11 +40,11 @@ def _follow(fmt, text: str, step: int) -> tuple[list, list[ToolCall]]:
 
 @pytest.mark.parametrize("fmt", FOLLOWED, ids=lambda f: f.name)
 def test_each_call_starts_with_its_name_and_its_pieces_join_into_its_arguments(fmt):
-    grammars = _grammars()
+    grammars = tiny_grammars()
     grammar = grammars.tool_calls(fmt, TOOLS, parallel=True)
     pieces_seen = 0
     for seed in range(6):
-        text = _walk(grammars, grammar, seed)
+        text = walk(grammars, grammar, seed)
         for step in (1, 3, len(text)):
             items, calls = _follow(fmt, text, step)
             starts = [i for i in items if isinstance(i, CallStart)]
