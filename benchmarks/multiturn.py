@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import first_turn
 import torch
 from kvchat.prompting import render_prompt
 from kvchat.tiny import words_only
@@ -83,6 +84,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument(
+        "--first-turn-pairs",
+        type=int,
+        default=8,
+        help="new conversations whose first turn runs through plain generate and kvchat back "
+        "to back (first_turn.py); the turn-1 ratio is their median (0: skip)",
+    )
+    parser.add_argument(
         "--checkpoints",
         choices=["last", "every"],
         default="last",
@@ -91,6 +99,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.turns < 1 or args.sessions < 1 or args.repeats < 1:
         parser.error("--turns, --sessions and --repeats must be >= 1")
+    if args.first_turn_pairs < 0:
+        parser.error("--first-turn-pairs must be >= 0")
     if "baseline" not in args.modes:
         parser.error("--modes must include baseline: the other modes are checked against it")
     return args
@@ -121,7 +131,25 @@ def run(args) -> dict:
         # so every repeat's turn 1 is a cold first turn.
         rows += _replay(args, model, tokenizer, suppress, repeat, steps)
     steps.close()
-    return dict(config=_config(args, model), rows=rows, summary=summarize(rows, args.turns))
+    summary = summarize(rows, args.turns)
+    if args.first_turn_pairs and "kvchat" in args.modes:
+        extra = {"no_repeat_ngram_size": 3}
+        if suppress is not None:
+            extra["suppress_tokens"] = suppress
+        print(f"turn 1 in {args.first_turn_pairs} pairs (first_turn.py)", flush=True)
+        pairs = first_turn.paired(
+            model,
+            tokenizer,
+            args.first_turn_pairs,
+            SHAPES[args.shape],
+            args.seed,
+            extra,
+            checkpoints=args.checkpoints,
+            compile=args.compile,
+        )
+        summary["kvchat"]["turn1_pairs"] = pairs
+        summary["ratios"]["turn-1 TTFT kvchat / baseline, paired median"] = pairs["median"]
+    return dict(config=_config(args, model), rows=rows, summary=summary)
 
 
 def _replay(args, model, tokenizer, suppress, repeat: int, steps) -> list[dict]:
@@ -343,6 +371,13 @@ def format_table(result: dict) -> str:
     if each:
         lines.append(
             "turn-1 TTFT kvchat / baseline, each repeat: " + ", ".join(f"{v:.2f}" for v in each)
+        )
+    pairs = summary.get("kvchat", {}).get("turn1_pairs")
+    if pairs:
+        lines.append(
+            f"turn-1 TTFT kvchat / plain generate, {pairs['pairs']} pairs: "
+            + ", ".join(f"{v:.2f}" for v in pairs["each"])
+            + f" (same tokens: {'yes' if pairs['same_tokens'] else 'NO'})"
         )
     return "\n".join(lines)
 

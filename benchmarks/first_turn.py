@@ -1,0 +1,83 @@
+"""Turn 1 against plain generate, measured in pairs.
+
+A first turn has nothing to reuse, so kvchat's time to first token there is
+plain generate's plus what kvchat adds (planning, its cache, a checkpoint stop
+on a hybrid). That difference is a few percent, and on a shared 2-core machine
+one sample of either moves by 10%, with drifts over seconds. The replay in
+multiturn.py runs the two seconds apart with other modes in between, so its
+turn-1 ratio mostly measures that noise. Here each pair runs the same new
+conversation's first turn through both, back to back, the order swapped every
+other pair (so neither always runs second), and the figure is the median of
+the per-pair ratios.
+
+Used by multiturn.py (``--first-turn-pairs``), and so by hybrid.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kvchat import SessionManager
+from kvchat.prompting import render_prompt
+from kvchat.timing import FirstTokenTimer
+from workload import make_conversation
+
+
+def _plain(model, prompt, kwargs):
+    timer = FirstTokenTimer()
+    out = model.generate(prompt[None].to(model.device), **timer.attach(kwargs))
+    return timer.prefill_ms, out[0, prompt.numel() :].tolist()
+
+
+def _kvchat(manager, session, messages, kwargs):
+    manager.chat(session, messages, **kwargs)
+    manager.wait_settled()  # the user reads; settling is off the clock
+    turn = manager.last_turn(session)
+    return turn.prefill_ms, list(turn.output_ids)
+
+
+def paired(model, tokenizer, pairs: int, shape, seed: int, generate_extra: dict, **options):
+    """``pairs`` new conversations' first turns, each through plain generate and
+    through one SessionManager (``options``), back to back in alternating order."""
+    system_range, user_range, reply_range = shape
+    manager = SessionManager(model, tokenizer, **options)
+    ratios, plain_ms, kvchat_ms, same = [], [], [], True
+    try:
+        for i in range(-1, pairs):  # pair -1 warms both paths up and is not counted
+            # Seeds apart from the replay's, so no system prompt is shared with it.
+            conversation = make_conversation(
+                tokenizer, 10_000 + seed + i, 1, system_range, user_range, reply_range
+            )
+            messages = [
+                {"role": "system", "content": conversation.system},
+                {"role": "user", "content": conversation.user_turns[0]},
+            ]
+            prompt = render_prompt(tokenizer, messages)
+            reply = conversation.reply_tokens[0]
+            kwargs = dict(
+                max_new_tokens=reply, min_new_tokens=reply, do_sample=False, **generate_extra
+            )
+            session = f"first-{i}"
+            if i % 2 == 0:
+                p_ms, p_ids = _plain(model, prompt, kwargs)
+                k_ms, k_ids = _kvchat(manager, session, messages, kwargs)
+            else:
+                k_ms, k_ids = _kvchat(manager, session, messages, kwargs)
+                p_ms, p_ids = _plain(model, prompt, kwargs)
+            same = same and p_ids == k_ids
+            if i < 0:
+                continue
+            plain_ms.append(p_ms)
+            kvchat_ms.append(k_ms)
+            ratios.append(k_ms / p_ms)
+    finally:
+        manager.close()
+    return dict(
+        pairs=pairs,
+        median=statistics.median(ratios),
+        mean=statistics.fmean(ratios),
+        each=ratios,
+        plain_ms_median=statistics.median(plain_ms),
+        kvchat_ms_median=statistics.median(kvchat_ms),
+        same_tokens=same,
+    )
