@@ -81,3 +81,49 @@ def paired(model, tokenizer, pairs: int, shape, seed: int, generate_extra: dict,
         kvchat_ms_median=statistics.median(kvchat_ms),
         same_tokens=same,
     )
+
+
+# Ways to run kvchat's side, for telling apart what a first turn costs.
+VARIANTS = {
+    "default": {},
+    "every": {"checkpoints": "every"},
+    "no-share": {"share_prefixes": False},
+    "no-settle": {"settle": False},
+}
+
+
+def main(argv=None) -> dict:
+    import argparse
+
+    import torch
+    from kvchat.tiny import words_only
+    from multiturn import SHAPES
+    from workload import PRESETS, load_model
+
+    parser = argparse.ArgumentParser(description="Turn 1 against plain generate, in pairs.")
+    parser.add_argument("--model", default="lfm2-350m", choices=sorted(PRESETS))
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="agent")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["default"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be >= 1")
+    model, tokenizer = load_model(args.model, torch.float32, "cpu", args.seed)
+    # As multiturn.py's replay generates (--replies words).
+    suppress = words_only(tokenizer, model.config.get_text_config().vocab_size)
+    extra = {"no_repeat_ngram_size": 3, "suppress_tokens": suppress}
+    results = {}
+    for name in args.variants:
+        result = paired(
+            model, tokenizer, args.pairs, SHAPES[args.shape], args.seed, extra, **VARIANTS[name]
+        )
+        results[name] = result
+        each = ", ".join(f"{v:.2f}" for v in result["each"])
+        same = "yes" if result["same_tokens"] else "NO"
+        print(f"{name}: median {result['median']:.2f}x ({each}); same tokens: {same}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
