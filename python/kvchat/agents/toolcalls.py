@@ -7,12 +7,19 @@ holds is given out when the reply ends: a model ends its turn right after its
 last call, and a section read whole is either all calls or all text. Markup
 that does not parse (a call's JSON cut short, a marker in prose) is never an
 error: the section, from its marker on, is content as it came.
+
+A reply in channels (gpt-oss's harmony) is parsed from its first character,
+and its answer streams too: what its ``final`` (or preamble) channel says
+goes out as it comes, up to the first call, which is held to the end. Should
+a call then not parse, the content already out stays, and the markup from
+that call on follows it as text.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from transformers.utils.chat_parsing import ResponseParser
@@ -48,9 +55,13 @@ class ToolCallParser:
     pieces and ``ToolCall`` objects, in the reply's order. Joined, the content
     pieces are ``content``; ``calls`` lists every call."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict] | None = None):
+    def __init__(self, fmt: ToolFormat, tools: list[dict] | None = None, calls: bool = True):
+        """``calls=False``: the request allows no call (no tools, or
+        ``tool_choice`` "none"), so a call the model writes anyway stays text;
+        used for a format in channels, whose answer is read out all the same."""
         self._format = fmt
         self._tools = tools
+        self._calls_allowed = calls
         self._names = None  # the tools' names, when given
         if tools:
             self._names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
@@ -62,6 +73,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._section_text = ""
         self._held: list = []  # what the section parsed so far, given out at the end
+        self._streamed = False  # channels: some of the section's content is out already
         self._in_section = not fmt.markers  # no literal marker: parsed from the start
         if self._in_section:
             self._section = self._parser()
@@ -102,6 +114,8 @@ class ToolCallParser:
                 self._read(events)
                 items = self._held
             calls = [self._call(item) for item in items if not isinstance(item, str)]
+            if calls and not self._calls_allowed:
+                raise ValueError("the request allows no tool call")
         except (ValueError, TypeError, KeyError) as error:
             return self._fail(error)
         if not calls and not self._format.channels:  # a marker and no call: the section is text
@@ -109,8 +123,7 @@ class ToolCallParser:
         out = []
         for item in _joined(items):
             if isinstance(item, str):
-                for markup in self._format.ignore:
-                    item = item.replace(markup, "")
+                item = self._without_ignored(item)
                 # Blank lines between calls are the markup's, not content.
                 out += self._content(item) if item.strip() else []
             else:
@@ -157,14 +170,41 @@ class ToolCallParser:
             self._read(self._section.feed(text))
         except (ValueError, TypeError, KeyError) as error:
             return self._fail(error)
-        return []
+        return self._stream_channels() if self._format.channels else []
+
+    def _stream_channels(self) -> list:
+        """The answer's text parsed so far, up to the first call: what is sure
+        to be content. Held: blank text (it may lie between calls), and an
+        end that may be the start of markup to drop."""
+        count = 0
+        while count < len(self._held) and isinstance(self._held[count], str):
+            count += 1
+        text = self._without_ignored("".join(self._held[:count]))
+        if not text.strip():
+            return []
+        hold = 0
+        for markup in self._format.ignore:
+            for size in range(min(len(markup) - 1, len(text)), 0, -1):
+                if text.endswith(markup[:size]):
+                    hold = max(hold, size)
+                    break
+        out, rest = text[: len(text) - hold], text[len(text) - hold :]
+        self._held[:count] = [rest] if rest else []
+        self._streamed = self._streamed or bool(out)
+        return self._content(out)
+
+    def _without_ignored(self, text: str) -> str:
+        for markup in self._format.ignore:
+            text = text.replace(markup, "")
+        return text
 
     def _read(self, events: list[dict]) -> None:
         """Keeps the section's content pieces and parsed calls, in order."""
         for event in events:
             if event["type"] == "region_open" and event["field"] == "final":
                 # Another message of the reply (harmony): apart from the text before.
-                if any(isinstance(item, str) and item.strip() for item in self._held):
+                held = any(isinstance(item, str) and item.strip() for item in self._held)
+                if held or self._streamed:
                     self._held.append("\n\n")
             if event["type"] == "region_chunk" and event["field"] in ("content", "final"):
                 self._held.append(event["text"])
@@ -206,7 +246,8 @@ class ToolCallParser:
         return [Content(text)]
 
     def _fail(self, error: Exception) -> list:
-        """The section is text after all: from its marker on, as it came."""
+        """The section is text after all: from its marker on, as it came; or,
+        where part of a reply in channels is out already, from its first call on."""
         logger.debug("kvchat: tool-call markup did not parse (%s); kept as text", error)
         self._failed = True
         self._held = []
@@ -215,7 +256,18 @@ class ToolCallParser:
             "",
             "",
         )
+        if self._streamed:
+            text = text[self._first_call(text) :]
         return self._content(text)
+
+    def _first_call(self, text: str) -> int:
+        """Where the first call's markup starts in the section's ``text``
+        (its end when there is none: the answer before it is out)."""
+        pattern = self._format.spec["fields"]["tool_calls"]["open_pattern"]
+        # Its names capture the call's name, twice where it may be in two
+        # places, which Python's re refuses; here only the start counts.
+        found = re.search(re.sub(r"\(\?P<\w+>", "(?:", pattern), text)
+        return len(text) if found is None else found.start()
 
 
 def _joined(items: list) -> list:

@@ -1,5 +1,6 @@
 """One request's reply as it is sent: the stream's text, cut at a stop string,
-and read for tool calls when the request has tools."""
+and read for tool calls when the request has tools (for gpt-oss's channels,
+always)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ class Reply:
         self._first = first
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
         self._trim = StopTrimmer(chat.stop)
-        self._parser = ToolCallParser(fmt, chat.tools) if fmt is not None else None
+        self._parser = None
+        if fmt is not None:
+            self._parser = ToolCallParser(fmt, chat.tools, calls=calls_allowed(chat))
         # A forced call is certain from its name on: followed as it is written.
         forced = chat.tool_choice == "required" and streamable(fmt)
         self._follow = CallStream(fmt) if forced else None
@@ -111,8 +114,17 @@ class Reply:
 
 
 def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:
-    """The format to read ``chat``'s reply for tool calls with, or None."""
-    return fmt if chat.tools and chat.tool_choice != "none" else None
+    """The format to read ``chat``'s reply with, or None (the reply is its
+    text): for tool calls when it allows them; a reply in channels (gpt-oss)
+    always, since its answer is one channel of it and its reasoning another."""
+    if fmt is None or chat.prompt is not None:  # a text completion is its text
+        return None
+    return fmt if fmt.channels or calls_allowed(chat) else None
+
+
+def calls_allowed(chat) -> bool:
+    """Whether ``chat`` lets the model call a tool."""
+    return bool(chat.tools) and chat.tool_choice != "none"
 
 
 class TurnStream(StreamingResponse):

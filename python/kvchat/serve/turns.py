@@ -20,7 +20,7 @@ from ..arguments import ContextLengthError
 from ..prompting import end_ids
 from .chat_request import ChatRequest
 from .errors import APIError
-from .reply import DONE, Reply, tool_format
+from .reply import DONE, Reply, calls_allowed, tool_format
 
 logger = logging.getLogger("kvchat.serve")
 
@@ -120,7 +120,7 @@ class TurnRunner:
                 tools = [t for t in chat.tools if chat.tool_name in (None, t["function"]["name"])]
                 grammar = self.grammars.tool_calls(fmt, tools, chat.parallel_tool_calls)
                 return self.grammars.processor(grammar, "tool_choice")
-            if fmt is not None and fmt.grammar is not None:
+            if fmt is not None and fmt.grammar is not None and calls_allowed(chat):
                 # Tools offered (auto) beside a JSON response_format: a call or the JSON.
                 grammar = self.grammars.tool_calls(
                     fmt, chat.tools, chat.parallel_tool_calls, or_json=chat.json_schema

@@ -103,11 +103,11 @@ def test_a_forced_tool_loop_on_a_real_templates_markup(template_server, stream):
     _tool_loop(server, server.family, _template_tokenizer(server.template), stream, rounds=2)
 
 
-def _only_the_new_message_prefilled(usage: dict, tokenizer, messages: list) -> None:
+def _only_the_new_message_prefilled(usage: dict, tokenizer, messages: list, tools=TOOLS) -> None:
     """Settled between turns: the turn reused every token its history renders
     to, so it prefilled only its last message and the generation prompt."""
-    prompt = render_prompt(tokenizer, messages, tools=TOOLS)
-    held = common_prefix(history_ids(tokenizer, messages[:-1], TOOLS), prompt)
+    prompt = render_prompt(tokenizer, messages, tools=tools)
+    held = common_prefix(history_ids(tokenizer, messages[:-1], tools), prompt)
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= min(held, prompt.numel() - 1), (cached, held, prompt.numel())
     assert cached >= 0.9 * usage["prompt_tokens"], usage
@@ -365,6 +365,45 @@ def test_bad_tools_are_refused_through_the_sdk_and_touch_no_session(server):
         assert error.value.body["param"] == param, (extra, error.value.body)
         assert error.value.body["code"] == "invalid_value"
     assert server.get("/v1/sessions").json()["data"] == before
+
+
+@pytest.mark.parametrize("template_server", [GPT_OSS_TEMPLATE], ids=["gpt-oss"], indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_gpt_oss_without_tools_chats_and_answers_in_json(template_server, stream):
+    """With no tools, gpt-oss's reply is still read for its channels (its
+    reasoning is not content): a chat stays exact, and settled, over two
+    turns; a JSON response_format gets the schema's grammar (not a tool-call
+    grammar, which a request without tools has nothing for)."""
+    server = template_server
+    tokenizer, model = _template_tokenizer(server.template), reference_model(server.family)
+    client = server.client()
+    key = f"gpt-oss-no-tools-{stream}"
+    common = dict(model=server.model, temperature=0, prompt_cache_key=key)
+    messages = [SYSTEM, {"role": "user", "content": "Hello"}]
+    for turn in range(2):
+        message, finish, usage = _complete(
+            client, stream, messages=messages, max_tokens=ANSWER_TOKENS, **common
+        )
+        assert finish in ("stop", "length") and "tool_calls" not in message
+        expected = reference_turn(model, tokenizer, messages, ANSWER_TOKENS)[2]
+        assert _last_output(server, key) == expected
+        if turn:
+            _only_the_new_message_prefilled(usage, tokenizer, messages, tools=None)
+        messages += [message, {"role": "user", "content": "And then?"}]
+        server.settled()
+
+    schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
+    message, finish, _ = _complete(
+        client, stream, messages=messages, max_tokens=CALL_TOKENS, response_format=schema, **common
+    )
+    value = json.loads(message["content"])
+    assert set(value) == {"answer", "sure"} and finish == "stop"
+    grammars = _grammars(server.family, tokenizer)
+    processor = grammars.processor(grammars.json_schema(SCHEMA), "response_format")
+    expected = reference_turn(
+        model, tokenizer, messages, CALL_TOKENS, logits_processor=[processor], suppress_tokens=None
+    )[2]
+    assert _last_output(server, key) == expected
 
 
 @pytest.mark.parametrize("template_server", [LFM2_TEMPLATE], ids=["lfm2"], indirect=True)

@@ -1,0 +1,73 @@
+"""A request's reply as the server reads it (``serve/reply.py``): which
+requests are read for tool calls and channels, and what the client gets of
+a gpt-oss reply streamed in token-sized pieces. No model runs here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kvchat.agents import Content, ToolCall
+from kvchat.agents.formats import HARMONY, HERMES
+from kvchat.serve.chat_request import parse_chat_request
+from kvchat.serve.reply import DONE, Reply, tool_format
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+USER = [{"role": "user", "content": "The weather?"}]
+REASONED_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks about the weather.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris today."
+)
+
+
+def _chat(**body):
+    return parse_chat_request({"model": "m", "messages": USER, **body})
+
+
+@pytest.mark.parametrize(
+    "body, hermes, harmony",
+    [
+        ({}, False, True),
+        ({"tools": [TOOL]}, True, True),
+        ({"tools": [TOOL], "tool_choice": "none"}, False, True),
+    ],
+    ids=["no tools", "tools", "tool_choice none"],
+)
+def test_a_reply_in_channels_is_always_read_and_tool_markup_only_when_calls_are_allowed(
+    body, hermes, harmony
+):
+    chat = _chat(**body)
+    assert (tool_format(chat, HERMES) is HERMES) is hermes
+    assert (tool_format(chat, HARMONY) is HARMONY) is harmony
+    assert tool_format(chat, None) is None
+
+
+def _items(chat, pieces: list[str]) -> list[list]:
+    reply = Reply(iter(pieces[1:]), pieces[0], chat, 100, "s", "ns", tool_format(chat, HARMONY))
+    steps = []
+    while (items := reply.next_items()) is not DONE:
+        steps.append(items)
+    return steps, reply
+
+
+@pytest.mark.parametrize("body", [{}, {"tools": [TOOL]}], ids=["no tools", "tools"])
+def test_gpt_oss_s_answer_streams_without_its_reasoning(body):
+    """As the model writes it (each marker one token): the final channel's
+    words go out while the reply runs, the analysis channel never."""
+    pieces = [p for p in re.split(r"(<\|[a-z]+\|>| )", REASONED_ANSWER) if p]
+    steps, reply = _items(_chat(**body), pieces)
+    texts = [i.text for step in steps for i in step if isinstance(i, Content)]
+    assert "".join(texts) == reply.content == "It is sunny in Paris today."
+    assert len(texts) > 3  # word by word, not the whole answer at the end
+    assert reply.calls == [] and "<|" not in reply.content
+    assert reply.text == REASONED_ANSWER  # what was sent is kept whole
+
+
+def test_without_tools_a_call_gpt_oss_writes_stays_text():
+    call = (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}'
+    )
+    steps, reply = _items(_chat(), [call])
+    assert not [i for step in steps for i in step if isinstance(i, ToolCall)]
+    assert reply.content == call and reply.calls == []
