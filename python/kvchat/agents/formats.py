@@ -162,6 +162,32 @@ GLM = ToolFormat(  # GLM-4.5/4.6: <tool_call>NAME <arg_key>k</arg_key><arg_value
         xml=("<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n"),
     ),
 )
+MINIMAX = ToolFormat(  # MiniMax-M2: <invoke name=...> XML calls in a <minimax:tool_call> block
+    "minimax",
+    markers=("<minimax:tool_call>",),
+    spec=_section(
+        r'\s*(?:<minimax:tool_call>)?\s*<invoke name="(?P<name>[^"\n]+)">',
+        "</invoke>",
+        "xml-inline",
+        _CALL,
+        content_args={
+            "tag_pattern": r'<parameter name="(?P<key>[^"\n]+)">(?P<value>.*?)</parameter>'
+        },
+    ),
+    # As the template renders a call sent back, the newline before the block
+    # included; values a string's text, anything else tojson.
+    grammar=CallGrammar(
+        '<invoke name="',
+        "</invoke>\n",
+        separator="",
+        section_open="\n<minimax:tool_call>\n",
+        section_close="</minimax:tool_call>",
+        name_in_json=False,
+        name_close='">\n',
+        xml=('<parameter name="', '">', "</parameter>\n"),
+    ),
+    ignore=("<minimax:tool_call>", "</minimax:tool_call>"),
+)
 KIMI = ToolFormat(  # Kimi-K2: a section of calls named functions.NAME:INDEX
     "kimi-k2",
     markers=("<|tool_calls_section_begin|>", "<|tool_call_begin|>"),
@@ -316,13 +342,15 @@ def detect(tokenizer) -> ToolFormat | None:
         return HARMONY
     if "<|tool_call_begin|>" in template:
         return KIMI
+    if "<minimax:tool_call>" in template:
+        return MINIMAX
     if "<|tool_call_start|>" in template:
         return LFM2
     if "<tool_call>" in template and "<arg_key>" in template:
         return GLM
     if "<tool_call>" in template and "<function=" in template:
         return QWEN_XML
-    if "<tool_calls>" in template:
+    if "<tool_calls>[" in template:  # not MiniMax-M1's <tool_calls> of JSON lines
         return APRIEL
     if "<tool_call>" in template and "<invoke" not in template:  # MiniMax's XML is not JSON
         return HERMES

@@ -21,6 +21,7 @@ from kvchat.agents.formats import (
     KIMI,
     LFM2,
     LLAMA3_JSON,
+    MINIMAX,
     MISTRAL_V3,
     MISTRAL_V11,
     QWEN_XML,
@@ -43,6 +44,7 @@ CONSTRAINABLE = [
     LLAMA3_JSON,
     QWEN_XML,
     GLM,
+    MINIMAX,
     LFM2,
     HARMONY,
 ]
@@ -140,7 +142,7 @@ BOOKING = {
 }
 
 
-@pytest.mark.parametrize("fmt", [QWEN_XML, GLM], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [QWEN_XML, GLM, MINIMAX], ids=lambda f: f.name)
 def test_xml_parameters_are_written_as_the_template_writes_them_and_read_back_typed(fmt):
     grammars = tiny_grammars()
     grammar = grammars.tool_calls(fmt, [BOOKING], parallel=False)
@@ -224,7 +226,7 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
 
 
 @pytest.mark.parametrize(
-    "template", ["Qwen3.5-4B", "GLM-4.6", "LFM2.5-8B-A1B", "openai-gpt-oss-120b"]
+    "template", ["Qwen3.5-4B", "GLM-4.6", "MiniMax-M2", "LFM2.5-8B-A1B", "openai-gpt-oss-120b"]
 )
 def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):
     """Forced calls on real XML and Python-call templates, with the tiny

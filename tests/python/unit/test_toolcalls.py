@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import pytest
 from kvchat.agents import Content, ToolCall, ToolCallParser, detect
@@ -53,6 +54,7 @@ CASES = {
     "poolside-Laguna-S-2.1": "glm",
     "Spark2.5": "glm",
     "moonshotai-Kimi-K2": "kimi-k2",
+    "MiniMax-M2": "minimax",
     "LFM2.5-8B-A1B": "lfm2",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
     "Mistral-Small-3.2-24B-Instruct-2506": "mistral-v11",
@@ -76,6 +78,7 @@ ENDS = (
     "<|role_end|>",
     "</assistant>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "[e~[",  # MiniMax
 )
 
 
@@ -152,6 +155,7 @@ def test_the_format_is_chosen_from_the_template(template):
         "google-gemma-2-2b-it",  # no tools at all
         "microsoft-Phi-3.5-mini-instruct",
         "MiniMax-M3",  # <invoke name=...> inside <tool_call>: not Hermes JSON
+        "MiniMax-M1",  # JSON lines in <tool_calls>: not Apriel's list
     ],
 )
 def test_a_template_whose_markup_kvchat_does_not_read_has_no_format(template):
@@ -446,3 +450,63 @@ def test_a_harmony_answer_as_gpt_oss_s_template_renders_it():
     for pieces in [[reply]] + [[reply[:i], reply[i:]] for i in range(1, len(reply))]:
         content, calls, _ = _parse(HARMONY, pieces)
         assert (content, calls) == ("Sunny, 21 C.", []), pieces
+
+
+def _streamed(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list]:
+    """(the content given out before the reply ended, everything given out)."""
+    early = [item for piece in pieces for item in parser.feed(piece)]
+    out = early + parser.finish()
+    return "".join(item.text for item in early if isinstance(item, Content)), out
+
+
+@pytest.mark.parametrize("reply", ["answer", "preamble and answer"])
+def test_a_harmony_answer_streams_as_it_is_written(reply):
+    """The final channel's text goes out as it comes, not at the reply's end;
+    the analysis channel never does. Fed token-sized pieces (every marker is
+    one token) and split at every position."""
+    text, content, _ = HARMONY_REPLIES[reply]
+    tokens = [t for t in re.split(r"(<\|[a-z]+\|>)", text) if t]
+    splits = [tokens] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for pieces in splits:
+        early, out = _streamed(ToolCallParser(HARMONY, [WEATHER]), pieces)
+        assert "".join(i.text for i in out if isinstance(i, Content)) == content, pieces
+        if pieces is tokens:  # all of the answer is out before the reply ends
+            assert early == content
+    assert "Easy." not in early and "<|" not in early
+
+
+def test_a_preamble_streams_before_its_call():
+    text, content, arguments = HARMONY_REPLIES["preamble and call"]
+    tokens = [t for t in re.split(r"(<\|[a-z]+\|>)", text) if t]
+    early, out = _streamed(ToolCallParser(HARMONY, [WEATHER]), tokens)
+    assert early == content == "Checking the forecast."
+    calls = [i for i in out if isinstance(i, ToolCall)]
+    assert _arguments(calls) == arguments and isinstance(out[-1], ToolCall)
+
+
+def test_a_streamed_preamble_then_a_call_cut_short_gives_the_call_as_text():
+    """The preamble is out already; the call that does not parse follows it
+    as the markup it was (not the reply again from its start)."""
+    text = HARMONY_REPLIES["preamble and call"][0]
+    cut = text[: text.index('"Rome') + 3]
+    for pieces in ([cut], list(cut)):
+        content, calls, _ = _parse(HARMONY, pieces)
+        call = cut[cut.index("<|start|>assistant<|channel|>commentary to=") :]
+        assert calls == [] and content == "Checking the forecast." + call, pieces
+
+
+@pytest.mark.parametrize("reply", sorted(HARMONY_REPLIES))
+def test_a_harmony_reply_without_tools_gives_its_answer_and_no_call(reply):
+    """A request with no tools (or tool_choice "none") still gets the final
+    answer out of gpt-oss's channels, and a call it writes anyway stays text."""
+    text, content, arguments = HARMONY_REPLIES[reply]
+    parser = ToolCallParser(HARMONY, None, calls=False)
+    out = parser.feed(text) + parser.finish()
+    assert not [i for i in out if isinstance(i, ToolCall)]
+    got = "".join(i.text for i in out if isinstance(i, Content))
+    if not arguments:
+        assert got == content
+    elif content:  # the preamble, out before the call: then the call as it came
+        assert got == content + text[text.index("<|start|>assistant<|channel|>commentary to=") :]
+    else:
+        assert got == text
