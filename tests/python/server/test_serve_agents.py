@@ -370,10 +370,12 @@ def test_bad_tools_are_refused_through_the_sdk_and_touch_no_session(server):
 @pytest.mark.parametrize("template_server", [GPT_OSS_TEMPLATE], ids=["gpt-oss"], indirect=True)
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_gpt_oss_without_tools_chats_and_answers_in_json(template_server, stream):
-    """With no tools, gpt-oss's reply is still read for its channels (its
-    reasoning is not content): a chat stays exact, and settled, over two
-    turns; a JSON response_format gets the schema's grammar (not a tool-call
-    grammar, which a request without tools has nothing for)."""
+    """With no tools the server now reads gpt-oss's reply for its channels
+    (tests/python/unit/test_reply.py shows what that reads; a random model
+    writes no channel markup here): a chat stays exact, and settled, over two
+    turns, and a JSON response_format gets the schema's grammar, not a
+    tool-call grammar, which a request without tools has nothing for (a 500
+    when it was tried)."""
     server = template_server
     tokenizer, model = _template_tokenizer(server.template), reference_model(server.family)
     client = server.client()
