@@ -81,6 +81,9 @@ class ToolFormat:
     # "final" channel says (and any text outside the channels), not the
     # markup as it came.
     channels: bool = False
+    # A message header the reply ended inside (cut by max_tokens or a stop
+    # string): dropped from the content's end, as the markup it is.
+    unfinished: str | None = None
 
     def new_id(self) -> str:
         if self.mistral_ids:
@@ -312,6 +315,10 @@ HARMONY = ToolFormat(
     closed=False,  # "<|call|>" ends the reply and is not decoded
     ignore=("<|start|>assistant",),  # a next message's head, cut short
     channels=True,
+    # "<|start|>assistant" and a channel header, or either alone, at the end.
+    unfinished=(
+        r"(?:<\|start\|>(?:assistant)?\s*(?:<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)?|<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?)\Z"
+    ),
 )
 LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "parameters": ...}
     "llama3-json",

@@ -110,6 +110,13 @@ class Grammars:
             alternatives = []
             for i, tool in enumerate(tools):
                 name = tool["function"]["name"]
+                if not g.keyword_arguments and re.search(r'[\s<>"\[:]', name):
+                    # The parsers read a written name up to one of these.
+                    raise GrammarError(
+                        "tool_choice",
+                        f"tools: tool name {name!r} cannot be written in this model's "
+                        'tool-call markup (it holds whitespace or one of < > " [ :)',
+                    )
                 if g.keyword_arguments:
                     _check_python_name(name, tool, "tool name")
                     rules.append(f"arguments_{i}: {self._keyword_arguments(tool, i, rules)}")
@@ -150,12 +157,13 @@ class Grammars:
         required = set(schema.get("required") or ())
         parts = []
         for j, (key, prop) in enumerate(properties.items()):
-            if not isinstance(key, str) or not key or re.search(r"[<>\n]", key):
-                # The parser reads a key up to the first '>' or newline.
+            if not isinstance(key, str) or not key or re.search(r'[<>"\n]', key):
+                # The parser reads a key up to the first '>', '"' (MiniMax) or newline.
                 raise GrammarError(
                     "tool_choice",
                     f"tools: parameter {key!r} of {tool['function']['name']!r} cannot be "
-                    "written in this model's tool-call markup (it holds '<', '>' or a newline)",
+                    "written in this model's tool-call markup (it holds '<', '>', '\"' or "
+                    "a newline)",
                 )
             value, close = f"value_{i}_{j}", value_close
             prop = prop if isinstance(prop, dict) else {}

@@ -11,8 +11,9 @@ error: the section, from its marker on, is content as it came.
 A reply in channels (gpt-oss's harmony) is parsed from its first character,
 and its answer streams too: what its ``final`` (or preamble) channel says
 goes out as it comes, up to the first call, which is held to the end. Should
-a call then not parse, the content already out stays, and the markup from
-that call on follows it as text.
+a call then not parse (or the request allow none), the answer before it
+stays content and the markup from that call on follows it as text; the
+reasoning channel is never content.
 """
 
 from __future__ import annotations
@@ -116,16 +117,22 @@ class ToolCallParser:
             calls = [self._call(item) for item in items if not isinstance(item, str)]
             if calls and not self._calls_allowed:
                 raise ValueError("the request allows no tool call")
+            self._check_values(calls)
         except (ValueError, TypeError, KeyError) as error:
             return self._fail(error)
         if not calls and not self._format.channels:  # a marker and no call: the section is text
             return self._fail(ValueError("no tool call in the section"))
         out = []
-        for item in _joined(items):
+        items = _joined(items)
+        for k, item in enumerate(items):
             if isinstance(item, str):
                 item = self._without_ignored(item)
-                # Blank lines between calls are the markup's, not content.
-                out += self._content(item) if item.strip() else []
+                if self._format.unfinished and k == len(items) - 1:
+                    item = re.sub(self._format.unfinished, "", item)
+                # Blank lines between calls are the markup's, not content; but
+                # blank text after an answer streamed so far is that answer's.
+                if item.strip() or (k == 0 and self._streamed):
+                    out += self._content(item)
             else:
                 out.append(calls.pop(0))
         self.calls = [c for c in out if isinstance(c, ToolCall)]
@@ -245,19 +252,40 @@ class ToolCallParser:
         self.content += text
         return [Content(text)]
 
+    def _check_values(self, calls: list[ToolCall]) -> None:
+        """In an XML format, a value that holds its own closing tag is read
+        short (or closes its call early): every closing tag written must be
+        one parameter read, or the calls are not what the model wrote."""
+        g = self._format.grammar
+        if g is None or g.xml is None or not calls:
+            return
+        tag = g.xml[2].strip()
+        read = sum(len(json.loads(call.arguments)) for call in calls)
+        if self._section_text.count(tag) != read:
+            raise ValueError(f"{self._section_text.count(tag)} {tag!r} tags for {read} values")
+
     def _fail(self, error: Exception) -> list:
-        """The section is text after all: from its marker on, as it came; or,
-        where part of a reply in channels is out already, from its first call on."""
+        """The section is text after all: from its marker on, as it came. A
+        reply in channels keeps its answer before the first call (out already,
+        or held) and never gives its reasoning: the text is from that call on."""
         logger.debug("kvchat: tool-call markup did not parse (%s); kept as text", error)
         self._failed = True
+        answer = ""
+        if self._format.channels:
+            count = 0
+            while count < len(self._held) and isinstance(self._held[count], str):
+                count += 1
+            answer = self._without_ignored("".join(self._held[:count]))
+            if not (answer.strip() or self._streamed):
+                answer = ""
         self._held = []
         text, self._pending, self._section_text = (
             self._section_text + self._pending,
             "",
             "",
         )
-        if self._streamed:
-            text = text[self._first_call(text) :]
+        if self._format.channels:
+            text = answer + text[self._first_call(text) :]
         return self._content(text)
 
     def _first_call(self, text: str) -> int:

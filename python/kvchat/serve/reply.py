@@ -116,10 +116,14 @@ class Reply:
 def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:
     """The format to read ``chat``'s reply with, or None (the reply is its
     text): for tool calls when it allows them; a reply in channels (gpt-oss)
-    always, since its answer is one channel of it and its reasoning another."""
+    also without, since its answer is one channel of it and its reasoning
+    another, except under a JSON response_format."""
     if fmt is None or chat.prompt is not None:  # a text completion is its text
         return None
-    return fmt if fmt.channels or calls_allowed(chat) else None
+    if calls_allowed(chat):
+        return fmt
+    # Under a JSON schema alone the reply is the JSON, whatever text it holds.
+    return fmt if fmt.channels and chat.json_schema is None else None
 
 
 def calls_allowed(chat) -> bool:

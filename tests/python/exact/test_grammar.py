@@ -306,6 +306,21 @@ def test_xml_values_are_written_as_the_parser_reads_them_back():
         grammars.tool_calls(QWEN_XML, _one({"a>b": {"type": "integer"}}))
 
 
+def test_a_name_the_markup_cannot_hold_is_refused_not_written_unreadable():
+    """MiniMax reads a name or key up to a quote, the other formats that
+    write the name bare up to a space, '<', '[' or ':': forcing a call to
+    such a tool is a 400 naming it, never a call that comes back as text."""
+    grammars = tiny_grammars()
+    quoted = _one({"a": {"type": "integer"}})
+    quoted[0]["function"]["name"] = 'q"n'
+    for fmt in (MINIMAX, QWEN_XML, GLM, KIMI, MISTRAL_V11, HARMONY):
+        with pytest.raises(GrammarError, match='q"n'):
+            grammars.tool_calls(fmt, quoted, parallel=False)
+    with pytest.raises(GrammarError, match='a"b'):
+        grammars.tool_calls(MINIMAX, _one({'a"b': {"type": "integer"}}), parallel=False)
+    grammars.tool_calls(HERMES, quoted, parallel=False)  # a JSON string holds it
+
+
 def _lfm2_template_tokenizer():
     from llama_cpp_models import fetch
 

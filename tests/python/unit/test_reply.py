@@ -30,8 +30,10 @@ def _chat(**body):
         ({}, False, True),
         ({"tools": [TOOL]}, True, True),
         ({"tools": [TOOL], "tool_choice": "none"}, False, True),
+        ({"response_format": {"type": "json_object"}}, False, False),  # the reply is the JSON
+        ({"tools": [TOOL], "response_format": {"type": "json_object"}}, True, True),
     ],
-    ids=["no tools", "tools", "tool_choice none"],
+    ids=["no tools", "tools", "tool_choice none", "json", "tools or json"],
 )
 def test_a_reply_in_channels_is_always_read_and_tool_markup_only_when_calls_are_allowed(
     body, hermes, harmony
@@ -63,11 +65,41 @@ def test_gpt_oss_s_answer_streams_without_its_reasoning(body):
     assert reply.text == REASONED_ANSWER  # what was sent is kept whole
 
 
-def test_without_tools_a_call_gpt_oss_writes_stays_text():
+@pytest.mark.parametrize("body", [{}, {"tools": [TOOL], "tool_choice": "none"}])
+def test_a_call_the_request_allows_none_of_stays_text_without_the_reasoning(body):
     call = (
-        "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
         '<|message|>{"city": "Paris"}'
     )
-    steps, reply = _items(_chat(), [call])
-    assert not [i for step in steps for i in step if isinstance(i, ToolCall)]
-    assert reply.content == call and reply.calls == []
+    text = "<|channel|>analysis<|message|>Private reasoning.<|end|>" + call
+    for pieces in ([text], [p for p in re.split(r"(<\|[a-z]+\|>| )", text) if p]):
+        steps, reply = _items(_chat(**body), pieces)
+        assert not [i for step in steps for i in step if isinstance(i, ToolCall)]
+        assert reply.content == call and reply.calls == []
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        "<|channel|>",
+        "<|channel|>final",
+        "<|start|>assistant<|channel|>final",
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json",
+    ],
+)
+def test_a_reply_cut_inside_a_message_header_gives_no_markup(cut):
+    """max_tokens (or a stop string) ending the reply inside a header: the
+    header is markup, not the answer."""
+    text = "<|channel|>analysis<|message|>Thinking.<|end|>" + cut
+    if cut == "<|channel|>":
+        text = cut
+    for pieces in ([text], list(text)):
+        _, reply = _items(_chat(), pieces)
+        assert reply.content == "", pieces
+
+
+def test_an_answer_s_trailing_whitespace_is_the_same_however_it_arrives():
+    text = "<|channel|>final<|message|>Answer.\n<|end|>"
+    whole = _items(_chat(), [text])[1].content
+    for pieces in ([p for p in re.split(r"(<\|[a-z]+\|>)", text) if p], list(text)):
+        assert _items(_chat(), pieces)[1].content == whole == "Answer.\n", pieces

@@ -12,7 +12,7 @@ import re
 
 import pytest
 from kvchat.agents import Content, ToolCall, ToolCallParser, detect
-from kvchat.agents.formats import HARMONY, HERMES, LLAMA3_JSON, ToolFormat
+from kvchat.agents.formats import HARMONY, HERMES, LLAMA3_JSON, MINIMAX, ToolFormat
 from kvchat.prompting import render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import fetch
@@ -412,12 +412,21 @@ def test_harmony_channels_give_the_call_or_the_final_answer(reply):
         assert (got, _arguments(calls)) == (content, arguments), pieces
 
 
+def _call_markup(text: str) -> str:
+    """A harmony reply's text from its first call's header on."""
+    start = text.find("<|start|>assistant<|channel|>commentary to=")
+    return text[max(start, 0) :]
+
+
 def test_a_harmony_call_cut_short_stays_its_text():
-    """Cut inside its JSON (max_tokens), the call is the reply's text."""
+    """Cut inside its JSON (max_tokens), the call is text, as it came; the
+    reasoning before it is not content even then."""
     text = HARMONY_REPLIES["reasoned call"][0]
     cut = text[: text.index('"Paris') + 4]
-    content, calls, _ = _parse(HARMONY, list(cut))
-    assert calls == [] and content == cut
+    for pieces in ([cut], list(cut)):
+        content, calls, _ = _parse(HARMONY, pieces)
+        assert calls == [] and content == _call_markup(cut), pieces
+        assert "The user wants Paris." not in content
 
 
 def test_markers_a_tokenizer_added_as_special_tokens_are_written_as_those_tokens():
@@ -504,9 +513,25 @@ def test_a_harmony_reply_without_tools_gives_its_answer_and_no_call(reply):
     out = parser.feed(text) + parser.finish()
     assert not [i for i in out if isinstance(i, ToolCall)]
     got = "".join(i.text for i in out if isinstance(i, Content))
-    if not arguments:
-        assert got == content
-    elif content:  # the preamble, out before the call: then the call as it came
-        assert got == content + text[text.index("<|start|>assistant<|channel|>commentary to=") :]
-    else:
-        assert got == text
+    # The answer (a preamble here), then any call as it came; never the reasoning.
+    assert got == content + (_call_markup(text) if arguments else "")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["x</parameter>y", "a</invoke>b", "<b>bold</b>", "5 < 6"],
+)
+def test_a_minimax_value_holding_its_closing_tag_is_text_not_a_short_call(value):
+    """A value with "</parameter>" in it would be read short, one with
+    "</invoke>" would close the call early: the reply is then text, as
+    written. Other tags in a value are read as written."""
+    text = (
+        '\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        f'<parameter name="city">{value}</parameter>\n</invoke>\n</minimax:tool_call>'
+    )
+    for pieces in ([text], list(text)):
+        content, calls, _ = _parse(MINIMAX, pieces)
+        if "</parameter>" in value or "</invoke>" in value:
+            assert calls == [] and content == text, pieces
+        else:
+            assert content.strip() == "" and _arguments(calls) == [{"city": value}], pieces
