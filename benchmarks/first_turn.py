@@ -15,9 +15,14 @@ Used by multiturn.py (``--first-turn-pairs``), and so by hybrid.py.
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
+from pathlib import Path
+from unittest import mock
 
 from kvchat import SessionManager
+from kvchat.bridge import CacheBridge
 from kvchat.prompting import render_prompt
 from kvchat.timing import FirstTokenTimer
 from workload import make_conversation
@@ -36,11 +41,21 @@ def _kvchat(manager, session, messages, kwargs):
     return turn.prefill_ms, list(turn.output_ids)
 
 
+def _manager(model, tokenizer, no_checkpoints: bool = False, **options) -> SessionManager:
+    """A SessionManager; ``no_checkpoints`` (a diagnostic, not a setting) builds
+    its core as for a model that needs none, so a hybrid's turn never stops
+    its prefill to take one (and its later turns could not reuse)."""
+    if not no_checkpoints:
+        return SessionManager(model, tokenizer, **options)
+    with mock.patch.object(CacheBridge, "needs_checkpoints", new=property(lambda self: False)):
+        return SessionManager(model, tokenizer, **options)
+
+
 def paired(model, tokenizer, pairs: int, shape, seed: int, generate_extra: dict, **options):
     """``pairs`` new conversations' first turns, each through plain generate and
     through one SessionManager (``options``), back to back in alternating order."""
     system_range, user_range, reply_range = shape
-    manager = SessionManager(model, tokenizer, **options)
+    manager = _manager(model, tokenizer, **options)
     ratios, plain_ms, kvchat_ms, same = [], [], [], True
     try:
         for i in range(-1, pairs):  # pair -1 warms both paths up and is not counted
@@ -89,6 +104,7 @@ VARIANTS = {
     "every": {"checkpoints": "every"},
     "no-share": {"share_prefixes": False},
     "no-settle": {"settle": False},
+    "no-stop": {"no_checkpoints": True},  # what the checkpoint stops cost
 }
 
 
@@ -106,6 +122,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="agent")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["default"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -122,6 +139,11 @@ def main(argv=None) -> dict:
         each = ", ".join(f"{v:.2f}" for v in result["each"])
         same = "yes" if result["same_tokens"] else "NO"
         print(f"{name}: median {result['median']:.2f}x ({each}); same tokens: {same}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"first-turn-{args.model}-cpu.json"
+    command = "python benchmarks/first_turn.py " + " ".join(argv or sys.argv[1:])
+    path.write_text(json.dumps(dict(command=command, variants=results), indent=2))
+    print(f"wrote {path}")
     return results
 
 
