@@ -161,13 +161,7 @@ class ToolCallParser:
         found = [i for i in (text.find(m) for m in self._format.markers) if i >= 0]
         if found:
             return min(found), 0
-        hold = len(text)
-        for marker in self._format.markers:
-            for size in range(min(len(marker) - 1, len(text)), 0, -1):
-                if text.endswith(marker[:size]):
-                    hold = min(hold, len(text) - size)
-                    break
-        return None, hold
+        return None, len(text) - _partial_marker(text, self._format.markers)
 
     def _feed_section(self, text: str) -> list:
         self._section_text += text
@@ -183,22 +177,22 @@ class ToolCallParser:
         """The answer's text parsed so far, up to the first call: what is sure
         to be content. Held: blank text (it may lie between calls), and an
         end that may be the start of markup to drop."""
-        count = 0
-        while count < len(self._held) and isinstance(self._held[count], str):
-            count += 1
-        text = self._without_ignored("".join(self._held[:count]))
+        count, text = self._answer_held()
         if not text.strip():
             return []
-        hold = 0
-        for markup in self._format.ignore:
-            for size in range(min(len(markup) - 1, len(text)), 0, -1):
-                if text.endswith(markup[:size]):
-                    hold = max(hold, size)
-                    break
+        hold = _partial_marker(text, self._format.ignore)
         out, rest = text[: len(text) - hold], text[len(text) - hold :]
         self._held[:count] = [rest] if rest else []
         self._streamed = self._streamed or bool(out)
         return self._content(out)
+
+    def _answer_held(self) -> tuple[int, str]:
+        """(how many held items come before the first call, their text
+        without the markup to drop): the answer not yet given out."""
+        count = 0
+        while count < len(self._held) and isinstance(self._held[count], str):
+            count += 1
+        return count, self._without_ignored("".join(self._held[:count]))
 
     def _without_ignored(self, text: str) -> str:
         for markup in self._format.ignore:
@@ -260,9 +254,10 @@ class ToolCallParser:
         if g is None or g.xml is None or not calls:
             return
         tag = g.xml[2].strip()
+        written = self._section_text.count(tag)
         read = sum(len(json.loads(call.arguments)) for call in calls)
-        if self._section_text.count(tag) != read:
-            raise ValueError(f"{self._section_text.count(tag)} {tag!r} tags for {read} values")
+        if written != read:
+            raise ValueError(f"{written} {tag!r} tags for {read} values")
 
     def _fail(self, error: Exception) -> list:
         """The section is text after all: from its marker on, as it came. A
@@ -270,14 +265,9 @@ class ToolCallParser:
         or held) and never gives its reasoning: the text is from that call on."""
         logger.debug("kvchat: tool-call markup did not parse (%s); kept as text", error)
         self._failed = True
-        answer = ""
-        if self._format.channels:
-            count = 0
-            while count < len(self._held) and isinstance(self._held[count], str):
-                count += 1
-            answer = self._without_ignored("".join(self._held[:count]))
-            if not (answer.strip() or self._streamed):
-                answer = ""
+        answer = self._answer_held()[1] if self._format.channels else ""
+        if not (answer.strip() or self._streamed):
+            answer = ""
         self._held = []
         text, self._pending, self._section_text = (
             self._section_text + self._pending,
@@ -296,6 +286,18 @@ class ToolCallParser:
         # places, which Python's re refuses; here only the start counts.
         found = re.search(re.sub(r"\(\?P<\w+>", "(?:", pattern), text)
         return len(text) if found is None else found.start()
+
+
+def _partial_marker(text: str, markers) -> int:
+    """How many of ``text``'s last characters may be the start of one of
+    ``markers`` (the longest such start): held until the next piece tells."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
 
 
 def _joined(items: list) -> list:
