@@ -424,27 +424,28 @@ def test_a_name_lfm2s_python_calls_cannot_hold_is_refused_by_name(template_serve
     assert server.get("/v1/sessions").json()["data"] == before
 
 
+def _forced_weather(server, **more) -> dict:
+    """A greedy request that must call get_weather, once."""
+    return dict(
+        model=server.model,
+        messages=[SYSTEM, {"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
+        tool_choice=_named("get_weather"),
+        parallel_tool_calls=False,
+        temperature=0,
+        **more,
+    )
+
+
 def test_a_forced_call_cut_short_is_already_out_when_streamed_and_text_when_whole(server):
     """The one case where a streamed forced call and a whole one differ
     (docs/agents.md): max_tokens cuts the call after its name. Streamed, its
     start and the arguments written so far are out, then the reply's text
     follows with finish_reason length; answered whole, it is that text."""
     tokenizer = tiny_tokenizer()
-    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
-    kwargs = dict(
-        model=server.model,
-        messages=messages,
-        tools=TOOLS,
-        tool_choice=_named("get_weather"),
-        parallel_tool_calls=False,
-        temperature=0,
-    )
-    _create(
-        server,
-        "uncut",
-        messages,
-        CALL_TOKENS,
-        **{k: v for k, v in kwargs.items() if k not in ("model", "messages", "temperature")},
+    kwargs = _forced_weather(server)
+    server.client().chat.completions.create(
+        **kwargs, max_tokens=CALL_TOKENS, prompt_cache_key="uncut"
     )
     ids = _last_output(server, "uncut")
     cut = next(k for k in range(len(ids)) if '"arguments": {' in tokenizer.decode(ids[:k])) + 2
@@ -474,16 +475,7 @@ def test_a_forced_calls_arguments_stream_as_they_are_written(server):
     stream gives its index, id and name first, then its arguments in pieces
     as the model writes them, which join into the arguments the same request
     answered whole has (both are plain generate's tokens)."""
-    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
-    kwargs = dict(
-        model=server.model,
-        messages=messages,
-        tools=TOOLS,
-        tool_choice=_named("get_weather"),
-        parallel_tool_calls=False,
-        max_tokens=CALL_TOKENS,
-        temperature=0,
-    )
+    kwargs = _forced_weather(server, max_tokens=CALL_TOKENS)
     deltas = []
     for chunk in server.client().chat.completions.create(**kwargs, stream=True, user="pieces"):
         for choice in chunk.choices:
