@@ -103,3 +103,20 @@ def test_an_answer_s_trailing_whitespace_is_the_same_however_it_arrives():
     whole = _items(_chat(), [text])[1].content
     for pieces in ([p for p in re.split(r"(<\|[a-z]+\|>)", text) if p], list(text)):
         assert _items(_chat(), pieces)[1].content == whole == "Answer.\n", pieces
+
+
+@pytest.mark.parametrize(
+    "stop, content",
+    [
+        (["never written"], "It is sunny in Paris today."),  # held back, then given whole
+        (["Paris"], "It is sunny in "),
+    ],
+    ids=["never matches", "matches"],
+)
+def test_a_stop_string_over_a_streamed_gpt_oss_answer(stop, content):
+    pieces = [p for p in re.split(r"(<\|[a-z]+\|>| )", REASONED_ANSWER) if p]
+    for split in (pieces, list(REASONED_ANSWER)):
+        steps, reply = _items(_chat(stop=stop), split)
+        texts = [i.text for step in steps for i in step if isinstance(i, Content)]
+        assert "".join(texts) == reply.content == content, split
+        assert len(texts) > 1 and reply.calls == []
