@@ -6,7 +6,9 @@ sliding layer is only ever seen at the end. For a checkpoint inside the tail
 kvchat runs the tail itself up to it, one forward per position, snapshots
 there, and then hands the cache to ``generate`` for the rest and decoding.
 Every stop costs a forward; the state at the prompt's end costs only a copy,
-taken when generate asks for the first token's logits.
+taken when generate asks for the first token's logits. A model whose only
+such state is convolution windows (LFM2) stops nowhere: its checkpoints are
+read off generate's own forward (``bridge.windows``).
 
 A cache that cannot count its tokens (recurrent layers alone: Mamba2) would
 have ``generate`` run the whole prompt over it again. ``generate`` still gets

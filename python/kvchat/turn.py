@@ -11,13 +11,15 @@ checked and tokenized its input:
    the turn, so a failure leaves the session with its history and no cache,
    never half a turn;
 4. ``_model_run``: build the cache from the plan's layers, prefill to each
-   checkpoint, run ``generate``, and read the cache back (a ``ModelRun``);
+   checkpoint (or read the checkpoints off generate's forward, for conv
+   windows), run ``generate``, and read the cache back (a ``ModelRun``);
 5. ``Turn.finish`` commits it; then the tier gets the turn's snapshot and the
    settler the ids the next prompt is predicted to start with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -28,6 +30,7 @@ from torch._dynamo.exc import TorchDynamoException
 
 from . import _C
 from .arguments import ContextLengthError
+from .bridge.windows import WindowCheckpoints
 from .conversation import SendBack, as_dicts, core_messages
 from .generate_args import GenerateArgs
 from .prediction import predicted_prefix
@@ -299,23 +302,34 @@ class Turns:
         return run
 
     def _run_on(self, cache, plan, model_input, kwargs) -> ModelRun:
-        """Prefills to each checkpoint, runs generate on ``cache``, reads it back."""
+        """Prefills to each checkpoint (or reads them off generate's forward,
+        ``WindowCheckpoints``), runs generate on ``cache``, reads it back."""
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
         positions = plan.checkpoint_positions
         checkpoints = []
-        if positions:
-            checkpoints = self._prefill.run(model_input, cache, plan.kept_tokens, positions)
+        # Where the forward generate runs starts: after the last stop, if any.
+        held = plan.kept_tokens
+        windows = contextlib.nullcontext()
+        if positions and bridge.checkpoints_from_windows:
+            windows = bridge.window_checkpoints(cache, held, prompt_tokens, positions)
+        elif positions:
+            checkpoints = self._prefill.run(model_input, cache, held, positions)
+            held = positions[-1]
         at_end = None
         if plan.snapshot_prompt_end:
             at_end = PromptEndSnapshot(bridge, cache, prompt_tokens)
             kwargs = at_end.attach(kwargs)
         # A cache that cannot count its tokens (recurrent layers alone)
         # must be fed only those it lacks; one that can, generate slices.
-        held = 0 if bridge.knows_length else (positions or [plan.kept_tokens])[-1]
+        held = 0 if bridge.knows_length else held
         argument = bridge.cache_argument
-        with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held):
+        with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held), windows:
             output = self._model.generate(model_input, **{argument: cache}, **kwargs)
+        if isinstance(windows, WindowCheckpoints):
+            checkpoints = windows.checkpoints()
+            if windows.problem is not None:
+                bridge.windows_failed(windows.problem)
         if at_end is not None and at_end.checkpoint is not None:
             checkpoints.append(at_end.checkpoint)
         sequences = _sequences(output)

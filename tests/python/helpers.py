@@ -31,6 +31,9 @@ REUSE_FAMILIES = (
 )
 # The families whose layers cannot crop back, so take checkpoints.
 CHECKPOINT_FAMILIES = REUSE_FAMILIES[1:]
+# Of those, the ones whose every such state is a convolution window (LFM2's
+# short convs): a checkpoint is read off the forward, which never stops there.
+WINDOW_FAMILIES = ("lfm2",)
 
 
 @functools.cache

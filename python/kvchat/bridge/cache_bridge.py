@@ -53,6 +53,7 @@ from .static_cache import (
     read_static_attention,
     static_problem,
 )
+from .windows import WindowCheckpoints
 
 logger = logging.getLogger("kvchat")
 
@@ -72,6 +73,9 @@ class CacheBridge:
         # Why decoding cannot compile over this model's layers (None: it can).
         self.static_problem = static_problem(self.layout)
         self._static_pool = StaticCachePool(model.config, self.layout)
+        # Why checkpoints inside a forward are no longer read off conv windows
+        # (None: they are, where the layout allows; see ``windows``).
+        self.windows_problem: str | None = None
         if not self.layout.supported:
             logger.warning(
                 "kvchat: %s: not supported; every turn will prefill the whole prompt "
@@ -91,6 +95,22 @@ class CacheBridge:
     @property
     def needs_checkpoints(self) -> bool:
         return self.layout.needs_checkpoints
+
+    @property
+    def checkpoints_from_windows(self) -> bool:
+        """Whether a turn's inner checkpoints come off the one forward over its
+        tail (``WindowCheckpoints``) rather than forwards that stop at each."""
+        return self.layout.checkpoints_from_windows and self.windows_problem is None
+
+    def window_checkpoints(self, cache, begin: int, end: int, positions) -> WindowCheckpoints:
+        return WindowCheckpoints(self.layout, cache, begin, end, positions)
+
+    def windows_failed(self, problem: str) -> None:
+        """A forward did not hand its conv layers their inputs as expected: from
+        now on this model's checkpoints stop the forward, as for any layer."""
+        if self.windows_problem is None:
+            logger.warning("kvchat: checkpoints will stop the prefill from now on: %s", problem)
+        self.windows_problem = problem
 
     @property
     def num_layers(self) -> int:

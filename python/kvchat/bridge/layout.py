@@ -127,6 +127,17 @@ class ModelLayout:
         return any(parts != (ATTENTION,) for parts in self.parts if parts != ())
 
     @property
+    def checkpoints_from_windows(self) -> bool:
+        """Whether every state that cannot crop back is a convolution window
+        in a layer of its own (LFM2's short convolutions): a checkpoint inside
+        a forward is then a slice of that forward's inputs (``windows``)."""
+        recurrent = [t for t in self.templates if t.parts != (ATTENTION,)]
+        return bool(recurrent) and all(
+            t.parts == (RECURRENT,) and all(kind == "conv" for kind, _ in t.slots)
+            for t in recurrent
+        )
+
+    @property
     def slots(self) -> list:
         """Per core layer, the (kind, index) of each recurrent tensor (None: no
         recurrent part), as session files record them."""
