@@ -308,28 +308,31 @@ class Turns:
         bridge = self._bridge
         positions = plan.checkpoint_positions
         checkpoints = []
-        # Where the forward generate runs starts: after the last stop, if any.
-        held = plan.kept_tokens
+        # Where generate's forward starts: after the last stop, if any.
+        start = plan.kept_tokens
         windows = contextlib.nullcontext()
-        if positions and bridge.checkpoints_from_windows:
-            windows = bridge.window_checkpoints(cache, held, prompt_tokens, positions)
+        if positions and bridge.checkpoints_from_windows and not _chunked(self._model, kwargs):
+            windows = bridge.window_checkpoints(cache, start, prompt_tokens, positions)
         elif positions:
-            checkpoints = self._prefill.run(model_input, cache, held, positions)
-            held = positions[-1]
+            checkpoints = self._prefill.run(model_input, cache, start, positions)
+            start = positions[-1]
         at_end = None
         if plan.snapshot_prompt_end:
             at_end = PromptEndSnapshot(bridge, cache, prompt_tokens)
             kwargs = at_end.attach(kwargs)
         # A cache that cannot count its tokens (recurrent layers alone)
         # must be fed only those it lacks; one that can, generate slices.
-        held = 0 if bridge.knows_length else held
+        held = 0 if bridge.knows_length else start
         argument = bridge.cache_argument
         with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held), windows:
             output = self._model.generate(model_input, **{argument: cache}, **kwargs)
         if isinstance(windows, WindowCheckpoints):
-            checkpoints = windows.checkpoints()
-            if windows.problem is not None:
-                bridge.windows_failed(windows.problem)
+            try:
+                checkpoints, problem = windows.finish()
+            except Exception as error:  # a checkpoint never fails a turn
+                checkpoints, problem = [], repr(error)
+            if problem is not None:
+                bridge.windows_failed(problem)
         if at_end is not None and at_end.checkpoint is not None:
             checkpoints.append(at_end.checkpoint)
         sequences = _sequences(output)
@@ -371,6 +374,14 @@ class Turns:
         except Exception as error:
             logger.warning("kvchat: no settling after this turn: %s", error)
             return None
+
+
+def _chunked(model, kwargs: dict) -> bool:
+    """Whether generate prefills in chunks (``prefill_chunk_size``), which
+    conv windows cannot be read off: a one-token chunk skips LFM2's
+    ``update_conv_state``."""
+    config = kwargs.get("generation_config") or model.generation_config
+    return bool(kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None)))
 
 
 def _sequences(output) -> torch.Tensor:

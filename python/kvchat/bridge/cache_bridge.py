@@ -99,8 +99,9 @@ class CacheBridge:
     @property
     def checkpoints_from_windows(self) -> bool:
         """Whether a turn's inner checkpoints come off the one forward over its
-        tail (``WindowCheckpoints``) rather than forwards that stop at each."""
-        return self.layout.checkpoints_from_windows and self.windows_problem is None
+        tail (``WindowCheckpoints``) rather than forwards that stop at each:
+        the model's layout allows it, and no turn found otherwise."""
+        return self.layout.conv_windows_only and self.windows_problem is None
 
     def window_checkpoints(self, cache, begin: int, end: int, positions) -> WindowCheckpoints:
         return WindowCheckpoints(self.layout, cache, begin, end, positions)

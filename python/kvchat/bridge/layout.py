@@ -127,10 +127,11 @@ class ModelLayout:
         return any(parts != (ATTENTION,) for parts in self.parts if parts != ())
 
     @property
-    def checkpoints_from_windows(self) -> bool:
+    def conv_windows_only(self) -> bool:
         """Whether every state that cannot crop back is a convolution window
-        in a layer of its own (LFM2's short convolutions): a checkpoint inside
-        a forward is then a slice of that forward's inputs (``windows``)."""
+        in a layer of its own (LFM2's short convolutions), for the whole
+        model: a checkpoint inside a forward is then a slice of that forward's
+        inputs (``windows``)."""
         recurrent = [t for t in self.templates if t.parts != (ATTENTION,)]
         return bool(recurrent) and all(
             t.parts == (RECURRENT,) and all(kind == "conv" for kind, _ in t.slots)

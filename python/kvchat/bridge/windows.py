@@ -1,6 +1,6 @@
 """Checkpoints inside a prompt's tail read off the one forward that prefills
 it, for a model whose every state that cannot crop back is a convolution
-window (LFM2's short convolutions; ``ModelLayout.checkpoints_from_windows``).
+window (LFM2's short convolutions; ``ModelLayout.conv_windows_only``).
 
 A conv layer's state after token ``p`` is its last ``width`` inputs up to
 ``p``, and the forward over the tail hands the layer all of those inputs at
@@ -9,47 +9,64 @@ and the turn needs no forward that stops there: a stop costs a copy of a few
 columns per layer, where stopping cost a second pass over every weight (a
 6% longer first turn on LFM2-350M, RESULTS §21).
 
-The slice is the one a forward stopping at ``p`` would have kept, computed
-from the same inputs as plain ``generate``'s single forward. Whether a model
-hands its layer the inputs this way is checked on every use, not assumed:
-the window at the prompt's end must equal, bit for bit, what the layer itself
-kept. If it does not (a model that writes its state another way), the turn
-keeps no inner checkpoint and the bridge goes back to stopping the forward.
+The slice is taken from the inputs generate's own forward computed, as plain
+``generate`` computes them in its single forward; a forward stopping at ``p``
+would have computed the same values up to matrix-shape rounding, which the
+probe bounds (``probe._split_problem``). Whether a model hands its layer the
+inputs this way is checked on every use, not assumed: the window at the
+prompt's end must equal, bit for bit, what the layer itself kept. If it does
+not (a model that writes its state another way), the turn keeps no inner
+checkpoint and the bridge goes back to stopping the forward.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from .. import _C
 from .layout import ModelLayout
 
-logger = logging.getLogger("kvchat")
-
 
 class WindowCheckpoints:
     """While entered, records from ``cache``'s conv layers the window at each
     of ``positions`` (rising, in ``(begin, end)``), where the cache holds
-    ``begin`` tokens and the forward runs to the prompt's ``end``; then
-    ``checkpoints()`` gives them as the core's checkpoints."""
+    ``begin`` tokens and one forward runs over the tail to the prompt's
+    ``end`` (a prefill in chunks is refused: the turn stops the forward
+    instead); then ``finish()`` gives them as the core's checkpoints."""
 
     def __init__(self, layout: ModelLayout, cache, begin: int, end: int, positions: list[int]):
-        if not layout.checkpoints_from_windows:
-            raise ValueError("this model's checkpoints are not convolution windows")
+        if not layout.conv_windows_only:
+            raise ValueError("this model's checkpoints are not convolution windows alone")
+        positions = list(positions)
+        if not all(begin < p < end for p in positions) or positions != sorted(set(positions)):
+            raise ValueError(
+                f"checkpoint positions must rise within ({begin}, {end}), got {positions}"
+            )
         self._layout, self._cache = layout, cache
-        self._begin, self._end, self._positions = begin, end, list(positions)
-        self._windows: dict[int, dict[tuple[int, int], torch.Tensor]] = {
-            p: {} for p in self._positions
-        }
+        self._begin, self._end, self._positions = begin, end, positions
+        self._windows: dict[int, dict[tuple[int, int], torch.Tensor]] = {p: {} for p in positions}
         self._seen: dict[tuple[int, int], int] = {}  # (core layer, state index) -> tokens
-        self._checked: set[tuple[int, int]] = set()
-        self.problem: str | None = None  # why the windows cannot be trusted
+        # Per (core layer, state index) that reached the prompt's end: whether
+        # the window there differs from the layer's own, as a device tensor
+        # (read once, after generate: no stall inside the forward).
+        self._differs: dict[tuple[int, int], torch.Tensor] = {}
+        self._problem: str | None = None  # why the windows cannot be trusted
         self._patched: dict[int, tuple] = {}  # id(layer) -> (layer, state indexes due)
 
     def __enter__(self):
+        try:
+            self._patch()
+        except BaseException:
+            self._unpatch_all()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._unpatch_all()
+
+    def _patch(self) -> None:
         layout = self._layout
         for j, index in enumerate(layout.stateful):
             template = layout.templates[j]
@@ -58,19 +75,20 @@ class WindowCheckpoints:
             layer = self._cache.layers[index]
             original = getattr(layer, "update_conv_state", None)
             if original is None:
-                self.problem = f"layer {index} ({type(layer).__name__}) takes no conv inputs"
+                self._problem = f"layer {index} ({type(layer).__name__}) takes no conv inputs"
                 continue
             widths = {
                 i: shape[-1]
                 for (_, i), (shape, _) in zip(template.slots, template.recurrent, strict=True)
             }
             # An instance attribute over the class's method, removed once the
-            # layer has passed the prompt's end (before decoding) or on exit.
-            layer.update_conv_state = functools.partial(self._update, layer, j, widths, original)
+            # layer has passed the prompt's end (before decoding) or on exit;
+            # never traced by a compiled forward.
+            update = functools.partial(self._update, layer, j, widths, original)
+            layer.update_conv_state = torch.compiler.disable(update)
             self._patched[id(layer)] = (layer, set(widths))
-        return self
 
-    def __exit__(self, *exc):
+    def _unpatch_all(self) -> None:
         for layer, _ in list(self._patched.values()):
             self._unpatch(layer)
 
@@ -79,59 +97,72 @@ class WindowCheckpoints:
             del layer.update_conv_state
 
     def _update(self, layer, j, widths, original, conv_states, state_idx=0, **kwargs):
-        key = (j, state_idx)
+        key, tokens = (j, state_idx), conv_states.shape[-1]
         seen = self._seen.get(key, self._begin)
-        previous = None
-        if self.problem is None and seen < self._end:
-            try:
-                previous = self._record(layer, key, widths[state_idx], seen, conv_states)
-            except Exception as error:  # never fail the forward over a checkpoint
-                self.problem = f"layer {self._layout.stateful[j]}: {error!r}"
-        result = original(conv_states, state_idx, **kwargs)
-        tokens = conv_states.shape[-1]
         self._seen[key] = seen + tokens
-        if seen < self._end <= seen + tokens:
-            if self.problem is None:
-                self._check_end(layer, key, widths[state_idx], previous, conv_states, seen)
-            _, waiting = self._patched.get(id(layer), (None, set()))
-            waiting.discard(state_idx)
-            if not waiting:
-                self._unpatch(layer)
+        if seen >= self._end:  # past the prompt (the layer is unpatched by now)
+            return original(conv_states, state_idx, **kwargs)
+        where = f"layer {self._layout.stateful[j]}"
+        previous = None
+        if self._problem is None:
+            try:
+                if (seen, seen + tokens) != (self._begin, self._end):
+                    # A prefill in pieces (one may skip this method, as
+                    # LFM2's one-token path does) could misplace the windows.
+                    raise ValueError(
+                        f"inputs for tokens [{seen}, {seen + tokens}), not the tail "
+                        f"[{self._begin}, {self._end}) in one call"
+                    )
+                if layer.has_previous_state[state_idx]:
+                    # The layer's call below writes it in place.
+                    previous = layer.conv_states[state_idx].clone()
+                self._record(key, widths[state_idx], previous, conv_states)
+            except Exception as error:  # never fail the forward over a checkpoint
+                self._problem = f"{where}: {error!r}"
+        result = original(conv_states, state_idx, **kwargs)
+        if self._problem is None:
+            try:
+                self._check_end(layer, key, widths[state_idx], previous, conv_states)
+            except Exception as error:
+                self._problem = f"{where}: {error!r}"
+        # One call per state reads the whole tail: the layer is done with.
+        _, waiting = self._patched.get(id(layer), (None, set()))
+        waiting.discard(state_idx)
+        if not waiting:
+            self._unpatch(layer)
         return result
 
-    def _record(self, layer, key, width, seen, conv_states):
-        """Keeps the windows at the positions this call's inputs reach; returns
-        the layer's window before them (None: the layer had none)."""
-        _, state_idx = key
-        previous = None
-        if layer.has_previous_state[state_idx]:
-            previous = layer.conv_states[state_idx].clone()  # the call writes it in place
-        tokens = conv_states.shape[-1]
+    def _record(self, key, width, previous, conv_states) -> None:
+        """Keeps the window at each position (the call's inputs are the tail's)."""
         for position in self._positions:
-            if seen < position <= seen + tokens:
-                window = _window(previous, conv_states[..., : position - seen], width)
-                self._windows[position][key] = window.clone()
-        return previous
+            window = _window(previous, conv_states[..., : position - self._begin], width)
+            # Contiguous, as the snapshots of a stopped forward are.
+            self._windows[position][key] = window.clone(memory_format=torch.contiguous_format)
 
-    def _check_end(self, layer, key, width, previous, conv_states, seen):
-        expected = _window(previous, conv_states[..., : self._end - seen], width)
+    def _check_end(self, layer, key, width, previous, conv_states) -> None:
+        """Notes whether the layer kept the window at the prompt's end, as a
+        device tensor: read once, after generate, with no stall in the forward."""
+        expected = _window(previous, conv_states, width)
         kept = layer.conv_states[key[1]]
-        if kept.shape != expected.shape or not torch.equal(kept, expected):
-            self.problem = (
-                f"layer {self._layout.stateful[key[0]]} kept a conv state that is not "
-                "the last window of its inputs"
-            )
-        self._checked.add(key)
+        if kept.shape != expected.shape:
+            raise ValueError(f"a conv state of shape {tuple(kept.shape)}")
+        self._differs[key] = (kept != expected).any()
 
-    def checkpoints(self) -> list[_C.Checkpoint]:
-        """The checkpoints, or none if any window is missing or untrusted
-        (``problem`` says why)."""
+    def finish(self) -> tuple[list[_C.Checkpoint], str | None]:
+        """(the checkpoints, None), or ([], why) if any window is missing or
+        untrusted. Call after the forward."""
+        problem = self._problem
         expected = {(j, i) for j, t in enumerate(self._layout.templates) for _, i in t.slots}
-        if self.problem is None and self._checked != expected:
-            missing = [self._layout.stateful[j] for j, _ in sorted(expected - self._checked)]
-            self.problem = f"the forward did not hand conv layers {missing} their inputs"
-        if self.problem is not None:
-            return []
+        if problem is None and set(self._differs) != expected:
+            missing = sorted({self._layout.stateful[j] for j, _ in expected - set(self._differs)})
+            problem = f"the forward did not hand conv layers {missing} their inputs"
+        if problem is None and bool(torch.stack([*self._differs.values()]).any()):
+            differ = sorted(self._layout.stateful[j] for (j, _), d in self._differs.items() if d)
+            problem = (
+                f"conv layers {differ} kept a state that is not the last window of their inputs"
+            )
+        if problem is not None:
+            return [], problem
         checkpoints = []
         for position in self._positions:
             windows = self._windows[position]
@@ -143,7 +174,7 @@ class WindowCheckpoints:
                 tensors = [windows[(j, i)] for _, i in template.slots]
                 states.append(_C.RecurrentState(tensors, position))
             checkpoints.append(_C.Checkpoint(position, states))
-        return checkpoints
+        return checkpoints, None
 
 
 def _window(previous: torch.Tensor | None, inputs: torch.Tensor, width: int) -> torch.Tensor:

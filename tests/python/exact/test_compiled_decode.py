@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from helpers import DEVICE, SYSTEM, model_for, reference_turn, user_message
+from helpers import DEVICE, LONG_SYSTEM, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.bridge.static_cache import bucket
 from kvchat.compiled import CompiledDecode, compile_everywhere
@@ -43,9 +43,9 @@ def _compiled_reference(model, tokenizer, messages, capacity):
     )
 
 
-def _conversation(manager, model, tokenizer, check, session="s", turns=TURNS):
+def _conversation(manager, model, tokenizer, check, session="s", turns=TURNS, system=SYSTEM):
     """Turns with the raw replies fed back; ``check(turn, messages, reply)`` after each."""
-    messages = [SYSTEM]
+    messages = [system]
     for turn in range(turns):
         messages.append(user_message(turn))
         reply = manager.chat(session, messages, max_new_tokens=MAX_NEW)
@@ -76,6 +76,34 @@ def test_compiled_turns_match_compiled_static_cache(family, tokenizer):
     assert stats.compiled_turns == TURNS
     assert stats.static_caches_built == 1  # one bucket, reused every turn
     assert stats.static_cache_bytes > 0
+
+
+@pytest.mark.slow
+def test_lfm2_checkpoints_read_off_a_compiled_turns_prefill(tokenizer, caplog):
+    """A long system prompt puts a checkpoint inside LFM2's first prompt,
+    read off the prefill of a turn whose decode compiles (the StaticCache's
+    conv layers): every turn exact, an edit of the first user message
+    restores that checkpoint, and no warning says the windows could not be
+    read."""
+    torch._dynamo.reset()
+    model = model_for("lfm2")
+    manager = SessionManager(model, tokenizer, compile=True, settle=False)
+
+    def check(turn, messages, reply):
+        report = manager.last_turn("s")
+        capacity = bucket(report.prompt_tokens + MAX_NEW)
+        static_reply, _, _ = _compiled_reference(model, tokenizer, messages, capacity)
+        assert reply == static_reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+        return report
+
+    with caplog.at_level("WARNING", logger="kvchat"):
+        messages = _conversation(manager, model, tokenizer, check, turns=2, system=LONG_SYSTEM)
+        messages[1] = user_message(7)  # diverges right after the system prompt
+        check(2, messages, manager.chat("s", messages, max_new_tokens=MAX_NEW))
+    report = manager.last_turn("s")
+    assert report.checkpoint_restored == report.reused_tokens > 0, report
+    assert "checkpoints will stop" not in caplog.text
+    assert manager.stats().compiled_turns == 3
 
 
 class CountingBackend:

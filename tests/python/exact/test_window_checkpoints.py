@@ -7,10 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LONG_SYSTEM, MAX_NEW, model_for, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    MAX_NEW,
+    REUSE_FAMILIES,
+    WINDOW_FAMILIES,
+    exact_turn,
+    model_for,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.bridge import CacheBridge
 from kvchat.prefill import ChunkedPrefill
+from kvchat.prompting import render_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +46,15 @@ def test_windows_hold_what_a_forward_stopping_there_keeps(kept):
     stopped = prefill.run(ids, holding_kept(), kept, positions)
     cache = holding_kept()
     with bridge.window_checkpoints(cache, kept, end, positions) as windows:
-        middle = kept + 20  # a prefill in two chunks, as generate's prefill_chunk_size runs it
-        prefill.forward(ids, cache, kept, middle)
-        prefill.forward(ids, cache, middle, end)
-    read = windows.checkpoints()
-    assert windows.problem is None
+        prefill.forward(ids, cache, kept, end)
+    read, problem = windows.finish()
+    assert problem is None
     assert [c.position for c in read] == positions
+    # The same layers hold a state in both: the conv layers, not attention.
     conv_layers = [j for j, state in enumerate(stopped[0].states) if state is not None]
-    assert conv_layers and all(s is None for s in read[0].states if s is None)
+    assert conv_layers and [s is None for s in read[0].states] == [
+        s is None for s in stopped[0].states
+    ]
     for a, b in zip(stopped, read, strict=True):
         for j in conv_layers:
             assert b.states[j].meta == a.states[j].meta
@@ -52,6 +63,33 @@ def test_windows_hold_what_a_forward_stopping_there_keeps(kept):
     # The windows move from stop to stop: a stale window would fail above.
     first, last = read[0].states[conv_layers[-1]], read[-1].states[conv_layers[-1]]
     assert not torch.equal(first.tensors()[0], last.tensors()[0])
+
+
+def test_only_a_model_of_conv_windows_alone_reads_its_checkpoints_off_the_forward():
+    """Decided from the probed layers: of the families kvchat tests, LFM2
+    alone keeps nothing that cannot crop but conv windows (Qwen3.5's
+    DeltaNet and the Mamba2 families keep a recurrent state beside theirs,
+    Gemma's sliding layers keys)."""
+    reading = {f for f in REUSE_FAMILIES if CacheBridge(model_for(f)).checkpoints_from_windows}
+    assert reading == set(WINDOW_FAMILIES)
+
+
+def test_a_chunked_prefill_stops_the_forward_and_keeps_windows_for_later_turns(tokenizer):
+    """generate's prefill_chunk_size splits the prefill, and a one-token
+    chunk skips LFM2's update_conv_state: such a turn stops the forward at
+    its checkpoints instead, exact, and later turns still read windows."""
+    model = model_for("lfm2")
+    mgr = SessionManager(model, tokenizer, settle=False)
+    messages = [LONG_SYSTEM, user_message(0)]
+    tokens = len(render_prompt(tokenizer, messages))
+    chunk = tokens - 1  # a one-token last chunk
+    reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW, prefill_chunk_size=chunk)
+    assert reply == reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    assert mgr.info("s").checkpoints == 2  # the system prompt's end, and the prompt's
+    assert mgr._bridge.checkpoints_from_windows
+    again = [LONG_SYSTEM, user_message(1)]  # diverges after the system prompt
+    exact_turn(mgr, "s", again, model, tokenizer)
+    assert mgr.last_turn("s").checkpoint_restored == mgr.last_turn("s").reused_tokens > 0
 
 
 def test_a_model_that_bypasses_the_conv_layer_gets_stopping_forwards_back(
@@ -88,4 +126,8 @@ def test_a_model_that_bypasses_the_conv_layer_gets_stopping_forwards_back(
     assert extra == {"s": 0, "t": 0, "u": 1}, extra  # the stop comes back after the failure
     assert "did not hand conv layers" in caplog.text
     assert caplog.text.count("checkpoints will stop the prefill") == 1
+    assert mgr.info("t").checkpoints == 1  # the failed turn kept only the prompt's end
     assert mgr.info("u").checkpoints == 2  # at the system prompt's end, and the prompt's
+    # "u" restores its system prompt's checkpoint, taken by a stopped forward.
+    _, report = exact_turn(mgr, "u", [LONG_SYSTEM, user_message(3)], model, tokenizer)
+    assert report.checkpoint_restored == report.reused_tokens > 0, report
