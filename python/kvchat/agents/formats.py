@@ -11,6 +11,7 @@ is parsed with that instead.
 
 from __future__ import annotations
 
+import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -212,6 +213,33 @@ KIMI = ToolFormat(  # Kimi-K2: a section of calls named functions.NAME:INDEX
     ),
     ignore=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
 )
+# DeepSeek's markers are special tokens, spelled with a fullwidth bar and "▁".
+_DEEPSEEK_CALL, _DEEPSEEK_SEP, _DEEPSEEK_END = (
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+)
+_DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_V31 = ToolFormat(  # DeepSeek V3.1: a section of calls, each NAME<｜tool▁sep｜>{...}
+    "deepseek-v3.1",
+    markers=(_DEEPSEEK_SECTION[0], _DEEPSEEK_CALL),
+    spec=_section(
+        r"\s*" + re.escape(_DEEPSEEK_CALL) + r"\s*(?P<name>[^\s<]+)\s*" + re.escape(_DEEPSEEK_SEP),
+        _DEEPSEEK_END,
+        "json",
+        _CALL,
+    ),
+    grammar=CallGrammar(
+        _DEEPSEEK_CALL,
+        _DEEPSEEK_END,
+        separator="",
+        section_open=_DEEPSEEK_SECTION[0],
+        section_close=_DEEPSEEK_SECTION[1],
+        name_in_json=False,
+        name_close=_DEEPSEEK_SEP,
+    ),
+    ignore=_DEEPSEEK_SECTION,
+)
 LFM2 = ToolFormat(  # LFM2 / LFM2.5: a Python list of calls
     "lfm2",
     markers=("<|tool_call_start|>",),
@@ -349,6 +377,9 @@ def detect(tokenizer) -> ToolFormat | None:
         return HARMONY
     if "<|tool_call_begin|>" in template:
         return KIMI
+    if _DEEPSEEK_SEP in template:
+        # R1 and its distills write type<｜tool▁sep｜>name and fenced JSON: not read.
+        return None if "```json" in template else DEEPSEEK_V31
     if "<minimax:tool_call>" in template:
         return MINIMAX
     if "<|tool_call_start|>" in template:

@@ -15,6 +15,7 @@ from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
     APRIEL,
+    DEEPSEEK_V31,
     GLM,
     HARMONY,
     HERMES,
@@ -41,6 +42,7 @@ CONSTRAINABLE = [
     MISTRAL_V3,
     MISTRAL_V11,
     KIMI,
+    DEEPSEEK_V31,
     LLAMA3_JSON,
     QWEN_XML,
     GLM,
@@ -176,7 +178,9 @@ def test_a_schema_llguidance_refuses_names_the_field():
     assert error.value.param == "response_format" and "nonsense" in str(error.value)
 
 
-def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) -> None:
+def _forced_loop(
+    template: str | None, model, turns: int = 2, exact=range(2), min_reuse: float = 0.9
+) -> None:
     """A tool loop whose every turn is forced to call a tool, through
     SessionManager: each turn in ``exact`` is token for token plain generate
     with the same grammar, every reply is read back as an allowed call, and
@@ -214,7 +218,7 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
             prompt = render_prompt(tokenizer, messages, tools=TOOLS)
             held = common_prefix(history_ids(tokenizer, messages[:-1], TOOLS), prompt)
             assert report.reused_tokens >= min(held, prompt.numel() - 1), (report, held)
-            assert report.reused_tokens >= 0.9 * report.prompt_tokens, report
+            assert report.reused_tokens >= min_reuse * report.prompt_tokens, report
         text = tokenizer.decode(list(report.output_ids), skip_special_tokens=False)
         _, calls = _read(fmt, text.split(tokenizer.eos_token)[0])
         assert len(calls) == 1 and _allowed(calls[0]), text
@@ -226,14 +230,27 @@ def _forced_loop(template: str | None, model, turns: int = 2, exact=range(2)) ->
 
 
 @pytest.mark.parametrize(
-    "template", ["Qwen3.5-4B", "GLM-4.6", "MiniMax-M2", "LFM2.5-8B-A1B", "openai-gpt-oss-120b"]
+    "template",
+    [
+        "Qwen3.5-4B",
+        "GLM-4.6",
+        "MiniMax-M2",
+        "LFM2.5-8B-A1B",
+        "openai-gpt-oss-120b",
+        "deepseek-ai-DeepSeek-V3.1",
+    ],
 )
 def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):
-    """Forced calls on real XML and Python-call templates, with the tiny
-    float64 model."""
+    """Forced calls on real XML and Python-call templates (and DeepSeek
+    V3.1's, whose prompt after a tool's result has no generation prompt),
+    with the tiny float64 model. DeepSeek's template renders no tool
+    schemas and the tiny vocabulary spells its markers out byte by byte, so
+    the tool's result alone is 30 of the 259-token prompt: all of it new,
+    the rest reused (the loop checks that too)."""
     from helpers import model_for
 
-    _forced_loop(template, model_for("llama"))
+    deepseek = template.startswith("deepseek")
+    _forced_loop(template, model_for("llama"), min_reuse=0.85 if deepseek else 0.9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -313,7 +330,7 @@ def test_a_name_the_markup_cannot_hold_is_refused_not_written_unreadable():
     grammars = tiny_grammars()
     quoted = _one({"a": {"type": "integer"}})
     quoted[0]["function"]["name"] = 'q"n'
-    for fmt in (MINIMAX, QWEN_XML, GLM, KIMI, MISTRAL_V11, HARMONY):
+    for fmt in (MINIMAX, QWEN_XML, GLM, KIMI, DEEPSEEK_V31, MISTRAL_V11, HARMONY):
         with pytest.raises(GrammarError, match='q"n'):
             grammars.tool_calls(fmt, quoted, parallel=False)
     with pytest.raises(GrammarError, match='a"b'):

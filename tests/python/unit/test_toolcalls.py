@@ -54,6 +54,7 @@ CASES = {
     "poolside-Laguna-S-2.1": "glm",
     "Spark2.5": "glm",
     "moonshotai-Kimi-K2": "kimi-k2",
+    "deepseek-ai-DeepSeek-V3.1": "deepseek-v3.1",
     "MiniMax-M2": "minimax",
     "LFM2.5-8B-A1B": "lfm2",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
@@ -156,6 +157,8 @@ def test_the_format_is_chosen_from_the_template(template):
         "microsoft-Phi-3.5-mini-instruct",
         "MiniMax-M3",  # <invoke name=...> inside <tool_call>: not Hermes JSON
         "MiniMax-M1",  # JSON lines in <tool_calls>: not Apriel's list
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",  # type<｜tool▁sep｜>name, fenced JSON
+        "llama-cpp-deepseek-r1",
     ],
 )
 def test_a_template_whose_markup_kvchat_does_not_read_has_no_format(template):
