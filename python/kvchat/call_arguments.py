@@ -4,8 +4,9 @@ OpenAI clients send an assistant's ``tool_calls`` back with ``arguments`` as
 JSON text. Many templates iterate them as a mapping (Qwen3.5's and
 Qwen3-Coder's ``arguments|items``, GLM's), and refuse text; others apply
 ``tojson`` to them, which writes text as an escaped JSON string, not the call
-the model wrote. The template decides: it is probed once with text
-arguments, and where it refuses them or escapes them, arguments that are a
+the model wrote; Gemma 4's writes the object's braces itself. The template
+decides: it is probed once with text arguments, and where it refuses them,
+escapes them or braces them again, arguments that are a
 JSON object are passed to it as that object. Templates that write text as it
 is (Hermes-style ``is string`` checks) get the text, unchanged.
 """
@@ -77,7 +78,8 @@ def _with_objects(message: dict) -> dict:
 @functools.lru_cache(maxsize=32)
 def _wants_objects(tokenizer, template: str) -> bool:
     """Whether ``template`` refuses text arguments that it takes as an
-    object (it iterates them as a mapping), or writes them escaped."""
+    object (it iterates them as a mapping), writes them escaped, or writes
+    them inside braces of its own."""
 
     def render(arguments) -> str:
         return tokenizer.apply_chat_template(_probe(arguments), tools=_PROBE_TOOLS, tokenize=False)
@@ -90,4 +92,8 @@ def _wants_objects(tokenizer, template: str) -> bool:
         except Exception:
             return False
         return True
-    return json.dumps(_PROBE_ARGUMENTS)[1:-1] in text  # '{\"key\": ...': tojson of text
+    escaped = json.dumps(_PROBE_ARGUMENTS)[1:-1] in text  # '{\"key\": ...': tojson of text
+    # A template that writes the object's braces itself (Gemma 4's
+    # call:NAME{key:value}) would write text inside a second pair.
+    braced = "{" + _PROBE_ARGUMENTS + "}" in text
+    return escaped or braced

@@ -28,7 +28,7 @@ class CallGrammar:
     """How a constrained turn writes calls (``grammar.py``): ``section_open``,
     the calls (joined by ``separator``; None: one call only),
     ``section_close``. A call is ``call_open``, then either one JSON object
-    ``{"name": NAME, arguments_key: ARGUMENTS}`` (``name_in_json``) or NAME,
+    ``{name_key: NAME, arguments_key: ARGUMENTS}`` (``name_in_json``) or NAME,
     ``name_close`` and the arguments, then ``call_close``. The arguments are
     one JSON object, or with ``xml`` (key_open, key_close, value_close) one
     tagged parameter each: key_open KEY key_close VALUE value_close, a string
@@ -44,9 +44,13 @@ class CallGrammar:
     section_open: str = ""
     section_close: str = ""
     name_in_json: bool = True
+    name_key: str = "name"
     name_close: str = ""
     arguments_key: str = "arguments"
     xml: tuple[str, str, str] | None = None
+    # DeepSeek's DSML says in each tag whether its value is a string's text:
+    # key_close for a value written as JSON (xml[1] is a text value's).
+    xml_json_key_close: str | None = None
     keyword_arguments: bool = False
     # Booleans as the template writes them: Qwen's XML templates apply |string
     # to a scalar (True, False), GLM's tojson (true, false).
@@ -115,12 +119,42 @@ HERMES = ToolFormat(
     spec=_section(r"\s*<tool_call>", "</tool_call>", "json", _CALL_FROM_JSON),
     grammar=CallGrammar("<tool_call>\n", "\n</tool_call>"),
 )
-APRIEL = ToolFormat(  # Apriel: <tool_calls>[{"name": ..., "arguments": ...}, ...]</tool_calls>
-    "apriel",
-    markers=("<tool_calls>",),
-    spec=_section(r"\s*<tool_calls>", "</tool_calls>", "json", _EACH, transform_each=True),
+
+
+def _json_list(name: str, open_tag: str, close_tag: str) -> ToolFormat:
+    """OPEN[{"name": ..., "arguments": ...}, ...]CLOSE: a JSON list of calls."""
+    return ToolFormat(
+        name,
+        markers=(open_tag,),
+        spec=_section(r"\s*" + re.escape(open_tag), close_tag, "json", _EACH, transform_each=True),
+        grammar=CallGrammar(
+            "", separator=", ", section_open=open_tag + "[", section_close="]" + close_tag
+        ),
+    )
+
+
+APRIEL = _json_list("apriel", "<tool_calls>", "</tool_calls>")  # Apriel 1.5
+NEMOTRON_V2 = _json_list("nemotron-v2", "<TOOLCALL>", "</TOOLCALL>")  # Nemotron Nano v2
+# Command R7B, Command A: a JSON list of {"tool_call_id", "tool_name", "parameters"},
+# one call per indented line. A constrained call leaves the id out: it is
+# not the client's id (the template numbers the calls), and no parser needs it.
+COHERE = ToolFormat(
+    "cohere",
+    markers=("<|START_ACTION|>",),
+    spec=_section(
+        r"\s*<\|START_ACTION\|>",
+        "<|END_ACTION|>",
+        "json",
+        {"type": "function", "function": {"name": "{tool_name}", "arguments": "{parameters}"}},
+        transform_each=True,
+    ),
     grammar=CallGrammar(
-        "", separator=", ", section_open="<tool_calls>[", section_close="]</tool_calls>"
+        "",
+        separator=",\n    ",
+        section_open="<|START_ACTION|>[\n    ",
+        section_close="\n]<|END_ACTION|>",
+        name_key="tool_name",
+        arguments_key="parameters",
     ),
 )
 QWEN_XML = ToolFormat(  # Qwen3.5, Qwen3-Coder: XML parameters inside <tool_call>
@@ -357,6 +391,155 @@ LLAMA3_JSON = ToolFormat(  # Llama 3.1-3.3: the whole reply is {"name": ..., "pa
 )
 
 
+SEED_OSS = ToolFormat(  # Seed-OSS: Qwen's XML parameters in <seed:tool_call>, no newlines
+    "seed-oss",
+    markers=("<seed:tool_call>",),
+    spec=_section(
+        r"\s*<seed:tool_call>\s*<function=(?P<name>[^>\n]+)>",
+        "</seed:tool_call>",
+        "xml-inline",
+        _CALL,
+        content_args={"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)</parameter>"},
+    ),
+    grammar=CallGrammar(
+        "<seed:tool_call>\n<function=",
+        "</function>\n</seed:tool_call>",
+        name_in_json=False,
+        name_close=">\n",
+        xml=("<parameter=", ">", "</parameter>\n"),
+        python_scalars=True,  # the template writes a value that is not a string |string
+    ),
+)
+_HY = ":opensource"  # Hy3's tags carry it: <tool_call:opensource>
+HY3 = ToolFormat(  # Hy3: GLM's keys and values, a section, NAME<tool_sep:opensource>
+    "hy3",
+    markers=(f"<tool_calls{_HY}>", f"<tool_call{_HY}>"),
+    spec=_section(
+        rf"\s*<tool_call{_HY}>(?P<name>[^\n<]+?)<tool_sep{_HY}>",
+        f"</tool_call{_HY}>",
+        "xml-inline",
+        _CALL,
+        content_args={
+            "tag_pattern": (
+                rf"<arg_key{_HY}>(?P<key>.*?)</arg_key{_HY}>\s*"
+                rf"<arg_value{_HY}>(?P<value>.*?)</arg_value{_HY}>"
+            )
+        },
+    ),
+    grammar=CallGrammar(
+        f"<tool_call{_HY}>",
+        f"</tool_call{_HY}>\n",
+        separator="",
+        section_open=f"<tool_calls{_HY}>\n",
+        section_close=f"</tool_calls{_HY}>",
+        name_in_json=False,
+        name_close=f"<tool_sep{_HY}>\n",
+        xml=(f"<arg_key{_HY}>", f"</arg_key{_HY}>\n<arg_value{_HY}>", f"</arg_value{_HY}>\n"),
+    ),
+    ignore=(f"<tool_calls{_HY}>", f"</tool_calls{_HY}>"),
+)
+_DSML = "｜DSML｜"  # DeepSeek V3.2 / V4's tag prefix, fullwidth bars
+
+
+def _dsml(name: str, block: str) -> ToolFormat:
+    """DeepSeek V3.2 (block "function_calls") and V4 ("tool_calls"): MiniMax's
+    <invoke name=...> XML with DSML tags, each parameter saying whether its
+    value is a string's text (string="true") or JSON. Values are read back
+    cast by the tool's schema, as in the other XML formats."""
+    d = re.escape(_DSML)
+    return ToolFormat(
+        name,
+        markers=(f"<{_DSML}{block}>",),
+        spec=_section(
+            rf'\s*(?:<{d}{block}>)?\s*<{d}invoke name="(?P<name>[^"\n]+)">',
+            f"</{_DSML}invoke>",
+            "xml-inline",
+            _CALL,
+            content_args={
+                "tag_pattern": (
+                    rf'<{d}parameter name="(?P<key>[^"\n]+)" string="(?:true|false)">'
+                    rf"(?P<value>.*?)</{d}parameter>"
+                )
+            },
+        ),
+        # As the template renders a call sent back, after an empty reply's "\n\n".
+        grammar=CallGrammar(
+            f'<{_DSML}invoke name="',
+            f"</{_DSML}invoke>\n",
+            separator="",
+            section_open=f"\n\n<{_DSML}{block}>\n",
+            section_close=f"</{_DSML}{block}>",
+            name_in_json=False,
+            name_close='">\n',
+            xml=(f'<{_DSML}parameter name="', '" string="true">', f"</{_DSML}parameter>\n"),
+            xml_json_key_close='" string="false">',
+        ),
+        ignore=(f"<{_DSML}{block}>", f"</{_DSML}{block}>"),
+    )
+
+
+DEEPSEEK_V32 = _dsml("deepseek-v3.2", "function_calls")
+DEEPSEEK_V4 = _dsml("deepseek-v4", "tool_calls")
+DEEPSEEK_R1 = ToolFormat(  # R1 and its distills: function<｜tool▁sep｜>NAME, then fenced JSON
+    "deepseek-r1",
+    markers=(_DEEPSEEK_SECTION[0], _DEEPSEEK_CALL),
+    spec=_section(
+        r"\s*"
+        + re.escape(_DEEPSEEK_CALL)
+        + r"\s*function\s*"
+        + re.escape(_DEEPSEEK_SEP)
+        + r"\s*(?P<name>[^\s<`]+)\s*```json",
+        "```" + _DEEPSEEK_END,
+        "json",
+        _CALL,
+    ),
+    grammar=CallGrammar(
+        _DEEPSEEK_CALL + "function" + _DEEPSEEK_SEP,
+        "\n```" + _DEEPSEEK_END,
+        separator="\n",
+        section_open=_DEEPSEEK_SECTION[0],
+        section_close=_DEEPSEEK_SECTION[1],
+        name_in_json=False,
+        name_close="\n```json\n",
+    ),
+    ignore=_DEEPSEEK_SECTION,
+)
+GIGACHAT = ToolFormat(  # GigaChat 3.1: <|function_call|>{"name": ..., "arguments": ...}, one call
+    "gigachat",
+    markers=("<|function_call|>",),
+    spec=_section(r"\s*<\|function_call\|>", None, "json", _CALL_FROM_JSON),
+    grammar=CallGrammar("<|function_call|>", separator=None),
+    closed=False,  # the call ends the reply
+)
+# Gemma 4: call:NAME{key:<|"|>text<|"|>,key:3}, JSON with bare keys and
+# strings between <|"|> marks (transformers' own template for it). Not
+# constrained: that is not JSON, which the grammars write.
+GEMMA4 = ToolFormat(
+    "gemma4",
+    markers=("<|tool_call>",),
+    spec=_section(
+        r"\s*<\|tool_call>call:(?P<name>[^\s{<]+)",
+        "<tool_call|>",
+        "json",
+        _CALL,
+        content_args={"unquoted_keys": True, "string_delims": [['<|"|>', '<|"|>']]},
+    ),
+)
+# Solar Open: each call carries the model's own id. Not constrained: a
+# grammar would write one fixed id for every call.
+SOLAR = ToolFormat(
+    "solar",
+    markers=("<|tool_calls|>", "<|tool_call:begin|>"),
+    spec=_section(
+        r"\s*<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>(?P<name>[^\s<]+)<\|tool_call:args\|>",
+        "<|tool_call:end|>",
+        "json",
+        _CALL,
+    ),
+    ignore=("<|tool_calls|>", "<|calls|>"),
+)
+
+
 def detect(tokenizer) -> ToolFormat | None:
     """The tool-call format of ``tokenizer``'s chat template, or None when it
     renders tool calls in a markup kvchat does not recognize (tool calls then
@@ -375,11 +558,27 @@ def detect(tokenizer) -> ToolFormat | None:
         return None
     if "<|channel|>" in template and "<|call|>" in template:
         return HARMONY
+    if "<seed:tool_call>" in template:
+        return SEED_OSS
+    if _HY in template and "<tool_sep" in template:  # Hy3 builds its tags with format()
+        return HY3
+    if "DSML" in template and "invoke name=" in template:
+        return DEEPSEEK_V32 if "function_calls>" in template else DEEPSEEK_V4
+    if "<|START_ACTION|>" in template:
+        return COHERE
+    if "<|tool_call>" in template and "<tool_call|>" in template:
+        return GEMMA4
+    if "<|tool_call:begin|>" in template:
+        return SOLAR
+    if "<|function_call|>" in template:
+        return GIGACHAT
+    if "<TOOLCALL>" in template:
+        return NEMOTRON_V2
     if "<|tool_call_begin|>" in template:
         return KIMI
     if _DEEPSEEK_SEP in template:
-        # R1 and its distills write type<｜tool▁sep｜>name and fenced JSON: not read.
-        return None if "```json" in template else DEEPSEEK_V31
+        # R1 and its distills write type<｜tool▁sep｜>name and fenced JSON.
+        return DEEPSEEK_R1 if "```json" in template else DEEPSEEK_V31
     if "<minimax:tool_call>" in template:
         return MINIMAX
     if "<|tool_call_start|>" in template:

@@ -94,10 +94,10 @@ class Grammars:
                 {
                     "type": "object",
                     "properties": {
-                        "name": {"const": tool["function"]["name"]},
+                        g.name_key: {"const": tool["function"]["name"]},
                         g.arguments_key: _parameters(tool),
                     },
-                    "required": ["name", g.arguments_key],
+                    "required": [g.name_key, g.arguments_key],
                     "additionalProperties": False,
                 }
                 for tool in tools
@@ -165,7 +165,7 @@ class Grammars:
                     "written in this model's tool-call markup (it holds '<', '>', '\"' or "
                     "a newline)",
                 )
-            value, close = f"value_{i}_{j}", value_close
+            value, close, opened = f"value_{i}_{j}", value_close, key_close
             prop = prop if isinstance(prop, dict) else {}
             choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
             types = _types(prop)
@@ -173,6 +173,7 @@ class Grammars:
                 literals = (self._literal(c) or '""' for c in choices)
                 rules.append(f"{value}: " + " | ".join(literals))
             elif types and "string" not in types:  # the parser casts the text back
+                opened = g.xml_json_key_close or key_close
                 if types == {"boolean"} and g.python_scalars:
                     rules.append(f'{value}: "True" | "False"')
                 else:
@@ -189,7 +190,7 @@ class Grammars:
             else:
                 body, close = self._text_until(close)
                 rules.append(value + body)
-            part = self._seq(key_open + key + key_close, value, close)
+            part = self._seq(key_open + key + opened, value, close)
             parts.append(part if key in required else f"({part})?")
         return " ".join(parts) or '""'
 

@@ -189,7 +189,8 @@ def _header(g: CallGrammar) -> regex.Pattern:
     """A call's markup up to its arguments, as the grammar writes it."""
     if g.name_in_json:
         key = json.dumps(g.arguments_key)
-        middle = r'\{"name": "(?P<name>[^"\\]+)", ' + regex.escape(key) + ": "
+        name = regex.escape(json.dumps(g.name_key))
+        middle = r"\{" + name + r': "(?P<name>[^"\\]+)", ' + regex.escape(key) + ": "
         return regex.compile(regex.escape(g.call_open) + middle)
     name = r"(?P<name>[^\s<>\[\]()]+?)"  # tool names: letters, digits, _ - .
     return regex.compile(regex.escape(g.call_open) + name + regex.escape(g.name_close))

@@ -13,6 +13,12 @@ from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
     APRIEL,
+    COHERE,
+    DEEPSEEK_R1,
+    DEEPSEEK_V31,
+    DEEPSEEK_V32,
+    GEMMA4,
+    GIGACHAT,
     GLM,
     HARMONY,
     HERMES,
@@ -21,11 +27,27 @@ from kvchat.agents.formats import (
     LLAMA3_JSON,
     MISTRAL_V3,
     MISTRAL_V11,
+    NEMOTRON_V2,
     QWEN_XML,
+    SEED_OSS,
+    SOLAR,
 )
 from kvchat.agents.streamed_calls import CallArguments, CallStart, CallStream, streamable
 
-FOLLOWED = [HERMES, APRIEL, MISTRAL_V3, MISTRAL_V11, KIMI, LLAMA3_JSON, HARMONY]
+FOLLOWED = [
+    HERMES,
+    APRIEL,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    KIMI,
+    LLAMA3_JSON,
+    HARMONY,
+    DEEPSEEK_V31,
+    DEEPSEEK_R1,
+    NEMOTRON_V2,
+    COHERE,
+    GIGACHAT,
+]
 
 
 def _follow(fmt, text: str, step: int) -> tuple[list, list[ToolCall]]:
@@ -69,4 +91,5 @@ def test_text_that_is_not_the_grammars_is_not_followed(fmt):
 
 def test_formats_whose_arguments_are_not_json_text_are_given_whole():
     assert all(streamable(f) for f in FOLLOWED)
-    assert not any(streamable(f) for f in (QWEN_XML, GLM, LFM2, None))
+    given_whole = (QWEN_XML, GLM, LFM2, SEED_OSS, DEEPSEEK_V32, GEMMA4, SOLAR, None)
+    assert not any(streamable(f) for f in given_whole)

@@ -65,6 +65,19 @@ CASES = {
     "meta-llama-Llama-3.2-3B-Instruct": "llama3-json",
     "meta-llama-Llama-3.3-70B-Instruct": "llama3-json",
     "openai-gpt-oss-120b": "harmony",
+    "NVIDIA-Nemotron-Nano-v2": "nemotron-v2",
+    "ByteDance-Seed-OSS": "seed-oss",
+    "tencent-Hy3": "hy3",
+    "deepseek-ai-DeepSeek-V3.2": "deepseek-v3.2",
+    "deepseek-ai-DeepSeek-V4": "deepseek-v4",
+    "deepseek-ai-DeepSeek-V4-Flash-0731": "deepseek-v4",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "deepseek-r1",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "cohere",
+    "Cohere2MoE": "cohere",
+    "GigaChat3.1-10B-A1.8B": "gigachat",
+    "google-gemma-4-31B-it": "gemma4",
+    "google-gemma-4-31B-it-interleaved": "gemma4",
+    "upstage-Solar-Open-100B": "solar",
 }
 # What a model ends its turn with, in these templates (the reply is cut there).
 ENDS = (
@@ -80,6 +93,13 @@ ENDS = (
     "</assistant>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
     "[e~[",  # MiniMax
+    "<SPECIAL_12>",  # Nemotron Nano v2
+    "<seed:eos>",
+    "<｜hy_eos:opensource｜>",
+    "<|END_OF_TURN_TOKEN|>",  # Cohere
+    "<|message_sep|>",  # GigaChat
+    "<turn|>",  # Gemma 4
+    "<|tool_response>",
 )
 
 
@@ -157,8 +177,11 @@ def test_the_format_is_chosen_from_the_template(template):
         "microsoft-Phi-3.5-mini-instruct",
         "MiniMax-M3",  # <invoke name=...> inside <tool_call>: not Hermes JSON
         "MiniMax-M1",  # JSON lines in <tool_calls>: not Apriel's list
-        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",  # type<｜tool▁sep｜>name, fenced JSON
-        "llama-cpp-deepseek-r1",
+        "Apertus-8B-Instruct",  # [{"NAME": {...}}]: the name is a key
+        "GigaChat3-10B-A1.8B",  # a "function call" message header
+        "Kimi-K3",
+        "muse-glimmer",
+        "openbmb-MiniCPM5-1B",
     ],
 )
 def test_a_template_whose_markup_kvchat_does_not_read_has_no_format(template):
@@ -181,11 +204,19 @@ def test_rendered_calls_parse_back_whole_and_split_at_every_position(template):
     assert (by_char[0], _arguments(by_char[1])) == (content, ARGS[:count])
 
 
-# Templates that drop an assistant's content beside its tool calls (and
-# Llama's, whose call is the whole reply; gpt-oss's, which renders it as its
-# reasoning, held with the reply to its end).
+# Templates that drop an assistant's content beside its tool calls, or its
+# calls beside content (Nemotron Nano v2), or render the content after the
+# calls (Gemma 4); and Llama's, whose call is the whole reply; gpt-oss's,
+# which renders it as its reasoning, held with the reply to its end.
 NO_CONTENT = {
     "openai-gpt-oss-120b",
+    "NVIDIA-Nemotron-Nano-v2",
+    "Cohere2MoE",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    "google-gemma-4-31B-it",
+    "google-gemma-4-31B-it-interleaved",
+    "upstage-Solar-Open-100B",
     "Mistral-Small-3.2-24B-Instruct-2506",
     "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
