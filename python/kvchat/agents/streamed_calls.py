@@ -10,8 +10,13 @@ start and the arguments written since the last piece; the parser still reads
 the section whole, and the call it gives back carries the id given out at
 the start and the arguments as written (``settle``).
 
-Formats whose arguments are not JSON text (the XML parameters, LFM2's Python
-calls) are not followed: their calls go out whole when the reply ends.
+In the XML formats the arguments become JSON only when they are read: each
+parameter goes out once its closing tag is written, as the JSON the parser
+reads it as (the call so far, closed and read by the format's own parser, so
+the pieces join into exactly the arguments read at the end), and the closing
+brace with the call's closing markup. LFM2's Python calls, whose arguments
+have no closing tag of their own, are not followed: they go out whole when
+the reply ends.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import regex  # partial matching: whether a header is still being written
 
 from .formats import CallGrammar, ToolFormat
-from .toolcalls import ToolCall
+from .toolcalls import ToolCall, ToolCallParser
 
 logger = logging.getLogger("kvchat")
 
@@ -49,7 +54,7 @@ class CallArguments:
 def streamable(fmt: ToolFormat | None) -> bool:
     """Whether ``fmt``'s forced calls can be followed as they are written."""
     g = fmt.grammar if fmt is not None else None
-    return g is not None and g.xml is None and not g.keyword_arguments
+    return g is not None and not g.keyword_arguments
 
 
 class CallStream:
@@ -57,9 +62,13 @@ class CallStream:
     reply written under ``fmt``'s tool-call grammar; ``settle(calls)`` gives
     the parsed calls the ids and arguments text given out."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, tools: list[dict] | None = None):
+        """``tools``: the request's, which XML values are read back typed by."""
         g: CallGrammar = fmt.grammar
         self._format = fmt
+        self._grammar = g
+        self._tools = tools
+        self._call_start = 0  # where the call being written starts
         self._text = ""
         self._pos = 0  # where reading goes on
         # section, call, arguments, after, between (then call again); lost:
@@ -94,11 +103,15 @@ class CallStream:
                     if not self._header_prefix(self._text[self._pos :]):
                         self._state = "lost"
                     break
-                self._pos = found.end()
+                self._call_start, self._pos = found.start(), found.end()
                 call_id = self._format.new_id()
                 self.calls.append((call_id, ""))
                 out.append(CallStart(len(self.calls) - 1, call_id, found["name"]))
-                self._state = "arguments"
+                self._state = "arguments" if self._grammar.xml is None else "parameters"
+            elif self._state == "parameters":
+                if not self._parameters(out):
+                    break
+                self._state = "between"
             elif self._state == "arguments":
                 start = self._pos
                 if self._depth == 0 and start < len(self._text) and self._text[start] != "{":
@@ -143,6 +156,49 @@ class CallStream:
         return out
 
     # -------------------------------------------------------------- internals
+    def _give(self, out: list, text: str) -> None:
+        call_id, written = self.calls[-1]
+        self.calls[-1] = (call_id, written + text)
+        out.append(CallArguments(len(self.calls) - 1, text))
+
+    def _parameters(self, out: list) -> bool:
+        """Gives out each XML parameter written whole, then the closing brace
+        once the call's closing markup is: True then, False while the call
+        is still being written (or the text is not the grammar's: "lost")."""
+        g = self._grammar
+        value_close = g.xml[2]
+        while True:
+            rest = self._text[self._pos :]
+            if rest.startswith(g.call_close):
+                self._pos += len(g.call_close)
+                self._give(out, "}" if self.calls[-1][1] else "{}")
+                return True
+            end = rest.find(value_close)
+            if end < 0:
+                return False
+            end = self._pos + end + len(value_close)
+            read = self._read_call(self._text[self._call_start : end])
+            written = self.calls[-1][1]
+            if read is None or not read.startswith(written) or len(read) <= len(written):
+                # Not what the parser reads as this call with one more value.
+                logger.debug("kvchat: a forced XML call is not followed further: %r", read)
+                self._state = "lost"
+                return False
+            self._give(out, read[len(written) :])
+            self._pos = end
+
+    def _read_call(self, call: str) -> str | None:
+        """The arguments JSON, less its closing brace, that the format's
+        parser reads from ``call`` (one call's markup up to a parameter's
+        end) once closed; None when it reads no one call."""
+        g = self._grammar
+        parser = ToolCallParser(self._format, self._tools)
+        parser.feed(g.section_open + call + g.call_close + g.section_close)
+        parser.finish()
+        if len(parser.calls) != 1 or not parser.calls[0].arguments.endswith("}"):
+            return None
+        return parser.calls[0].arguments[:-1]
+
     def _skip(self, literal: str) -> bool:
         """Past ``literal`` once it is all written; "lost" if other text is."""
         written = self._text[self._pos : self._pos + len(literal)]

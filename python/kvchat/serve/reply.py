@@ -18,8 +18,8 @@ DONE = object()
 class Reply:
     """A turn's stream as the client gets it: ``next_items()`` gives the
     next ``Content`` and ``ToolCall`` items (an empty list while text is held
-    back), then ``DONE``. A forced call (a tool-call grammar in a format whose
-    arguments are JSON) also gives ``CallStart`` and ``CallArguments`` items
+    back), then ``DONE``. A forced call (a tool-call grammar in any format but
+    LFM2's Python calls) also gives ``CallStart`` and ``CallArguments`` items
     as it is written; its ``ToolCall`` at the end carries the same id and
     arguments."""
 
@@ -34,7 +34,7 @@ class Reply:
             self._parser = ToolCallParser(fmt, chat.tools, calls=calls_allowed(chat))
         # A forced call is certain from its name on: followed as it is written.
         forced = chat.tool_choice == "required" and streamable(fmt)
-        self._follow = CallStream(fmt) if forced else None
+        self._follow = CallStream(fmt, chat.tools) if forced else None
         self._ended = False  # the stream's end was seen: never ask it again
         self.text = ""  # the reply as sent, before tool calls are read out of it
         self.content = ""

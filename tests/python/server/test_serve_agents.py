@@ -47,9 +47,14 @@ def server(request):
 # Real templates served from a folder: (the template, the tiny model's family).
 LFM2_TEMPLATE = ("LFM2.5-8B-A1B", "lfm2")  # Python calls, on the hybrid
 GPT_OSS_TEMPLATE = ("openai-gpt-oss-120b", "llama")  # harmony channels
+QWEN_XML_TEMPLATE = ("Qwen3.5-4B", "llama")  # XML parameters
 
 
-@pytest.fixture(scope="module", params=[LFM2_TEMPLATE, GPT_OSS_TEMPLATE], ids=lambda p: p[0])
+@pytest.fixture(
+    scope="module",
+    params=[LFM2_TEMPLATE, GPT_OSS_TEMPLATE, QWEN_XML_TEMPLATE],
+    ids=lambda p: p[0],
+)
 def template_server(request, tmp_path_factory):
     """``kvchat serve`` on a folder: a tiny model with a real chat template
     whose tool-call markup is not the tiny ChatML's."""
@@ -97,8 +102,9 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_forced_tool_loop_on_a_real_templates_markup(template_server, stream):
     """The same loop on LFM2.5's template (the hybrid; forced calls written as
-    Python, read back into JSON arguments, rendered back as Python) and on
-    gpt-oss's (calls in a harmony channel, answers read from the reply)."""
+    Python, read back into JSON arguments, rendered back as Python), on
+    gpt-oss's (calls in a harmony channel, answers read from the reply) and
+    on Qwen3.5's (XML parameters, streamed one by one as JSON)."""
     server = template_server
     _tool_loop(server, server.family, _template_tokenizer(server.template), stream, rounds=2)
 
@@ -435,6 +441,28 @@ def _forced_weather(server, **more) -> dict:
         temperature=0,
         **more,
     )
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_forced_xml_calls_parameters_stream_one_by_one(template_server):
+    """In an XML format a forced call's arguments are JSON only once read:
+    each parameter goes out when its closing tag is written, then the brace,
+    and the pieces join into the arguments the same request answered whole
+    has (the typed values: "hourly" a boolean, not the text True)."""
+    server = template_server
+    kwargs = _forced_weather(server, max_tokens=CALL_TOKENS)
+    deltas = []
+    for chunk in server.client().chat.completions.create(**kwargs, stream=True, user="xml"):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+    first, pieces = deltas[0], [d.function.arguments for d in deltas[1:]]
+    assert first.id and first.function.name == "get_weather" and first.function.arguments == ""
+    whole = server.client().chat.completions.create(**kwargs, user="xml-whole")
+    (call,) = whole.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert "".join(pieces) == call.function.arguments
+    assert len(pieces) == len(arguments) + 1 and pieces[-1] == "}", pieces
+    assert isinstance(arguments["hourly"], bool), arguments
 
 
 def test_a_forced_call_cut_short_is_already_out_when_streamed_and_text_when_whole(server):

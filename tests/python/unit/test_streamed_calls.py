@@ -22,9 +22,11 @@ from kvchat.agents.formats import (
     GLM,
     HARMONY,
     HERMES,
+    HY3,
     KIMI,
     LFM2,
     LLAMA3_JSON,
+    MINIMAX,
     MISTRAL_V3,
     MISTRAL_V11,
     NEMOTRON_V2,
@@ -47,11 +49,17 @@ FOLLOWED = [
     NEMOTRON_V2,
     COHERE,
     GIGACHAT,
+    QWEN_XML,
+    GLM,
+    MINIMAX,
+    SEED_OSS,
+    HY3,
+    DEEPSEEK_V32,
 ]
 
 
 def _follow(fmt, text: str, step: int) -> tuple[list, list[ToolCall]]:
-    stream, items = CallStream(fmt), []
+    stream, items = CallStream(fmt, TOOLS), []
     for i in range(0, len(text), step):
         items += stream.feed(text[i : i + step])
     parser = ToolCallParser(fmt, TOOLS)
@@ -66,7 +74,7 @@ def test_each_call_starts_with_its_name_and_its_pieces_join_into_its_arguments(f
     grammar = grammars.tool_calls(fmt, TOOLS, parallel=True)
     pieces_seen = 0
     for seed in range(6):
-        text = walk(grammars, grammar, seed)
+        text = walk(grammars, grammar, seed, limit=4000)  # Hy3's long tags
         for step in (1, 3, len(text)):
             items, calls = _follow(fmt, text, step)
             starts = [i for i in items if isinstance(i, CallStart)]
@@ -77,19 +85,21 @@ def test_each_call_starts_with_its_name_and_its_pieces_join_into_its_arguments(f
                 # Each piece after its call's start, and together its arguments.
                 assert items.index(pieces[0]) > items.index(starts[index])
                 assert "".join(p.text for p in pieces) == call.arguments, text
-                assert isinstance(json.loads(call.arguments), dict)
+                arguments = json.loads(call.arguments)
+                assert isinstance(arguments, dict)
+                if fmt.grammar.xml is not None:  # one piece a value, then the brace
+                    assert len(pieces) == len(arguments) + 1, (pieces, text)
                 pieces_seen = max(pieces_seen, len(pieces))
-    assert pieces_seen > 10  # fed a character at a time, the arguments came in pieces
+    assert pieces_seen > (2 if fmt.grammar.xml else 10)  # the arguments came in pieces
 
 
-@pytest.mark.parametrize("fmt", [HERMES, KIMI, HARMONY], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [HERMES, KIMI, HARMONY, QWEN_XML], ids=lambda f: f.name)
 def test_text_that_is_not_the_grammars_is_not_followed(fmt):
     for text in ("Sure, here you go.", "<tool_call>\nnot json", " to=functions.f<|chan"):
         items, _ = _follow(fmt, text, 1)
         assert not [i for i in items if isinstance(i, CallArguments)], (fmt.name, text)
 
 
-def test_formats_whose_arguments_are_not_json_text_are_given_whole():
+def test_only_python_calls_and_formats_without_a_grammar_are_given_whole():
     assert all(streamable(f) for f in FOLLOWED)
-    given_whole = (QWEN_XML, GLM, LFM2, SEED_OSS, DEEPSEEK_V32, GEMMA4, SOLAR, None)
-    assert not any(streamable(f) for f in given_whole)
+    assert not any(streamable(f) for f in (LFM2, GEMMA4, SOLAR, None))
