@@ -135,6 +135,17 @@ def _json_list(name: str, open_tag: str, close_tag: str) -> ToolFormat:
 
 APRIEL = _json_list("apriel", "<tool_calls>", "</tool_calls>")  # Apriel 1.5
 NEMOTRON_V2 = _json_list("nemotron-v2", "<TOOLCALL>", "</TOOLCALL>")  # Nemotron Nano v2
+# MiniMax-M1: one {"name": ..., "arguments": ...} per line in <tool_calls>; a
+# call ends with its line (JSON text has no raw newline).
+MINIMAX_M1 = ToolFormat(
+    "minimax-m1",
+    markers=("<tool_calls>",),
+    spec=_section(r"\s*(?:<tool_calls>)?\s*(?=\{)", "\n", "json", _CALL_FROM_JSON),
+    grammar=CallGrammar(
+        "", "\n", separator="", section_open="<tool_calls>\n", section_close="</tool_calls>"
+    ),
+    ignore=("<tool_calls>", "</tool_calls>"),
+)
 # Command R7B, Command A: a JSON list of {"tool_call_id", "tool_name", "parameters"},
 # one call per indented line. A constrained call leaves the id out: it is
 # not the client's id (the template numbers the calls), and no parser needs it.
@@ -587,8 +598,10 @@ def detect(tokenizer) -> ToolFormat | None:
         return GLM
     if "<tool_call>" in template and "<function=" in template:
         return QWEN_XML
-    if "<tool_calls>[" in template:  # not MiniMax-M1's <tool_calls> of JSON lines
+    if "<tool_calls>[" in template:
         return APRIEL
+    if "<tool_calls>" in template and "<invoke" not in template:  # JSON lines, not a list
+        return MINIMAX_M1
     if "<tool_call>" in template and "<invoke" not in template:  # MiniMax's XML is not JSON
         return HERMES
     if "[TOOL_CALLS]" in template:

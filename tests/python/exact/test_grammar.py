@@ -30,6 +30,7 @@ from kvchat.agents.formats import (
     LFM2,
     LLAMA3_JSON,
     MINIMAX,
+    MINIMAX_M1,
     MISTRAL_V3,
     MISTRAL_V11,
     NEMOTRON_V2,
@@ -67,6 +68,7 @@ CONSTRAINABLE = [
     DEEPSEEK_V4,
     DEEPSEEK_R1,
     GIGACHAT,
+    MINIMAX_M1,
 ]
 
 
@@ -279,6 +281,7 @@ def _forced_loop(
         "Cohere2MoE",
         "NVIDIA-Nemotron-Nano-v2",
         "GigaChat3.1-10B-A1.8B",
+        "MiniMax-M1",
     ],
 )
 def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):

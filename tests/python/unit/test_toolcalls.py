@@ -43,6 +43,8 @@ CASES = {
     "MiMo-VL": "hermes",
     "Reka-Edge": "hermes",
     "unsloth-Apriel-1.5": "apriel",
+    "Apriel-1.6-15b-Thinker-fixed": "apriel",
+    "MiniMax-M1": "minimax-m1",
     "Qwen3.5-4B": "qwen-xml",
     "Qwen3-Coder": "qwen-xml",
     "StepFun3.5-Flash": "qwen-xml",
@@ -100,6 +102,7 @@ ENDS = (
     "<|message_sep|>",  # GigaChat
     "<turn|>",  # Gemma 4
     "<|tool_response>",
+    "<end_of_sentence>",  # MiniMax-M1
 )
 
 
@@ -176,7 +179,6 @@ def test_the_format_is_chosen_from_the_template(template):
         "google-gemma-2-2b-it",  # no tools at all
         "microsoft-Phi-3.5-mini-instruct",
         "MiniMax-M3",  # <invoke name=...> inside <tool_call>: not Hermes JSON
-        "MiniMax-M1",  # JSON lines in <tool_calls>: not Apriel's list
         "Apertus-8B-Instruct",  # [{"NAME": {...}}]: the name is a key
         "GigaChat3-10B-A1.8B",  # a "function call" message header
         "Kimi-K3",
@@ -211,6 +213,7 @@ def test_rendered_calls_parse_back_whole_and_split_at_every_position(template):
 NO_CONTENT = {
     "openai-gpt-oss-120b",
     "NVIDIA-Nemotron-Nano-v2",
+    "MiniMax-M1",
     "Cohere2MoE",
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
