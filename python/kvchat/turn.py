@@ -380,8 +380,12 @@ def _chunked(model, kwargs: dict) -> bool:
     """Whether generate prefills in chunks (``prefill_chunk_size``), which
     conv windows cannot be read off: a one-token chunk skips LFM2's
     ``update_conv_state``."""
-    config = kwargs.get("generation_config") or model.generation_config
-    return bool(kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None)))
+    if "prefill_chunk_size" in kwargs:
+        return bool(kwargs["prefill_chunk_size"])
+    # A generation_config passed in is completed from the model's own, so
+    # either one may set it.
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    return any(getattr(config, "prefill_chunk_size", None) for config in configs)
 
 
 def _sequences(output) -> torch.Tensor:

@@ -92,6 +92,28 @@ def test_a_chunked_prefill_stops_the_forward_and_keeps_windows_for_later_turns(t
     assert mgr.last_turn("s").checkpoint_restored == mgr.last_turn("s").reused_tokens > 0
 
 
+def test_a_chunk_size_from_the_models_own_generation_config_is_seen(tokenizer):
+    """generate completes a generation_config passed in from the model's own,
+    so a prefill_chunk_size set on the model chunks the prefill even when
+    the caller's config has none: the turn stops its forward (exact), and
+    windows are not switched off for every later turn."""
+    from transformers import GenerationConfig
+
+    model = model_for("lfm2")
+    messages = [LONG_SYSTEM, user_message(0)]
+    expected = reference_turn(model, tokenizer, messages, MAX_NEW)[0]
+    model.generation_config.prefill_chunk_size = 64
+    try:
+        mgr = SessionManager(model, tokenizer, settle=False)
+        config = GenerationConfig(do_sample=False)
+        reply = mgr.chat("s", messages, max_new_tokens=MAX_NEW, generation_config=config)
+        assert reply == expected
+        assert mgr.info("s").checkpoints == 2  # the system prompt's end, and the prompt's
+        assert mgr._bridge.checkpoints_from_windows
+    finally:
+        model.generation_config.prefill_chunk_size = None
+
+
 def test_a_model_that_bypasses_the_conv_layer_gets_stopping_forwards_back(
     monkeypatch, caplog, tokenizer
 ):

@@ -80,6 +80,19 @@ def test_windows_at_each_stop_over_an_empty_cache():
     assert all(c.states[0].meta["tokens"] == c.position for c in checkpoints)
 
 
+def test_a_nan_in_the_inputs_is_the_prompts_not_a_failed_check():
+    """NaN != NaN: a prompt whose states hold a NaN (an overflow in float16,
+    say) kept its window all the same, and must not switch windows off."""
+    layer = _ConvLayer()
+    inputs = _inputs(10)
+    inputs[..., 8] = float("nan")  # token 9, inside the last window
+    with WindowCheckpoints(_layout(), _Cache(layer), 0, 10, [5]) as windows:
+        layer.update_conv_state(inputs)
+    checkpoints, problem = windows.finish()
+    assert problem is None and [c.position for c in checkpoints] == [5]
+    assert _columns(checkpoints[0].states[0]) == [3.0, 4.0, 5.0]
+
+
 def test_a_tail_shorter_than_the_window_over_held_tokens():
     """The layer overwrites its state in place: the windows come from the
     state it held before the call."""
