@@ -465,6 +465,35 @@ def test_a_forced_xml_calls_parameters_stream_one_by_one(template_server):
     assert isinstance(arguments["hourly"], bool), arguments
 
 
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_forced_xml_call_streams_its_parameters_through_the_responses_api(template_server):
+    """The same through POST /v1/responses: one
+    response.function_call_arguments.delta per parameter, then the brace,
+    joined into the .done event's arguments and the item's."""
+    server = template_server
+    client = server.client()
+    events = list(
+        client.responses.create(
+            model=server.model,
+            input="Weather?",
+            tools=[{"type": "function", **WEATHER["function"]}],
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            max_output_tokens=CALL_TOKENS,
+            temperature=0,
+            store=False,
+            stream=True,
+        )
+    )
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (call,) = events[-1].response.output
+    arguments = json.loads(done.arguments)
+    assert "".join(pieces) == done.arguments == call.arguments
+    assert len(pieces) == len(arguments) + 1 and pieces[-1] == "}", pieces
+    assert isinstance(arguments["hourly"], bool), arguments
+
+
 def test_a_forced_call_cut_short_is_already_out_when_streamed_and_text_when_whole(server):
     """The one case where a streamed forced call and a whole one differ
     (docs/agents.md): max_tokens cuts the call after its name. Streamed, its
