@@ -45,6 +45,9 @@ def test_reuse_resumes_after_a_plain_turn(llama, tokenizer):
     messages.append(
         {"role": "assistant", "content": mgr.chat("s", messages, max_new_tokens=MAX_NEW)}
     )
+    # Settling runs after the reply, in the background: counted once it is done,
+    # or the plain turn would seem to change what it finished meanwhile.
+    assert mgr.wait_settled(timeout=120)
     cached = mgr.info("s").cached_tokens
     messages.append(user_message(1))
     mgr.chat("s", messages, max_new_tokens=MAX_NEW, use_cache=False)
