@@ -119,10 +119,7 @@ class CallStream:
                     break
                 closed = self._scan()
                 if self._pos > start:
-                    piece = self._text[start : self._pos]
-                    call_id, written = self.calls[-1]
-                    self.calls[-1] = (call_id, written + piece)
-                    out.append(CallArguments(len(self.calls) - 1, piece))
+                    self._give(out, self._text[start : self._pos])
                 if not closed:
                     break
                 self._state = "after"
