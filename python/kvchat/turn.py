@@ -143,11 +143,16 @@ class Turns:
         session_id, args = request.session_id, request.args
         # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
-        plain = args.plain_reason
+        plain, why = args.plain_reason, args.why
         if plain is None and not self._bridge.supported:
             plain = _C.ReuseReason.unsupported_layers
-        if args.plain_reason is not None:
-            logger.info("kvchat: %s runs as plain generate (%s)", session_id, args.why)
+        if plain is None and _autocast_on(self._model):
+            # Autocast writes keys and values in different dtypes (rotary
+            # embeddings upcast the keys), which a cache cannot hold as one
+            # layer; and a cache from outside autocast is not what it computes.
+            plain, why = _C.ReuseReason.unsupported_generation, "torch.autocast is on"
+        if plain is not None and why:
+            logger.info("kvchat: %s runs as plain generate (%s)", session_id, why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
         timer = FirstTokenTimer()
         kwargs = timer.attach(args.kwargs)
@@ -390,3 +395,13 @@ def _chunked(model, kwargs: dict) -> bool:
 
 def _sequences(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.sequences
+
+
+def _autocast_on(model) -> bool:
+    """Whether autocast is on, in this thread, for the model's device."""
+    device = getattr(model, "device", None)
+    kind = device.type if isinstance(device, torch.device) else "cpu"
+    try:
+        return torch.is_autocast_enabled(kind)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return False

@@ -7,9 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MAX_NEW, SYSTEM, exact_turns, model_for, reference_turn, user_message
+from helpers import (
+    DEVICE,
+    MAX_NEW,
+    SYSTEM,
+    exact_turn,
+    exact_turns,
+    model_for,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
+from kvchat.tiny import tiny_model
 
 
 def turns_match_plain(mgr, model, tokenizer, turns=3, **kwargs):
@@ -184,3 +194,22 @@ def test_no_max_new_tokens_generates_what_generate_does(prompt_tokens, compiled,
         assert torch.equal(out, expected)
     assert expected.shape[1] == prompt_tokens + 20
     assert mgr.stats().compiled_turns == (2 if compiled else 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_turns_under_autocast_run_as_plain_generate(family, tokenizer):
+    # Autocast casts float32 work only, so the model is float32 here (float64
+    # would run untouched). Under it the rotary keys come out float32 and the
+    # values bfloat16: a cache cannot hold them, so the turn runs plain.
+    model = tiny_model(family, dtype=torch.float32, seed=0).to(DEVICE)
+    mgr = SessionManager(model, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        reply, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
+        assert report.reason == "unsupported_generation" and report.reused_tokens == 0
+        messages += [{"role": "assistant", "content": reply}, user_message(1)]
+        _, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
+        assert report.reason == "unsupported_generation"
+    # Out of autocast, the session's turns reuse again.
+    _, reports = exact_turns(mgr, "s", messages[:1], model, tokenizer, 2)
+    assert reports[-1].reason != "unsupported_generation" and reports[-1].reused_tokens > 0
