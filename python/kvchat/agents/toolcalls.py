@@ -63,9 +63,7 @@ class ToolCallParser:
         self._format = fmt
         self._tools = tools
         self._calls_allowed = calls
-        self._names = None  # the tools' names, when given
-        if tools:
-            self._names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
+        self._names = tool_names(tools)  # None without tools
         self._pending = ""  # text not yet given out: a marker's start, or the section
         self._section: ResponseParser | None = None
         self._failed = False  # the section did not parse: everything is content
@@ -78,6 +76,12 @@ class ToolCallParser:
         self._in_section = not fmt.markers  # no literal marker: parsed from the start
         if self._in_section:
             self._section = self._parser()
+
+    @property
+    def section_text(self) -> str:
+        """The tool-call section read so far, from its marker on: "" before
+        the marker, and once the section turned out not to parse."""
+        return "" if self._failed else self._section_text
 
     # ---------------------------------------------------------------- feeding
     def feed(self, text: str) -> list:
@@ -286,6 +290,13 @@ class ToolCallParser:
         # places, which Python's re refuses; here only the start counts.
         found = re.search(re.sub(r"\(\?P<\w+>", "(?:", pattern), text)
         return len(text) if found is None else found.start()
+
+
+def tool_names(tools: list[dict] | None) -> set[str] | None:
+    """The names of ``tools`` (OpenAI's chat or Responses shape); None without tools."""
+    if not tools:
+        return None
+    return {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
 
 
 def _partial_marker(text: str, markers) -> int:

@@ -18,10 +18,11 @@ DONE = object()
 class Reply:
     """A turn's stream as the client gets it: ``next_items()`` gives the
     next ``Content`` and ``ToolCall`` items (an empty list while text is held
-    back), then ``DONE``. A forced call (a tool-call grammar in any format but
-    LFM2's Python calls) also gives ``CallStart`` and ``CallArguments`` items
-    as it is written; its ``ToolCall`` at the end carries the same id and
-    arguments."""
+    back), then ``DONE``. A call written in its format's grammar's shape (in
+    any format but LFM2's Python calls and gpt-oss's channels, where only a
+    forced call is) also gives ``CallStart`` and ``CallArguments`` items as
+    it is written; its ``ToolCall`` at the end comes after the piece that
+    completes its arguments, with the same id (``streamed_calls.py``)."""
 
     def __init__(self, stream, first, chat, max_tokens, session, ns, fmt):
         self.stream, self.chat, self.session, self.ns = stream, chat, session, ns
@@ -32,9 +33,16 @@ class Reply:
         self._parser = None
         if fmt is not None:
             self._parser = ToolCallParser(fmt, chat.tools, calls=calls_allowed(chat))
-        # A forced call is certain from its name on: followed as it is written.
-        forced = chat.tool_choice == "required" and streamable(fmt)
-        self._follow = CallStream(fmt, chat.tools) if forced else None
+        # Calls are followed in the section the parser reads. A reply in
+        # channels is followed only under the grammar: unforced, the section
+        # is the whole reply, reasoning included.
+        follow = calls_allowed(chat) and streamable(fmt)
+        if follow and (chat.tool_choice == "required" or not fmt.channels):
+            one = None if chat.parallel_tool_calls else 1
+            self._follow = CallStream(fmt, chat.tools, max_calls=one)
+        else:
+            self._follow = None
+        self._followed = 0  # how much of the parser's section the stream has read
         self._ended = False  # the stream's end was seen: never ask it again
         self.text = ""  # the reply as sent, before tool calls are read out of it
         self.content = ""
@@ -76,10 +84,16 @@ class Reply:
         else:
             items = self._parser.feed(text) + (self._parser.finish() if final else [])
         if self._follow is not None:
-            started = self._follow.feed(text)
+            section = self._parser.section_text
+            started = self._follow.feed(section[self._followed :])
+            self._followed = max(self._followed, len(section))
             if final:  # the parsed calls, only read at the end: the ids and text given out
-                calls = self._follow.settle([i for i in items if isinstance(i, ToolCall)])
-                items = [calls.pop(0) if isinstance(i, ToolCall) else i for i in items]
+                settled = iter(self._follow.settle([i for i in items if isinstance(i, ToolCall)]))
+                items = [
+                    piece
+                    for item in items
+                    for piece in (_through_call(settled) if isinstance(item, ToolCall) else [item])
+                ]
             items = started + items
         if not self.chat.parallel_tool_calls:  # one call at most: the first
             kept: list = []
@@ -111,6 +125,16 @@ class Reply:
         hit_limit = report.generated_tokens >= self.max_tokens
         ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
         return "length" if hit_limit and not ended else "stop"
+
+
+def _through_call(settled) -> list:
+    """The next settled items up to and including a ``ToolCall``."""
+    out: list = []
+    for item in settled:
+        out.append(item)
+        if isinstance(item, ToolCall):
+            break
+    return out
 
 
 def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:

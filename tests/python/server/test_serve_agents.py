@@ -545,3 +545,82 @@ def test_a_forced_calls_arguments_stream_as_they_are_written(server):
     (call,) = whole.choices[0].message.tool_calls
     assert "".join(pieces) == call.function.arguments
     assert set(json.loads(call.function.arguments)) == {"unit", "hourly"}
+
+
+def _auto_call_or_json(server, key: str, question: str):
+    """One request, whole and streamed, where tool_choice auto beside a
+    response_format lets the model call or answer: (the whole message, the
+    streamed tool-call deltas, the streamed content)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
+    messages = [SYSTEM, {"role": "user", "content": question}]
+    extra = dict(**ONE_CALL, response_format=schema)
+    whole = _create(server, f"{key}-whole", messages, CALL_TOKENS, **extra)
+    deltas, content = [], ""
+    for chunk in _create(server, f"{key}-stream", messages, CALL_TOKENS, **extra, stream=True):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            content += choice.delta.content or ""
+    return whole.choices[0].message, deltas, content
+
+
+def _unforced_calls_stream(server, questions, min_pieces: int) -> None:
+    called = 0
+    for i, question in enumerate(questions):
+        message, deltas, content = _auto_call_or_json(server, f"auto-{i}", question)
+        if not message.tool_calls:
+            assert not deltas and content == message.content
+            continue
+        called += 1
+        (call,) = message.tool_calls
+        first, pieces = deltas[0], [d.function.arguments for d in deltas[1:]]
+        assert (first.function.name, first.function.arguments) == (call.function.name, "")
+        assert "".join(pieces) == call.function.arguments
+        assert len(pieces) >= min_pieces, pieces
+        # Every piece but the last leaves arguments that are not JSON yet.
+        for k in range(1, len(pieces)):
+            with pytest.raises(ValueError):
+                json.loads("".join(pieces[:k]))
+    assert called, "the model never called: the test saw no unforced call"
+
+
+# The tiny llama calls on these (the tiny LFM2 answers in JSON on all of
+# them, so it would show nothing); an unforced call is what is tested.
+@pytest.mark.parametrize("server", ["llama"], indirect=True)
+def test_an_unforced_call_streams_its_arguments_and_completes_them_only_when_read(server):
+    """tool_choice auto beside a response_format: the grammar lets the model
+    call or answer, so a call it writes is unforced, read for sure only at
+    the reply's end. Streamed, the call still starts with its name and its
+    arguments come in pieces as written; the piece that completes them comes
+    last, once the call is read; and the pieces join into the arguments the
+    same request answered whole has."""
+    _unforced_calls_stream(server, ["Rain?", "Sun?", "Wind today?"], min_pieces=3)
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_an_unforced_xml_call_streams_one_parameter_at_a_time(template_server):
+    """The same in Qwen3.5's XML markup: a piece per parameter, then the brace."""
+    _unforced_calls_stream(template_server, ["Rain?", "Sun?", "Wind today?"], min_pieces=2)
+
+
+@pytest.mark.parametrize("server", ["llama"], indirect=True)
+def test_an_unforced_call_streams_its_arguments_through_the_responses_api(server):
+    """The same through POST /v1/responses: the .delta events of an unforced
+    call join into its .done event's arguments and the item's."""
+    events = list(
+        server.client().responses.create(
+            model=server.model,
+            input=[SYSTEM, {"role": "user", "content": "Rain?"}],
+            tools=[{"type": "function", **t["function"]} for t in TOOLS],
+            text={"format": {"type": "json_schema", "name": "v", "schema": SCHEMA}},
+            parallel_tool_calls=False,
+            max_output_tokens=CALL_TOKENS,
+            temperature=0,
+            store=False,
+            stream=True,
+        )
+    )
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (call,) = events[-1].response.output
+    assert "".join(pieces) == done.arguments == call.arguments and call.status == "completed"
+    assert len(pieces) > 2 and isinstance(json.loads(done.arguments), dict), pieces

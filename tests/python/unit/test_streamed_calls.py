@@ -1,8 +1,10 @@
-"""A forced call followed as it is written (``CallStream``): on what each
-tool-call grammar lets a model write (a seeded random walk, no model), fed
-whole, one character and three at a time, every call starts with its name
-before its arguments, and the pieces join into the arguments the parser
-reads back; text that is not the grammar's is not followed."""
+"""A call followed as it is written (``CallStream``): on what each tool-call
+grammar lets a model write (a seeded random walk, no model), fed whole, one
+character and three at a time, every call starts with its name before its
+arguments, and the pieces join into the arguments the parser reads back;
+text that is not the grammar's is not followed. Unforced, the same shape
+after content is followed; and a reply cut anywhere never leaves a client
+with arguments that parse but are not a call's."""
 
 from __future__ import annotations
 
@@ -60,14 +62,18 @@ FOLLOWED = [
 ]
 
 
-def _follow(fmt, text: str, step: int) -> tuple[list, list[ToolCall]]:
-    stream, items = CallStream(fmt, TOOLS), []
+def _follow(fmt, text: str, step: int, **kwargs) -> tuple[list, list[ToolCall]]:
+    """(every item given out, the calls), as ``Reply`` gives them: what the
+    stream follows of the parser's section, then at the end each parsed
+    call's last piece and the call."""
+    stream, parser, items, fed = CallStream(fmt, TOOLS, **kwargs), ToolCallParser(fmt, TOOLS), [], 0
     for i in range(0, len(text), step):
-        items += stream.feed(text[i : i + step])
-    parser = ToolCallParser(fmt, TOOLS)
-    parser.feed(text)
+        parser.feed(text[i : i + step])
+        items += stream.feed(parser.section_text[fed:])
+        fed = max(fed, len(parser.section_text))
     parser.finish()
-    return items, stream.settle(parser.calls)
+    items += stream.settle(parser.calls)
+    return items, [i for i in items if isinstance(i, ToolCall)]
 
 
 @pytest.mark.parametrize("fmt", FOLLOWED, ids=lambda f: f.name)
@@ -105,3 +111,97 @@ def test_text_that_is_not_the_grammars_is_not_followed(fmt):
 def test_only_python_calls_and_formats_without_a_grammar_are_given_whole():
     assert all(streamable(f) for f in FOLLOWED)
     assert not any(streamable(f) for f in (LFM2, GEMMA4, SOLAR, None))
+
+
+def _arguments_given(items) -> dict[int, str]:
+    """Each started call's arguments as a client joins them."""
+    out: dict[int, str] = {}
+    for item in items:
+        if isinstance(item, CallStart):
+            out[item.index] = ""
+        elif isinstance(item, CallArguments):
+            out[item.index] += item.text
+    return out
+
+
+def _json_object(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@pytest.mark.parametrize("fmt", FOLLOWED, ids=lambda f: f.name)
+def test_a_reply_cut_anywhere_leaves_no_call_whose_arguments_parse_but_were_not_read(fmt):
+    # max_tokens or a stop string can end a reply at any character: a call
+    # given out in pieces and then not read back must not look whole.
+    grammars = tiny_grammars()
+    grammar = grammars.tool_calls(fmt, TOOLS, parallel=True)
+    cut_calls = 0
+    for seed in range(3):
+        text = walk(grammars, grammar, seed, limit=4000)
+        for end in range(1, len(text) + 1, max(1, len(text) // 150)):
+            items, calls = _follow(fmt, text[:end], 2)
+            for index, given in _arguments_given(items).items():
+                if index < len(calls):  # read back: what the client joined is the call's
+                    assert given == calls[index].arguments, (text[:end], index)
+                else:  # not read back: the client's arguments are not JSON
+                    assert _json_object(given) is None, (text[:end], given)
+                    cut_calls += 1
+    assert cut_calls > 10  # the cut case did happen
+
+
+CONTENT_THEN_CALLS = [
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
+    (
+        QWEN_XML,
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"
+        "</function>\n</tool_call>",
+    ),
+    (MISTRAL_V11, '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'),
+]
+
+
+@pytest.mark.parametrize("fmt,calls", CONTENT_THEN_CALLS, ids=lambda x: getattr(x, "name", ""))
+def test_an_unforced_call_after_content_is_followed_from_the_parsers_marker(fmt, calls):
+    text = "Let me look that up.\n" + calls
+    for step in (1, 3, len(text)):
+        items, parsed = _follow(fmt, text, step)
+        starts = [i for i in items if isinstance(i, CallStart)]
+        assert [(s.name, s.id) for s in starts] == [("get_time", parsed[0].id)]
+        given = _arguments_given(items)[0]
+        assert json.loads(given) == {"zone": "UTC"} and given == parsed[0].arguments
+        # The last brace comes only with the call read back at the end.
+        last_piece = max(k for k, i in enumerate(items) if isinstance(i, CallArguments))
+        assert items[last_piece + 1] is parsed[0] and items[last_piece].text.endswith("}")
+
+
+@pytest.mark.parametrize(
+    "arguments,bad",
+    [('{"zone": UTC}', "U"), ('{"zone": "utc",}', "}"), ('{"zone": NaN}', "N"), ('["utc"]', "[")],
+)
+def test_arguments_that_are_not_a_json_object_are_given_out_only_as_far_as_they_are_one(
+    arguments, bad
+):
+    text = f'<tool_call>\n{{"name": "get_time", "arguments": {arguments}}}\n</tool_call>'
+    valid = arguments[: arguments.rindex(bad)]  # the longest start that is an object's
+    for step in (1, 4, len(text)):
+        items, calls = _follow(HERMES, text, step)
+        assert not calls
+        for given in _arguments_given(items).values():
+            assert valid.startswith(given) and _json_object(given) is None, given
+
+
+def test_a_call_of_a_tool_the_request_does_not_have_is_not_started():
+    text = '<tool_call>\n{"name": "get_stock", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    items, _ = _follow(HERMES, text, 1)
+    assert not [i for i in items if isinstance(i, (CallStart, CallArguments))]
+
+
+def test_without_parallel_calls_a_second_call_is_not_started():
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    items, calls = _follow(HERMES, call + "\n" + call, 1, max_calls=1)
+    assert [i.index for i in items if isinstance(i, CallStart)] == [0]
+    assert {i.index for i in items if isinstance(i, CallArguments)} == {0}
+    assert len(calls) == 2  # the parser reads both; Reply keeps the first
