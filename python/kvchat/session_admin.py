@@ -12,6 +12,7 @@ happens under the settler's hold (no settle runs beside it) and the core's lease
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 
@@ -23,6 +24,8 @@ from .prompting import validate_messages
 from .report import ManagerStats, SessionInfo, TurnReport
 from .tiers.session_file import SessionFileError, read_session, write_session
 from .tiers.shared import StoreUnavailable
+
+logger = logging.getLogger("kvchat")
 
 
 class SessionAdmin:
@@ -190,6 +193,15 @@ class SessionAdmin:
         ):
             messages = as_dicts(session.messages())
             state = session.cached_state()
+        if not state.ids and messages:
+            # Evicted by the byte budget (a spill file is the tier's, not this
+            # file's), or a turn left no cache: the file is its history only.
+            logger.warning(
+                "kvchat: session %r holds no cache in memory (evicted, or none yet); %s "
+                "holds its messages only, so its next turn after load prefills them",
+                session_id,
+                path,
+            )
         slots = self._bridge.layout.slots
         write_session(path, session_id, messages, state, self._fingerprint, slots)
 

@@ -204,3 +204,34 @@ def test_spill_dir_reloads_evicted_sessions_exactly(llama, tokenizer, tmp_path):
     for sid in "abc":
         mgr.remove(sid)
     assert not list(spill.glob("*.safetensors"))
+
+
+def test_saving_a_session_the_budget_evicted_says_the_file_holds_no_cache(
+    llama, tokenizer, tmp_path, caplog
+):
+    """A session larger than max_cache_bytes keeps no cache in memory, so its
+    file holds its messages only: save says so, and the loaded session still
+    continues exactly (it prefills)."""
+    mgr = SessionManager(llama, tokenizer, max_cache_bytes=1024)
+    messages = exact_turns(mgr, "big", [LONG_SYSTEM], llama, tokenizer, 1)[0]
+    mgr.wait_settled()
+    assert mgr.info("big").cached_tokens == 0
+    path = tmp_path / "big.safetensors"
+    with caplog.at_level("WARNING", logger="kvchat"):
+        mgr.save("big", path)
+    assert any("'big' holds no cache" in r.getMessage() for r in caplog.records)
+    fresh = SessionManager(llama, tokenizer)
+    fresh.load(path)
+    assert fresh.messages("big") == messages and fresh.info("big").cached_tokens == 0
+    messages.append(user_message(1))
+    _, _, expected = reference_turn(llama, tokenizer, messages)
+    fresh.chat("big", messages, max_new_tokens=MAX_NEW)
+    assert fresh.last_turn("big").output_ids == expected
+
+
+def test_saving_a_resident_session_warns_of_nothing(llama, tokenizer, tmp_path, caplog):
+    mgr = SessionManager(llama, tokenizer)
+    exact_turns(mgr, "s", [SYSTEM], llama, tokenizer, 1)
+    with caplog.at_level("WARNING", logger="kvchat"):
+        mgr.save("s", tmp_path / "s.safetensors")
+    assert not [r for r in caplog.records if "holds no cache" in r.getMessage()]
