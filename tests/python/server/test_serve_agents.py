@@ -465,29 +465,37 @@ def test_a_forced_xml_calls_parameters_stream_one_by_one(template_server):
     assert isinstance(arguments["hourly"], bool), arguments
 
 
-@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
-def test_a_forced_xml_call_streams_its_parameters_through_the_responses_api(template_server):
-    """The same through POST /v1/responses: one
-    response.function_call_arguments.delta per parameter, then the brace,
-    joined into the .done event's arguments and the item's."""
-    server = template_server
-    client = server.client()
+def _streamed_response_call(server, **request):
+    """One greedy streamed POST /v1/responses whose reply is one call: (its
+    function_call_arguments.delta pieces, its .done event, its output item)."""
     events = list(
-        client.responses.create(
+        server.client().responses.create(
             model=server.model,
-            input="Weather?",
-            tools=[{"type": "function", **WEATHER["function"]}],
-            tool_choice={"type": "function", "name": "get_weather"},
             parallel_tool_calls=False,
             max_output_tokens=CALL_TOKENS,
             temperature=0,
             store=False,
             stream=True,
+            **request,
         )
     )
     pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     (call,) = events[-1].response.output
+    return pieces, done, call
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_forced_xml_call_streams_its_parameters_through_the_responses_api(template_server):
+    """The same through POST /v1/responses: one
+    response.function_call_arguments.delta per parameter, then the brace,
+    joined into the .done event's arguments and the item's."""
+    pieces, done, call = _streamed_response_call(
+        template_server,
+        input="Weather?",
+        tools=[{"type": "function", **WEATHER["function"]}],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     arguments = json.loads(done.arguments)
     assert "".join(pieces) == done.arguments == call.arguments
     assert len(pieces) == len(arguments) + 1 and pieces[-1] == "}", pieces
@@ -606,21 +614,11 @@ def test_an_unforced_xml_call_streams_one_parameter_at_a_time(template_server):
 def test_an_unforced_call_streams_its_arguments_through_the_responses_api(server):
     """The same through POST /v1/responses: the .delta events of an unforced
     call join into its .done event's arguments and the item's."""
-    events = list(
-        server.client().responses.create(
-            model=server.model,
-            input=[SYSTEM, {"role": "user", "content": "Rain?"}],
-            tools=[{"type": "function", **t["function"]} for t in TOOLS],
-            text={"format": {"type": "json_schema", "name": "v", "schema": SCHEMA}},
-            parallel_tool_calls=False,
-            max_output_tokens=CALL_TOKENS,
-            temperature=0,
-            store=False,
-            stream=True,
-        )
+    pieces, done, call = _streamed_response_call(
+        server,
+        input=[SYSTEM, {"role": "user", "content": "Rain?"}],
+        tools=[{"type": "function", **t["function"]} for t in TOOLS],
+        text={"format": {"type": "json_schema", "name": "v", "schema": SCHEMA}},
     )
-    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-    (call,) = events[-1].response.output
     assert "".join(pieces) == done.arguments == call.arguments and call.status == "completed"
     assert len(pieces) > 2 and isinstance(json.loads(done.arguments), dict), pieces
