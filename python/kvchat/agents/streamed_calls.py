@@ -12,13 +12,14 @@ the reply ends.
 
 Nothing given out can turn into a wrong call. A call starts only once its
 name is written and names one of the request's tools. Its JSON arguments go
-out only as far as they are a prefix of some JSON object; and the piece that
-would complete them (the object's last brace) is held: ``settle`` gives it
-out only for a call the parser reads back at the reply's end, with the id
-given out at the start and the arguments as written. So a call cut short
+out only as far as they surely begin the arguments the parser reads back
+(``json_arguments.py``: a prefix of the object's ``json.dumps`` text, up to a
+string value the tool's schema may cast); and the piece that completes them
+is held: ``settle`` gives it out only for a call the parser reads back at the
+reply's end, with the id given out at the start. So a call cut short
 (``max_tokens``, a stop string), or markup that turns out not to parse, has
 arguments that are not JSON on the client's side, and its text follows as
-content.
+content; and a call read back has arguments that are the pieces joined.
 
 In the XML formats the arguments become JSON only when they are read: each
 parameter goes out once its closing tag is written, as the JSON the parser
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import regex  # partial matching: whether a header is still being written
 
 from .formats import CallGrammar, ToolFormat
+from .json_arguments import ArgumentsScan, castable_keys, read_object
 from .toolcalls import ToolCall, ToolCallParser, tool_names
 
 logger = logging.getLogger("kvchat")
@@ -59,6 +61,19 @@ class CallArguments:
 
     index: int
     text: str
+
+
+@dataclass
+class _Followed:
+    """A call being followed: its ``id``, the arguments ``given`` out, and
+    once written, the ``whole`` arguments as written (the JSON object's text,
+    or in XML the parser's reading)."""
+
+    id: str
+    name: str
+    given: str = ""
+    whole: str | None = None
+    scan: ArgumentsScan | None = None  # its JSON arguments, as they are read
 
 
 def streamable(fmt: ToolFormat | None) -> bool:
@@ -82,9 +97,11 @@ class CallStream:
         self._grammar = g
         self._tools = tools
         self._names = tool_names(tools)
+        self._tools_by_name = {
+            t.get("function", t).get("name"): t for t in tools or [] if isinstance(t, dict)
+        }
         self._max_calls = max_calls
         self._call_start = 0  # where the call being written starts
-        self._arguments_start = 0  # where its JSON arguments start
         self._text = ""
         self._pos = 0  # where reading goes on
         # section, call, arguments, after, between (then call again); lost:
@@ -97,11 +114,7 @@ class CallStream:
         # what the grammar writes before the marker (a newline) is content.
         at = [g.section_open.find(m) for m in fmt.markers if m in g.section_open]
         self._section_open = g.section_open[min(at) :] if at else g.section_open
-        self._depth = 0  # the arguments' JSON nesting, while in them
-        self._string = False
-        self._escape = False
-        # Per call: [id, arguments given out, the whole arguments once written].
-        self.calls: list[list] = []
+        self.calls: list[_Followed] = []
 
     def feed(self, text: str) -> list:
         self._text += text
@@ -130,9 +143,8 @@ class CallStream:
                     self._state = "lost"  # not a call of the request's tools
                     break
                 self._call_start, self._pos = found.start(), found.end()
-                self._arguments_start = found.end()
                 call_id = self._format.new_id()
-                self.calls.append([call_id, "", None])
+                self.calls.append(_Followed(call_id, found["name"]))
                 out.append(CallStart(len(self.calls) - 1, call_id, found["name"]))
                 self._state = "arguments" if self._grammar.xml is None else "parameters"
             elif self._state == "parameters":
@@ -150,54 +162,75 @@ class CallStream:
         return out
 
     def settle(self, calls: list[ToolCall]) -> list:
-        """For each parsed call, in order: the piece of arguments not given
-        out yet (their last brace) when it was followed, then the call, with
-        the id given out and as arguments the text given out when it holds
-        the same object (where not: the parsed text, and a warning)."""
+        """For each parsed call, in order: when it was followed, the piece
+        that completes its arguments, then the call with the id given out;
+        its arguments are the pieces joined (the text as written where it
+        reads back the same, else the parsed text)."""
         out: list = []
         for i, call in enumerate(calls):
             if i >= len(self.calls):
                 out.append(call)
                 continue
-            call_id, given, whole = self.calls[i]
-            arguments = whole if whole is not None else call.arguments
-            if not (arguments.startswith(given) and _same_json(arguments, call.arguments)):
+            followed = self.calls[i]
+            texts = [t for t in (followed.whole, call.arguments) if t is not None]
+            arguments = next(
+                (
+                    t
+                    for t in texts
+                    if t.startswith(followed.given) and _same_object(t, call.arguments)
+                ),
+                None,
+            )
+            if arguments is None:  # the rules in json_arguments.py make this a bug
                 logger.warning(
-                    "kvchat: streamed arguments of call %d differ from the parsed ones", i
+                    "kvchat: streamed arguments of call %d are not the start of the parsed "
+                    "ones: %r, %r",
+                    i,
+                    followed.given,
+                    call.arguments,
                 )
                 arguments = call.arguments
-            elif len(arguments) > len(given):
-                out.append(CallArguments(i, arguments[len(given) :]))
-            out.append(dataclasses.replace(call, id=call_id, arguments=arguments))
+            elif len(arguments) > len(followed.given):
+                out.append(CallArguments(i, arguments[len(followed.given) :]))
+            out.append(dataclasses.replace(call, id=followed.id, arguments=arguments))
         return out
 
     # -------------------------------------------------------------- internals
     def _give(self, out: list, text: str) -> None:
         if text:
-            self.calls[-1][1] += text
+            self.calls[-1].given += text
             out.append(CallArguments(len(self.calls) - 1, text))
 
     def _arguments(self, out: list) -> bool:
-        """Gives out the JSON arguments written so far, as far as they are a
-        prefix of an object: True once the object is written (its last brace
-        held for ``settle``), False while it is not (or the text is not an
-        object: "lost")."""
-        if self._depth == 0 and self._pos < len(self._text) and self._text[self._pos] != "{":
-            self._state = "lost"
-            return False
-        closed = self._scan()
-        written = self._text[self._arguments_start : self._pos]
-        given = self.calls[-1][1]
-        if closed:
-            if not _is_object(written):
-                logger.debug("kvchat: call arguments that are not JSON: %r", written)
+        """Gives out the JSON arguments written so far, as far as they surely
+        begin the arguments read back: True once the object is written (the
+        rest held for ``settle``), False while it is not (or the text is not
+        an object: "lost")."""
+        followed = self.calls[-1]
+        if followed.scan is None:
+            if self._pos >= len(self._text):
+                return False
+            if self._text[self._pos] != "{":
                 self._state = "lost"
                 return False
-            self._give(out, written[len(given) : -1])
-            self.calls[-1][2] = written
+            tool = self._tools_by_name.get(followed.name)
+            followed.scan = ArgumentsScan(castable_keys(tool))
+        scan = followed.scan
+        fed = len(scan.text)
+        scan.feed(self._text[self._pos :])
+        if scan.end is not None:
+            written = scan.text[: scan.end]
+            if read_object(written) is None:
+                logger.debug("kvchat: call arguments that are not a JSON object: %r", written)
+                self._state = "lost"
+                return False
+            followed.whole = written
+            self._pos += scan.end - fed
             return True
-        if _json_prefix(written):
-            self._give(out, written[len(given) :])
+        self._pos = len(self._text)
+        sure = scan.sure()
+        if len(sure) > len(followed.given):
+            self._give(out, sure[len(followed.given) :])
         return False
 
     def _parameters(self, out: list) -> bool:
@@ -211,15 +244,15 @@ class CallStream:
             rest = self._text[self._pos :]
             if rest.startswith(g.call_close):
                 self._pos += len(g.call_close)
-                given = self.calls[-1][1]
-                self.calls[-1][2] = given + "}" if given else "{}"
+                given = self.calls[-1].given
+                self.calls[-1].whole = given + "}" if given else "{}"
                 return True
             end = rest.find(value_close)
             if end < 0:
                 return False
             end = self._pos + end + len(value_close)
             read = self._read_call(self._text[self._call_start : end])
-            written = self.calls[-1][1]
+            written = self.calls[-1].given
             if read is None or not read.startswith(written) or len(read) <= len(written):
                 # Not what the parser reads as this call with one more value.
                 logger.debug("kvchat: an XML call is not followed further: %r", read)
@@ -255,86 +288,10 @@ class CallStream:
         """Whether ``text`` may still grow into a call's header."""
         return self._header.fullmatch(text, partial=True) is not None
 
-    def _scan(self) -> bool:
-        """Reads the arguments' JSON on from ``_pos``, to the object's end
-        (True) or the text's (False)."""
-        text, i = self._text, self._pos
-        while i < len(text):
-            c = text[i]
-            i += 1
-            if self._string:
-                if self._escape:
-                    self._escape = False
-                elif c == "\\":
-                    self._escape = True
-                elif c == '"':
-                    self._string = False
-            elif c == '"':
-                self._string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._pos = i
-                    return True
-        self._pos = i
-        return False
 
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
-
-
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text, parse_constant=_not_json), dict)
-    except ValueError:
-        return False
-
-
-def _same_json(a: str, b: str) -> bool:
-    try:
-        return json.loads(a) == json.loads(b)
-    except ValueError:
-        return False
-
-
-# Endings that complete a JSON prefix where it may stop: nothing, a string's
-# close, a value, a key's colon and value, a key. A prefix that none of them
-# completes (``tru``, an escape's start) waits for the next piece.
-_ENDINGS = ("", '"', "0", ":0", '":0', '"":0')
-
-
-def _json_prefix(text: str) -> bool:
-    """Whether ``text`` (an object's start) is, for sure, the start of a JSON
-    object: completed by one of a few endings and the brackets it left open."""
-    for ending in _ENDINGS:
-        candidate = text + ending
-        still_open, in_string = _open_brackets(candidate)
-        if not in_string and _is_object(candidate + still_open):
-            return True
-    return False
-
-
-def _open_brackets(text: str) -> tuple[str, bool]:
-    """The closing brackets ``text`` leaves to write, and whether it ends in a string."""
-    stack, in_string, escape = [], False, False
-    for c in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            stack.append("}" if c == "{" else "]")
-        elif c in "}]" and stack:
-            stack.pop()
-    return "".join(reversed(stack)), in_string
+def _same_object(a: str, b: str) -> bool:
+    first = read_object(a)
+    return first is not None and first == read_object(b)
 
 
 def _header(g: CallGrammar) -> regex.Pattern:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from transformers.utils.chat_parsing import ResponseParser
 
 from .formats import ToolFormat
+from .json_arguments import dumps, not_json
 
 logger = logging.getLogger("kvchat")
 
@@ -238,10 +239,10 @@ class ToolCallParser:
         # Arguments are a JSON object (a string holding one), and strict JSON:
         # NaN and Infinity, which Python's json reads, are not JSON.
         if isinstance(arguments, str):
-            arguments = json.loads(arguments, parse_constant=_not_json)
+            arguments = json.loads(arguments, parse_constant=not_json)
         if not isinstance(arguments, dict):
             raise ValueError(f"tool-call arguments must be an object, got {arguments!r}")
-        arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        arguments = dumps(arguments)
         return ToolCall(self._format.new_id(), function["name"].strip(), arguments)
 
     def _content(self, text: str) -> list:
@@ -320,7 +321,3 @@ def _joined(items: list) -> list:
         else:
             out.append(item)
     return out
-
-
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")

@@ -18,11 +18,11 @@ DONE = object()
 class Reply:
     """A turn's stream as the client gets it: ``next_items()`` gives the
     next ``Content`` and ``ToolCall`` items (an empty list while text is held
-    back), then ``DONE``. A call written in its format's grammar's shape (in
-    any format but LFM2's Python calls and gpt-oss's channels, where only a
-    forced call is) also gives ``CallStart`` and ``CallArguments`` items as
-    it is written; its ``ToolCall`` at the end comes after the piece that
-    completes its arguments, with the same id (``streamed_calls.py``)."""
+    back), then ``DONE``. A call written in its format's grammar's shape also
+    gives ``CallStart`` and ``CallArguments`` items as it is written (not in
+    LFM2's Python calls nor a format without a grammar; in gpt-oss's channels
+    only under the grammar); its ``ToolCall`` at the end comes after the
+    piece that completes its arguments, with the same id (``streamed_calls.py``)."""
 
     def __init__(self, stream, first, chat, max_tokens, session, ns, fmt):
         self.stream, self.chat, self.session, self.ns = stream, chat, session, ns
@@ -82,19 +82,16 @@ class Reply:
         if self._parser is None:
             items = [Content(text)] if text else []
         else:
-            items = self._parser.feed(text) + (self._parser.finish() if final else [])
-        if self._follow is not None:
-            section = self._parser.section_text
-            started = self._follow.feed(section[self._followed :])
-            self._followed = max(self._followed, len(section))
-            if final:  # the parsed calls, only read at the end: the ids and text given out
-                settled = iter(self._follow.settle([i for i in items if isinstance(i, ToolCall)]))
-                items = [
-                    piece
-                    for item in items
-                    for piece in (_through_call(settled) if isinstance(item, ToolCall) else [item])
-                ]
-            items = started + items
+            # Content before the section's marker, then what is followed of the
+            # section, then (at the end) the section read whole.
+            items = self._parser.feed(text)
+            if self._follow is not None:
+                section = self._parser.section_text
+                items += self._follow.feed(section[self._followed :])
+                # A section that did not parse reads as "": nothing more to follow.
+                self._followed = max(self._followed, len(section))
+            if final:
+                items += self._settled(self._parser.finish())
         if not self.chat.parallel_tool_calls:  # one call at most: the first
             kept: list = []
             for item in items:
@@ -108,6 +105,23 @@ class Reply:
             elif isinstance(item, Content):
                 self.content += item.text
         return items
+
+    def _settled(self, ended: list) -> list:
+        """The section read whole, each followed call with the ids and
+        arguments given out, after the piece that completes them."""
+        if self._follow is None:
+            return ended
+        settled = iter(self._follow.settle([i for i in ended if isinstance(i, ToolCall)]))
+        out: list = []
+        for item in ended:
+            if not isinstance(item, ToolCall):
+                out.append(item)
+                continue
+            for piece in settled:  # up to and including the call
+                out.append(piece)
+                if isinstance(piece, ToolCall):
+                    break
+        return out
 
     def message(self) -> dict:
         return chat_response.message(self.content, self.calls)
@@ -125,16 +139,6 @@ class Reply:
         hit_limit = report.generated_tokens >= self.max_tokens
         ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
         return "length" if hit_limit and not ended else "stop"
-
-
-def _through_call(settled) -> list:
-    """The next settled items up to and including a ``ToolCall``."""
-    out: list = []
-    for item in settled:
-        out.append(item)
-        if isinstance(item, ToolCall):
-            break
-    return out
 
 
 def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:

@@ -9,6 +9,7 @@ import re
 import pytest
 from kvchat.agents import Content, ToolCall
 from kvchat.agents.formats import HARMONY, HERMES
+from kvchat.agents.streamed_calls import CallArguments, CallStart
 from kvchat.serve.chat_request import parse_chat_request
 from kvchat.serve.reply import DONE, Reply, tool_format
 
@@ -120,3 +121,23 @@ def test_a_stop_string_over_a_streamed_gpt_oss_answer(stop, content):
         texts = [i.text for step in steps for i in step if isinstance(i, Content)]
         assert "".join(texts) == reply.content == content, split
         assert len(texts) > 1 and reply.calls == []
+
+
+def test_content_written_before_a_call_in_the_same_piece_goes_out_first():
+    """One piece may hold the end of the content, the marker and a call's
+    start: the content is out before the call starts, never after it."""
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>"
+    )
+    chat = _chat(tools=[TOOL])
+    for pieces in ([text], [text[:40], text[40:]], list(text)):
+        reply = Reply(iter(pieces[1:]), pieces[0], chat, 100, "s", "ns", HERMES)
+        items = reply.collect_items()
+        kinds = [type(i).__name__ for i in items if not (isinstance(i, Content) and not i.text)]
+        first_call = kinds.index("CallStart")
+        assert set(kinds[:first_call]) == {"Content"} and "Content" not in kinds[first_call:]
+        assert "".join(i.text for i in items if isinstance(i, Content)) == "Let me look.\n"
+        (call,) = [i for i in items if isinstance(i, ToolCall)]
+        assert "".join(i.text for i in items if isinstance(i, CallArguments)) == call.arguments
+        assert [i.id for i in items if isinstance(i, CallStart)] == [call.id]

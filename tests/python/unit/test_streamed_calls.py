@@ -62,11 +62,11 @@ FOLLOWED = [
 ]
 
 
-def _follow(fmt, text: str, step: int, **kwargs) -> tuple[list, list[ToolCall]]:
+def _follow(fmt, text: str, step: int, tools=TOOLS, **kwargs) -> tuple[list, list[ToolCall]]:
     """(every item given out, the calls), as ``Reply`` gives them: what the
     stream follows of the parser's section, then at the end each parsed
     call's last piece and the call."""
-    stream, parser, items, fed = CallStream(fmt, TOOLS, **kwargs), ToolCallParser(fmt, TOOLS), [], 0
+    stream, parser, items, fed = CallStream(fmt, tools, **kwargs), ToolCallParser(fmt, tools), [], 0
     for i in range(0, len(text), step):
         parser.feed(text[i : i + step])
         items += stream.feed(parser.section_text[fed:])
@@ -205,3 +205,70 @@ def test_without_parallel_calls_a_second_call_is_not_started():
     assert [i.index for i in items if isinstance(i, CallStart)] == [0]
     assert {i.index for i in items if isinstance(i, CallArguments)} == {0}
     assert len(calls) == 2  # the parser reads both; Reply keeps the first
+
+
+TYPED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "plan",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                },
+            },
+        },
+    }
+]
+
+
+def _hermes(arguments: str) -> str:
+    return f'Sure.\n<tool_call>\n{{"name": "plan", "arguments": {arguments}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "arguments, read",
+    [
+        # The parser casts a string with the schema: "3" is 3, "null" None.
+        ('{"city": "Paris", "days": "3"}', {"city": "Paris", "days": 3}),
+        ('{"days": "3", "city": "Paris"}', {"days": 3, "city": "Paris"}),
+        ('{"city": "Paris", "note": "null"}', {"city": "Paris", "note": None}),
+        ('{"city": "Paris", "note": "bring a coat"}', {"city": "Paris", "note": "bring a coat"}),
+        # Spacing, numbers and escapes json.dumps writes otherwise.
+        ('{"city":"Paris","days":3}', {"city": "Paris", "days": 3}),
+        ('{"city": "Paris", "days": 3e0}', {"city": "Paris", "days": 3.0}),
+        ('{"city": "Par\\u00eds", "days": 3}', {"city": "París", "days": 3}),
+        ('{"city": "Paris", "city": "Rome"}', {"city": "Rome"}),
+        ('{ "city" : "Paris" }', {"city": "Paris"}),
+    ],
+)
+def test_pieces_always_begin_the_arguments_read_back(arguments, read):
+    # Pieces are only appended to: whatever the model writes, each must begin
+    # the arguments the call ends with, split anywhere.
+    text = _hermes(arguments)
+    for step in range(1, len(text) + 1):
+        stream, parser, items, fed = CallStream(HERMES, TYPED), ToolCallParser(HERMES, TYPED), [], 0
+        for i in range(0, len(text), step):
+            parser.feed(text[i : i + step])
+            items += stream.feed(parser.section_text[fed:])
+            fed = max(fed, len(parser.section_text))
+            (given,) = _arguments_given(items).values() or [""]
+            assert _json_object(given) is None  # never whole before it is read back
+        parser.finish()
+        items += stream.settle(parser.calls)
+        (call,) = [i for i in items if isinstance(i, ToolCall)]
+        assert json.loads(call.arguments) == read
+        assert _arguments_given(items)[0] == call.arguments, step
+
+
+def test_a_call_cut_between_its_arguments_and_its_closing_markup_is_not_whole():
+    # The arguments are all written; only the reply's end tells they are a call.
+    text = _hermes('{"city": "Paris", "days": 3}')
+    cut = text[: text.rindex("}")]  # the header object's brace and the markup left out
+    items, calls = _follow(HERMES, cut, 1, tools=TYPED)
+    assert not calls
+    (given,) = _arguments_given(items).values()
+    assert given == '{"city": "Paris", "days": 3' and _json_object(given) is None

@@ -1,0 +1,160 @@
+"""How much of a call's JSON arguments, as written so far, is sure to begin
+the arguments the parser reads back: what ``CallStream`` may give out.
+
+Pieces given to a client are only ever appended to, so each must begin the
+call's final ``arguments``, whatever the model writes next. The parser reads
+the arguments as JSON, casts each top-level string value with the tool's
+schema (transformers' ``ResponseParser``: ``"3"`` becomes 3 for an integer
+parameter, ``"null"`` None for an optional one), and writes them back with
+``json.dumps``. So a prefix is given out only when
+- some JSON object begins with it, and that object's ``json.dumps`` text
+  begins with it too (spacing of the model's own, ``1e5`` or a ``\\u`` escape
+  wait for the reply's end, where the text written is the arguments when it
+  reads back the same); and
+- it stops before any top-level string value the schema may cast, since
+  its value is known only once read back.
+"""
+
+from __future__ import annotations
+
+import json
+
+try:  # the parser's own reading of a parameter's schema types
+    from transformers.utils.chat_parsing.response_parser import _schema_types
+except ImportError:  # pragma: no cover - another transformers: every string may be cast
+    _schema_types = None
+
+
+def castable_keys(tool: dict | None):
+    """Whether a string value of a parameter may be cast by the parser: it is
+    declared with a type other than string. Any parameter, without a schema
+    reader."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else {}
+    parameters = function.get("parameters") if isinstance(function, dict) else None
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+
+    def castable(key: str | None) -> bool:
+        if _schema_types is None or key is None:
+            return True
+        types = _schema_types(properties.get(key)) if key in properties else ()
+        return any(t != "string" for t in types)
+
+    return castable
+
+
+class ArgumentsScan:
+    """Reads a call's JSON arguments as they are written (``feed``), from
+    their first brace: ``end`` is where the object ends (just past its last
+    brace; None while it is open), and ``sure()`` how much of it surely
+    begins the arguments read back. Each character is read once."""
+
+    def __init__(self, castable=lambda key: True):
+        self.text = ""
+        self.end: int | None = None
+        self.cast_from: int | None = None  # a top-level string value the schema may cast
+        self._castable = castable
+        self._stack: list[str] = []  # the closing brackets owed
+        self._in_string = self._escape = False
+        self._expect_key = False  # in the top object: the next string is a key
+        self._key = None  # the top object's key being given a value
+        self._string_start = 0
+        self._before_cast: str | None = None  # sure() once cast_from is set
+
+    def feed(self, text: str) -> None:
+        start, self.text = len(self.text), self.text + text
+        if self.end is not None:
+            return
+        for i in range(start, len(self.text)):
+            c = self.text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if len(self._stack) == 1 and self._expect_key:
+                        self._key = _string(self.text[self._string_start : i + 1])
+            elif c == '"':
+                self._in_string, self._string_start = True, i
+                top_value = len(self._stack) == 1 and not self._expect_key
+                if top_value and self.cast_from is None and self._castable(self._key):
+                    self.cast_from = i
+            elif c in "{[":
+                self._stack.append("}" if c == "{" else "]")
+                self._expect_key = len(self._stack) == 1 or self._expect_key
+            elif c in "}]":
+                if self._stack:
+                    self._stack.pop()
+                if not self._stack:
+                    self.end = i + 1
+                    return
+            elif len(self._stack) == 1 and c in ":,":
+                self._expect_key = c == ","
+
+    def sure(self) -> str:
+        """The longest start of the text that surely begins the arguments
+        read back: all of it, or up to a string value the schema may cast
+        (then fixed), or "" where a piece such as ``tru`` waits for the next
+        (the caller keeps what it gave)."""
+        if self.cast_from is None:
+            state = (self._stack, self._in_string, self._escape)
+            return self.text if _completes(self.text, *state) else ""
+        if self._before_cast is None:
+            before = ArgumentsScan(lambda key: False)
+            before.feed(self.text[: self.cast_from])
+            self._before_cast = before.sure()
+        return self._before_cast
+
+
+# Endings that complete a prefix where it may stop: nothing, a string's close,
+# a value, a key's colon and value, a key. A prefix none of them completes
+# (``tru``, an escape's start) waits for the next piece.
+_ENDINGS = ("", '"', "0", ":0", '":0', '"":0')
+
+
+def _completes(text: str, stack: list[str], in_string: bool, escape: bool) -> bool:
+    """Whether ``text``, left with ``stack`` open and in a string or not,
+    completed by one of the endings reads as an object whose ``json.dumps``
+    text begins with it."""
+    for ending in _ENDINGS:
+        quoted, escaped = in_string, escape
+        for c in ending:  # no brackets in the endings: only strings change
+            if escaped:
+                escaped = False
+            elif quoted and c == "\\":
+                escaped = True
+            elif c == '"':
+                quoted = not quoted
+        if quoted:
+            continue
+        value = read_object(text + ending + "".join(reversed(stack)))
+        if value is not None and dumps(value).startswith(text):
+            return True
+    return False
+
+
+def read_object(text: str) -> dict | None:
+    """``text`` as a JSON object (strict: no NaN or Infinity), or None."""
+    try:
+        value = json.loads(text, parse_constant=not_json)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def dumps(value) -> str:
+    """Arguments as the parser writes them back."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _string(text: str) -> str | None:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
