@@ -130,8 +130,11 @@ def _completes(text: str, stack: list[str], in_string: bool, escape: bool) -> bo
         if quoted:
             continue
         value = read_object(text + ending + "".join(reversed(stack)))
-        if value is not None and dumps(value).startswith(text):
-            return True
+        try:
+            if value is not None and dumps(value).startswith(text):
+                return True
+        except (ValueError, RecursionError):  # 1e400 reads as inf, which is not JSON
+            return False
     return False
 
 
@@ -139,7 +142,7 @@ def read_object(text: str) -> dict | None:
     """``text`` as a JSON object (strict: no NaN or Infinity), or None."""
     try:
         value = json.loads(text, parse_constant=not_json)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting past Python's limit
         return None
     return value if isinstance(value, dict) else None
 

@@ -164,15 +164,17 @@ class CallStream:
     def settle(self, calls: list[ToolCall]) -> list:
         """For each parsed call, in order: when it was followed, the piece
         that completes its arguments, then the call with the id given out;
-        its arguments are the pieces joined (the text as written where it
-        reads back the same, else the parsed text)."""
+        its arguments are the pieces joined (the parsed text, which the
+        pieces begin; else the text as written, where it reads back the
+        same)."""
         out: list = []
         for i, call in enumerate(calls):
             if i >= len(self.calls):
                 out.append(call)
                 continue
             followed = self.calls[i]
-            texts = [t for t in (followed.whole, call.arguments) if t is not None]
+            # The parser's text first: what a reply answered whole has.
+            texts = [t for t in (call.arguments, followed.whole) if t is not None]
             arguments = next(
                 (
                     t

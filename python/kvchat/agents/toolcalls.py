@@ -123,7 +123,7 @@ class ToolCallParser:
             if calls and not self._calls_allowed:
                 raise ValueError("the request allows no tool call")
             self._check_values(calls)
-        except (ValueError, TypeError, KeyError) as error:
+        except (ValueError, TypeError, KeyError, RecursionError) as error:
             return self._fail(error)
         if not calls and not self._format.channels:  # a marker and no call: the section is text
             return self._fail(ValueError("no tool call in the section"))
@@ -174,7 +174,7 @@ class ToolCallParser:
             return []  # one JSON object: read whole at the end
         try:
             self._read(self._section.feed(text))
-        except (ValueError, TypeError, KeyError) as error:
+        except (ValueError, TypeError, KeyError, RecursionError) as error:
             return self._fail(error)
         return self._stream_channels() if self._format.channels else []
 
@@ -243,6 +243,10 @@ class ToolCallParser:
         if not isinstance(arguments, dict):
             raise ValueError(f"tool-call arguments must be an object, got {arguments!r}")
         arguments = dumps(arguments)
+        # A lone surrogate ("\ud800" written as an escape) is no text a
+        # response can carry: UnicodeEncodeError, a ValueError, so the markup
+        # stays text.
+        arguments.encode("utf-8")
         return ToolCall(self._format.new_id(), function["name"].strip(), arguments)
 
     def _content(self, text: str) -> list:

@@ -213,3 +213,17 @@ def test_turns_under_autocast_run_as_plain_generate(family, tokenizer):
     # Out of autocast, the session's turns reuse again.
     _, reports = exact_turns(mgr, "s", messages[:1], model, tokenizer, 2)
     assert reports[-1].reason != "unsupported_generation" and reports[-1].reused_tokens > 0
+
+
+def test_a_streamed_turn_under_autocast_runs_under_it_as_plain_generate(tokenizer):
+    # stream_chat runs the model on a worker thread, and autocast is per
+    # thread: the caller's is carried there, so the stream gives what chat
+    # and plain generate under that autocast give.
+    model = tiny_model("llama", dtype=torch.float32, seed=0).to(DEVICE)
+    mgr = SessionManager(model, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        expected = reference_turn(model, tokenizer, messages)[2]
+        "".join(mgr.stream_chat("s", messages, max_new_tokens=MAX_NEW))
+    report = mgr.last_turn("s")
+    assert report.reason == "unsupported_generation" and report.output_ids == expected

@@ -260,7 +260,8 @@ def test_pieces_always_begin_the_arguments_read_back(arguments, read):
         parser.finish()
         items += stream.settle(parser.calls)
         (call,) = [i for i in items if isinstance(i, ToolCall)]
-        assert json.loads(call.arguments) == read
+        # The parser's text, as a reply read whole has (one duplicate key, not two).
+        assert call.arguments == json.dumps(read, ensure_ascii=False)
         assert _arguments_given(items)[0] == call.arguments, step
 
 
@@ -272,3 +273,23 @@ def test_a_call_cut_between_its_arguments_and_its_closing_markup_is_not_whole():
     assert not calls
     (given,) = _arguments_given(items).values()
     assert given == '{"city": "Paris", "days": 3' and _json_object(given) is None
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"days": 1e400}', '{"days": -1e400}', '{"days": ' + "[" * 3000 + "]" * 3000 + "}"]
+    + ['{"city": "\\ud800"}'],
+    ids=["1e400", "-1e400", "deep", "lone surrogate"],
+)
+def test_arguments_no_response_can_carry_are_text_and_never_an_error(arguments):
+    # inf is not JSON, nesting past Python's recursion limit cannot be read,
+    # and a lone surrogate cannot be encoded: the markup stays text, and
+    # what was given out does not parse.
+    text = _hermes(arguments)
+    for step in (1, 5, len(text)):
+        items, calls = _follow(HERMES, text, step, tools=TYPED)
+        assert not calls
+        assert all(_json_object(given) is None for given in _arguments_given(items).values())
+    parser = ToolCallParser(HERMES, TYPED)
+    content = [i.text for i in parser.feed(text) + parser.finish()]
+    assert "".join(content) == text
