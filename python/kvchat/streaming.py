@@ -152,7 +152,7 @@ def _with_callers_autocast(run: Callable[[], object]) -> Callable[[], object]:
         try:
             if torch.is_autocast_enabled(device):
                 on.append((device, torch.get_autocast_dtype(device)))
-        except RuntimeError:  # a device type this torch does not know
+        except (RuntimeError, TypeError):  # a device type this torch does not know
             continue
     if not on:
         return run

@@ -14,7 +14,7 @@ Nothing given out can turn into a wrong call. A call starts only once its
 name is written and names one of the request's tools. Its JSON arguments go
 out only as far as they surely begin the arguments the parser reads back
 (``json_arguments.py``: a prefix of the object's ``json.dumps`` text, up to a
-string value the tool's schema may cast); and the piece that completes them
+string value, or a list of them, the tool's schema may cast); and the piece that completes them
 is held: ``settle`` gives it out only for a call the parser reads back at the
 reply's end, with the id given out at the start. So a call cut short
 (``max_tokens``, a stop string), or markup that turns out not to parse, has

@@ -590,7 +590,7 @@ def _unforced_calls_stream(server, questions, min_pieces: int) -> None:
 # The tiny llama calls on these (the tiny LFM2 answers in JSON on all of
 # them, so it would show nothing); an unforced call is what is tested.
 @pytest.mark.parametrize("server", ["llama"], indirect=True)
-def test_an_unforced_call_streams_its_arguments_and_completes_them_only_when_read(server):
+def test_an_unforced_call_streams_its_arguments_in_pieces_joined_as_answered_whole(server):
     """tool_choice auto beside a response_format: the grammar lets the model
     call or answer, so a call it writes is unforced, read for sure only at
     the reply's end. Streamed, the call still starts with its name, its
