@@ -13,10 +13,10 @@ the reply ends.
 Nothing given out can turn into a wrong call. A call starts only once its
 name is written and names one of the request's tools. Its JSON arguments go
 out only as far as they surely begin the arguments the parser reads back
-(``json_arguments.py``: a prefix of the object's ``json.dumps`` text, up to a
-string value, or a list of them, the tool's schema may cast); and the piece that completes them
-is held: ``settle`` gives it out only for a call the parser reads back at the
-reply's end, with the id given out at the start. So a call cut short
+(``json_arguments.py``: a prefix of the object's ``json.dumps`` text, up to
+a string value, or a list of them, the tool's schema may cast); and the
+piece that completes them is held: ``settle`` gives it out only for a call
+the parser reads back at the reply's end, with the id given out at the start. So a call cut short
 (``max_tokens``, a stop string), or markup that turns out not to parse, has
 arguments that are not JSON on the client's side, and its text follows as
 content; and a call read back has arguments that are the pieces joined.
@@ -41,7 +41,7 @@ import regex  # partial matching: whether a header is still being written
 
 from .formats import CallGrammar, ToolFormat
 from .json_arguments import ArgumentsScan, castable_keys, read_object
-from .toolcalls import ToolCall, ToolCallParser, tool_names
+from .toolcalls import ToolCall, ToolCallParser
 
 logger = logging.getLogger("kvchat")
 
@@ -96,10 +96,12 @@ class CallStream:
         self._format = fmt
         self._grammar = g
         self._tools = tools
-        self._names = tool_names(tools)
-        self._tools_by_name = {
-            t.get("function", t).get("name"): t for t in tools or [] if isinstance(t, dict)
-        }
+        # None without tools: then any name is followed.
+        self._tools_by_name = None
+        if tools:
+            self._tools_by_name = {
+                t.get("function", t).get("name"): t for t in tools if isinstance(t, dict)
+            }
         self._max_calls = max_calls
         self._call_start = 0  # where the call being written starts
         self._text = ""
@@ -139,7 +141,7 @@ class CallStream:
                     if not self._header_prefix(self._text[self._pos :]):
                         self._state = "lost"
                     break
-                if self._names is not None and found["name"] not in self._names:
+                if self._tools_by_name is not None and found["name"] not in self._tools_by_name:
                     self._state = "lost"  # not a call of the request's tools
                     break
                 self._call_start, self._pos = found.start(), found.end()
@@ -215,7 +217,7 @@ class CallStream:
             if self._text[self._pos] != "{":
                 self._state = "lost"
                 return False
-            tool = self._tools_by_name.get(followed.name)
+            tool = (self._tools_by_name or {}).get(followed.name)
             followed.scan = ArgumentsScan(castable_keys(tool))
         scan = followed.scan
         fed = len(scan.text)
