@@ -62,15 +62,19 @@ FOLLOWED = [
 ]
 
 
-def _follow(fmt, text: str, step: int, tools=TOOLS, **kwargs) -> tuple[list, list[ToolCall]]:
+def _follow(
+    fmt, text: str, step: int, tools=TOOLS, each=None, **kwargs
+) -> tuple[list, list[ToolCall]]:
     """(every item given out, the calls), as ``Reply`` gives them: what the
     stream follows of the parser's section, then at the end each parsed
-    call's last piece and the call."""
+    call's last piece and the call. ``each(items)`` runs after every piece."""
     stream, parser, items, fed = CallStream(fmt, tools, **kwargs), ToolCallParser(fmt, tools), [], 0
     for i in range(0, len(text), step):
         parser.feed(text[i : i + step])
         items += stream.feed(parser.section_text[fed:])
         fed = max(fed, len(parser.section_text))
+        if each is not None:
+            each(items)
     parser.finish()
     items += stream.settle(parser.calls)
     return items, [i for i in items if isinstance(i, ToolCall)]
@@ -254,18 +258,12 @@ def _hermes(arguments: str) -> str:
 def test_pieces_always_begin_the_arguments_read_back(arguments, read):
     # Pieces are only appended to: whatever the model writes, each must begin
     # the arguments the call ends with, split anywhere.
+    def never_whole(items):  # before it is read back
+        assert all(_json_object(given) is None for given in _arguments_given(items).values())
+
     text = _hermes(arguments)
     for step in range(1, len(text) + 1):
-        stream, parser, items, fed = CallStream(HERMES, TYPED), ToolCallParser(HERMES, TYPED), [], 0
-        for i in range(0, len(text), step):
-            parser.feed(text[i : i + step])
-            items += stream.feed(parser.section_text[fed:])
-            fed = max(fed, len(parser.section_text))
-            (given,) = _arguments_given(items).values() or [""]
-            assert _json_object(given) is None  # never whole before it is read back
-        parser.finish()
-        items += stream.settle(parser.calls)
-        (call,) = [i for i in items if isinstance(i, ToolCall)]
+        items, (call,) = _follow(HERMES, text, step, tools=TYPED, each=never_whole)
         # The parser's text where the pieces begin it, as a reply read whole has.
         canonical = json.dumps(read, ensure_ascii=False)
         as_written = "Rome" in arguments or "e1" in arguments
