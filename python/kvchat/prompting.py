@@ -13,6 +13,7 @@ import torch
 
 from . import _C
 from .call_arguments import as_the_template_wants
+from .template_tools import tools_argument, with_calls_written
 
 logger = logging.getLogger("kvchat")
 
@@ -248,14 +249,16 @@ def render_text(tokenizer, messages: list[dict], tools=None, template_kwargs=Non
 
     ``tools`` (OpenAI-style function specs) and ``template_kwargs`` (such as
     ``enable_thinking``) go to the template, as transformers passes them;
-    tool-call arguments as the template wants them (``call_arguments``)."""
+    tool-call arguments as the template wants them (``call_arguments``), and
+    tools and calls where it reads them otherwise (``template_tools``)."""
     require_chat_template(tokenizer)
     try:
+        messages = with_calls_written(tokenizer, messages)
         return tokenizer.apply_chat_template(
             as_the_template_wants(tokenizer, messages),
-            tools=tools,
             tokenize=False,
             add_generation_prompt=True,
+            **tools_argument(tokenizer, tools, template_kwargs),
             **(template_kwargs or {}),
         )
     except Exception as error:  # the template refused this input (raise_exception, say)

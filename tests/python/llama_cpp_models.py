@@ -83,5 +83,44 @@ def _download(target: Path) -> None:
     (target / _DONE).write_text(f"{SDIST}\n")
 
 
+# SmolLM3's own template lists tools from ``xml_tools`` (function specs, each
+# written with Jinja's ``string`` filter) in its system header and asks for
+# calls as Hermes-style <tool_call> JSON; llama.cpp's copy drops that header
+# section. This one is written here in that shape, not copied.
+_SMOLLM3_TOOLS = r"""{%- if xml_tools is defined -%}
+    {{- "### Tools\n\nYou can call these functions, listed in <tools></tools>:\n<tools>\n" -}}
+    {%- for tool in xml_tools -%}{{- (tool | string) + "\n" -}}{%- endfor -%}
+    {{- "</tools>\n\nWrite each call as JSON inside <tool_call></tool_call> tags:\n" -}}
+    {{- "<tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n</tool_call>\n\n" -}}
+{%- endif -%}
+"""
+_SMOLLM3_HEADER_END = '{{- "<|im_end|>\\n" -}}\n{# ───── main loop ───── #}'
+
+
+def smollm3_template(target: Path = DEFAULT_DIR) -> str:
+    """SmolLM3-3B's chat template with its ``xml_tools`` section: llama.cpp's
+    copy, the section added where the system header ends. It renders an
+    assistant message's content only, never its ``tool_calls``, and a tool's
+    result as a user turn, as the original does."""
+    template = (fetch(target) / "templates" / "HuggingFaceTB-SmolLM3-3B.jinja").read_text()
+    if "xml_tools" in template:  # a later copy that kept it
+        return template
+    if _SMOLLM3_HEADER_END not in template:
+        raise RuntimeError("llama.cpp's SmolLM3 template changed: the system header's end moved")
+    return template.replace(_SMOLLM3_HEADER_END, _SMOLLM3_TOOLS + _SMOLLM3_HEADER_END, 1)
+
+
+# Templates the tests name that are not llama.cpp's files as they are.
+SMOLLM3 = "SmolLM3-3B-xml_tools"
+
+
+def template_text(name: str, target: Path = DEFAULT_DIR) -> str:
+    """The chat template a test names: llama.cpp's file of that stem, or
+    ``SMOLLM3`` (``smollm3_template``)."""
+    if name == SMOLLM3:
+        return smollm3_template(target)
+    return (fetch(target) / "templates" / f"{name}.jinja").read_text()
+
+
 if __name__ == "__main__":
     print(fetch(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR))

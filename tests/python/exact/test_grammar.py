@@ -223,14 +223,12 @@ def _forced_loop(
     from kvchat import SessionManager
     from kvchat.agents import detect
     from kvchat.prompting import end_ids, render_prompt
-    from llama_cpp_models import fetch
+    from llama_cpp_models import template_text
 
     if template is None:
         tokenizer = tiny_tokenizer()
     else:
-        tokenizer = tiny_tokenizer(
-            chat_template=(fetch() / "templates" / f"{template}.jinja").read_text()
-        )
+        tokenizer = tiny_tokenizer(chat_template=template_text(template))
     fmt = detect(tokenizer)
     ends = end_ids(tokenizer, model.generation_config)
     grammars = Grammars(tokenizer, model.config.vocab_size, ends)
@@ -282,6 +280,7 @@ def _forced_loop(
         "NVIDIA-Nemotron-Nano-v2",
         "GigaChat3.1-10B-A1.8B",
         "MiniMax-M1",
+        "SmolLM3-3B-xml_tools",  # llama_cpp_models.SMOLLM3
     ],
 )
 def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(template):

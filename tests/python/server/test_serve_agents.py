@@ -17,6 +17,7 @@ from kvchat.agents import detect
 from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids, render_prompt
 from kvchat.tiny import tiny_tokenizer
+from llama_cpp_models import SMOLLM3, template_text
 from serving import family_of, function_tool, reference_model, start_server
 
 pytestmark = pytest.mark.server
@@ -48,11 +49,12 @@ def server(request):
 LFM2_TEMPLATE = ("LFM2.5-8B-A1B", "lfm2")  # Python calls, on the hybrid
 GPT_OSS_TEMPLATE = ("openai-gpt-oss-120b", "llama")  # harmony channels
 QWEN_XML_TEMPLATE = ("Qwen3.5-4B", "llama")  # XML parameters
+SMOLLM3_TEMPLATE = (SMOLLM3, "llama")  # tools as xml_tools; calls sent back not rendered
 
 
 @pytest.fixture(
     scope="module",
-    params=[LFM2_TEMPLATE, GPT_OSS_TEMPLATE, QWEN_XML_TEMPLATE],
+    params=[LFM2_TEMPLATE, GPT_OSS_TEMPLATE, QWEN_XML_TEMPLATE, SMOLLM3_TEMPLATE],
     ids=lambda p: p[0],
 )
 def template_server(request, tmp_path_factory):
@@ -68,9 +70,7 @@ def template_server(request, tmp_path_factory):
 
 
 def _template_tokenizer(template: str):
-    from llama_cpp_models import fetch
-
-    return tiny_tokenizer((fetch() / "templates" / f"{template}.jinja").read_text())
+    return tiny_tokenizer(template_text(template))
 
 
 def _grammars(family: str, tokenizer=None) -> Grammars:
@@ -103,8 +103,10 @@ def test_a_tool_loop_is_exact_and_reuses_its_prompt(server, stream):
 def test_a_forced_tool_loop_on_a_real_templates_markup(template_server, stream):
     """The same loop on LFM2.5's template (the hybrid; forced calls written as
     Python, read back into JSON arguments, rendered back as Python), on
-    gpt-oss's (calls in a harmony channel, answers read from the reply) and
-    on Qwen3.5's (XML parameters, streamed one by one as JSON)."""
+    gpt-oss's (calls in a harmony channel, answers read from the reply), on
+    Qwen3.5's (XML parameters, streamed one by one as JSON) and on SmolLM3's
+    (tools given as ``xml_tools``; the calls sent back, which it does not
+    render, written into the history as the model wrote them)."""
     server = template_server
     _tool_loop(server, server.family, _template_tokenizer(server.template), stream, rounds=2)
 
