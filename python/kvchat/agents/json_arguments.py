@@ -23,6 +23,7 @@ are the text as written, which reads as the same object.
 from __future__ import annotations
 
 import json
+import re
 
 try:  # the parser's own reading of a parameter's schema types
     from transformers.utils.chat_parsing.response_parser import _schema_types
@@ -55,10 +56,11 @@ class ArgumentsScan:
     """Reads a call's JSON arguments as they are written (``feed``), from
     their first brace: ``end`` is where the object ends (just past its last
     brace; None while it is open), and ``sure()`` how much of it surely
-    begins the arguments read back. ``feed`` reads each character once;
-    ``sure()`` reads the text so far back as JSON on every piece, so its cost
-    grows with the square of the arguments' length (not measured in
-    benchmarks/)."""
+    begins the arguments read back. ``feed`` reads each character once.
+    ``sure()`` reads the text back as JSON, except where what is new since
+    the text last proved sure only lengthens a string value with characters
+    ``json.dumps`` writes as themselves (a long string, the common case):
+    that text is sure too, unread."""
 
     def __init__(self, castable=lambda key, kind: True):
         self.text = ""
@@ -66,7 +68,10 @@ class ArgumentsScan:
         self.cast_from: int | None = None  # a top-level string value the schema may cast
         self._castable = castable
         self._stack: list[str] = []  # the closing brackets owed
+        self._keys_next: list[bool] = []  # per open bracket: its next string is a key
         self._in_string = self._escape = False
+        self._value_string = False  # the string being read is a value, not a key
+        self._sure_at: int | None = None  # sure() was all of the text up to here
         self._expect_key = False  # in the top object: the next string is a key
         self._key = None  # the top object's key being given a value
         self._string_start = 0
@@ -89,6 +94,7 @@ class ArgumentsScan:
                         self._key = _string(self.text[self._string_start : i + 1])
             elif c == '"':
                 self._in_string, self._string_start = True, i
+                self._value_string = not (self._keys_next and self._keys_next[-1])
                 top_value = len(self._stack) == 1 and not self._expect_key
                 if top_value and self.cast_from is None and self._castable(self._key, "string"):
                     self.cast_from = i
@@ -97,15 +103,19 @@ class ArgumentsScan:
                 if top_list and self.cast_from is None and self._castable(self._key, "list"):
                     self.cast_from = i
                 self._stack.append("}" if c == "{" else "]")
+                self._keys_next.append(c == "{")
                 self._expect_key = len(self._stack) == 1 or self._expect_key
             elif c in "}]":
                 if self._stack:
                     self._stack.pop()
+                    self._keys_next.pop()
                 if not self._stack:
                     self.end = i + 1
                     return
-            elif len(self._stack) == 1 and c in ":,":
-                self._expect_key = c == ","
+            elif c in ":," and self._stack and self._stack[-1] == "}":
+                self._keys_next[-1] = c == ","
+                if len(self._stack) == 1:
+                    self._expect_key = c == ","
 
     def sure(self) -> str:
         """The longest start of the text that surely begins the arguments
@@ -113,13 +123,34 @@ class ArgumentsScan:
         (then fixed), or "" where a piece such as ``tru`` waits for the next
         (the caller keeps what it gave)."""
         if self.cast_from is None:
-            state = (self._stack, self._in_string, self._escape)
-            return self.text if _completes(self.text, *state) else ""
+            if self._lengthens_a_sure_string():
+                self._sure_at = len(self.text)
+                return self.text
+            if not _completes(self.text, self._stack, self._in_string, self._escape):
+                return ""
+            self._sure_at = len(self.text) if self._in_string and not self._escape else None
+            return self.text
         if self._before_cast is None:  # it stops between the top object's members
             before = self.text[: self.cast_from]
             self._before_cast = before if _completes(before, ["}"], False, False) else ""
         return self._before_cast
 
+    def _lengthens_a_sure_string(self) -> bool:
+        """Whether the text was sure inside a string value still open, and
+        what came since only lengthens it with characters that ``json.dumps``
+        writes as themselves. Then the text is sure: completed by the same
+        closing quote and brackets, it reads as the same object with that
+        string longer, whose ``json.dumps`` text is longer by those same
+        characters. Never a key, which may come to repeat an earlier one."""
+        at = self._sure_at
+        if at is None or not (self._in_string and self._value_string) or self._escape:
+            return False
+        return self._string_start < at and _PLAIN.match(self.text, at) is not None
+
+
+# Characters json.dumps(ensure_ascii=False) writes as themselves in a string
+# (no quote, backslash, control character or lone surrogate), to the end.
+_PLAIN = re.compile(r'[^"\\\x00-\x1f\ud800-\udfff]*\Z')
 
 # Endings that complete a prefix where it may stop: nothing, a string's close,
 # a value, a key's colon and value, a key. A prefix none of them completes
