@@ -131,6 +131,9 @@ class Turns:
         self._reload_reason = reload_reason
         self._match, self._wait, self._settles = match, wait, settles
         self._max_context = max_context
+        # Why the model's own forward cannot run on kvchat's cache (a user's
+        # torch.compile(fullgraph=True) cannot trace it): every turn is plain.
+        self._forward_refuses_cache: str | None = None
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
@@ -140,6 +143,20 @@ class Turns:
             )
 
     def run(self, request: TurnRequest) -> TurnOutcome:
+        try:
+            return self._run(request)
+        except _ForwardRefusesCache as refused:
+            # The turn aborted at its first forward, before any token: run it
+            # again as plain generate, and every later turn too.
+            self._forward_refuses_cache = refused.why
+            logger.warning(
+                "kvchat: the model's forward cannot run on kvchat's cache (%s); "
+                "this manager's turns run as plain generate",
+                refused.why,
+            )
+            return self._run(request)
+
+    def _run(self, request: TurnRequest) -> TurnOutcome:
         session_id, args = request.session_id, request.args
         # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
@@ -151,6 +168,8 @@ class Turns:
             # embeddings upcast the keys), which a cache cannot hold as one
             # layer; and a cache from outside autocast is not what it computes.
             plain, why = _C.ReuseReason.unsupported_generation, "torch.autocast is on"
+        if plain is None and self._forward_refuses_cache is not None:
+            plain, why = _C.ReuseReason.unsupported_generation, self._forward_refuses_cache
         if plain is not None and why:
             logger.info("kvchat: %s runs as plain generate (%s)", session_id, why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
@@ -214,6 +233,12 @@ class Turns:
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
             return TurnOutcome(run.output, run.reply, record)
+        except _ForwardRefusesCache as refused:
+            # Where a token came, it was streamed and given to the logits
+            # processors: running the turn again would repeat it.
+            if timer.first_at is not None:
+                raise refused.__cause__  # noqa: B904 - the model's own error, as it was
+            raise
         finally:
             self._flush_evicted()
 
@@ -288,10 +313,13 @@ class Turns:
         try:
             try:
                 run = self._run_on(cache, plan, model_input, kwargs)
-            except TorchDynamoException:
-                if pooled:
-                    pooled = False
-                    self._compiled.failed(bridge.static_pool)
+            except TorchDynamoException as error:
+                if not pooled:
+                    # Not kvchat's compiled decode: the model's forward is
+                    # compiled by its user (fullgraph) and cannot trace the cache.
+                    raise _ForwardRefusesCache(_first_line(error)) from error
+                pooled = False
+                self._compiled.failed(bridge.static_pool)
                 raise
             if pooled:
                 self._compiled.record_turn()
@@ -379,6 +407,17 @@ class Turns:
         except Exception as error:
             logger.warning("kvchat: no settling after this turn: %s", error)
             return None
+
+
+class _ForwardRefusesCache(Exception):
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _chunked(model, kwargs: dict) -> bool:

@@ -227,3 +227,40 @@ def test_a_streamed_turn_under_autocast_runs_under_it_as_plain_generate(tokenize
         "".join(mgr.stream_chat("s", messages, max_new_tokens=MAX_NEW))
     report = mgr.last_turn("s")
     assert report.reason == "unsupported_generation" and report.output_ids == expected
+
+
+@pytest.fixture
+def fresh_dynamo():
+    # Dynamo counts compiles per code object, which transformers' wrappers
+    # share across models: start from none, as a user's process would, and
+    # leave none to the next test.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_a_forward_compiled_with_fullgraph_runs_as_plain_generate(
+    family, tokenizer, caplog, fresh_dynamo
+):
+    # torch.compile(fullgraph=True) cannot trace kvchat's cache (its buffers
+    # are a C++ extension's), and failed the turn. Plain generate runs such a
+    # forward, so the turn runs as that, and so does every later one. The
+    # "eager" backend: dynamo traces (and refuses) the same, without inductor.
+    model = tiny_model(family, seed=0).to(DEVICE)
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+    mgr = SessionManager(model, tokenizer)
+    messages = [SYSTEM, user_message(0)]
+    with caplog.at_level("WARNING", logger="kvchat"):
+        reply, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
+    assert report.reason == "unsupported_generation" and report.reused_tokens == 0
+    assert sum("cannot run on kvchat's cache" in r.message for r in caplog.records) == 1
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    _, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
+    assert report.reason == "unsupported_generation"
+    # Streamed, from a worker thread, on a new manager (its first turn refused).
+    streamed = SessionManager(model, tokenizer)
+    "".join(streamed.stream_chat("t", messages, max_new_tokens=MAX_NEW))
+    report = streamed.last_turn("t")
+    expected = reference_turn(model, tokenizer, messages)[2]
+    assert report.reason == "unsupported_generation" and report.output_ids == expected
