@@ -194,14 +194,19 @@ class SessionAdmin:
             messages = as_dicts(session.messages())
             state = session.cached_state()
         if not state.ids and messages:
-            # Evicted by the byte budget (a spill file is the tier's, not this
-            # file's), or a turn left no cache: the file is its history only.
-            logger.warning(
-                "kvchat: session %r holds no cache in memory (evicted, or none yet); %s "
-                "holds its messages only, so its next turn after load prefills them",
-                session_id,
-                path,
-            )
+            # Evicted by the byte budget: the tier's copy (a spill file), if it
+            # keeps one. A cache of an earlier turn is still safe to save: a
+            # turn after load reuses only what is a true prefix of its prompt.
+            stored = self._tier.stored(session_id)
+            if stored is not None and stored.ids:
+                state = stored
+            else:  # evicted with no tier to keep it, or a turn left no cache
+                logger.warning(
+                    "kvchat: session %r holds no cache in memory (evicted, or none yet); "
+                    "%s holds its messages only, so its next turn after load prefills them",
+                    session_id,
+                    path,
+                )
         slots = self._bridge.layout.slots
         write_session(path, session_id, messages, state, self._fingerprint, slots)
 

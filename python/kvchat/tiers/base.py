@@ -13,6 +13,9 @@ Three calls make a tier, so a new one plugs in without touching the turn code:
 - ``forget(session_id)``: the session was cleared or removed (True if the
   tier held it).
 
+And one optional: ``stored(session_id)``, the session's cache read whatever it
+costs, which ``save`` writes for a session that holds none in memory.
+
 A tier is asked only for sessions that hold nothing here, as
 ``find_if_cheaper(session_id, prompt)``. A tier that other processes share is
 a ``SharedTier`` (shared.py): it is asked at every turn and has a few more
@@ -91,6 +94,12 @@ class Tier:
     ) -> _C.CachedState | None:
         """``have``: prompt tokens the session already holds here, in ``local``
         (its ``CachedState``); 0 and None unless ``shared``."""
+        return None
+
+    def stored(self, session_id: str) -> _C.CachedState | None:
+        """The session's cache as this tier holds it, read whatever it costs
+        (``save`` of a session that holds none in memory), or None. Optional:
+        a tier without it leaves such a file its messages only."""
         return None
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:

@@ -63,27 +63,39 @@ class Spill(Tier):
     ) -> _C.CachedState | None:
         """The session's spilled cache, when reading it beats prefilling what it
         shares with ``prompt``; None otherwise."""
+
+        def worth_it(path: Path) -> bool:
+            layout = json.loads(read_metadata(path)["cache"])
+            if layout is None:
+                return False
+            ids = torch.tensor(layout["ids"], dtype=torch.long)
+            shared = _C.common_prefix_length(ids, prompt)
+            return self.reload_cost.worth_loading(path.stat().st_size, shared)
+
+        return self._read(session_id, worth_it, count=True)
+
+    def stored(self, session_id: str) -> _C.CachedState | None:
+        """The session's spilled cache, however long reading it takes."""
+        return self._read(session_id, lambda path: True, count=False)
+
+    def _read(self, session_id: str, wanted, count: bool) -> _C.CachedState | None:
         path = self.path_for(session_id)
         with self._lock:
             if not path.exists():
                 return None
             try:
-                layout = json.loads(read_metadata(path)["cache"])
-                if layout is None:
+                if not wanted(path):
                     return None
-                ids = torch.tensor(layout["ids"], dtype=torch.long)
-                shared = _C.common_prefix_length(ids, prompt)
                 nbytes = path.stat().st_size
-                if not self.reload_cost.worth_loading(nbytes, shared):
-                    return None
                 started = time.perf_counter()
                 saved = read_session(path, self.fingerprint, self.device, self.layout)
             except (SessionFileError, OSError, ValueError, KeyError, TypeError) as error:
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)
                 return None
-            self.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
-            self.loads += 1
+            if count:  # a turn's load: its rate and the counter
+                self.reload_cost.observe_load(nbytes, (time.perf_counter() - started) * 1e3)
+                self.loads += 1
             return saved.state
 
     def counters(self) -> dict[str, int]:

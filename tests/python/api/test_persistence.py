@@ -15,6 +15,7 @@ from helpers import (
     REUSE_FAMILIES,
     SYSTEM,
     TESTS,
+    exact_turn,
     exact_turns,
     model_for,
     reference_turn,
@@ -227,6 +228,29 @@ def test_saving_a_session_the_budget_evicted_says_the_file_holds_no_cache(
     _, _, expected = reference_turn(llama, tokenizer, messages)
     fresh.chat("big", messages, max_new_tokens=MAX_NEW)
     assert fresh.last_turn("big").output_ids == expected
+
+
+def test_saving_a_session_the_budget_spilled_saves_the_spilled_cache(
+    llama, tokenizer, tmp_path, caplog
+):
+    """With a spill folder the evicted cache is on disk: save writes it into
+    the file (no warning), and the loaded session's next turn reuses it and
+    is exact."""
+    mgr = SessionManager(llama, tokenizer, max_cache_bytes=1024, spill_dir=tmp_path / "spill")
+    messages = exact_turns(mgr, "big", [LONG_SYSTEM], llama, tokenizer, 1)[0]
+    mgr.wait_settled()
+    assert mgr.info("big").cached_tokens == 0 and mgr.stats().spill_writes >= 1
+    path = tmp_path / "big.safetensors"
+    with caplog.at_level("WARNING", logger="kvchat"):
+        mgr.save("big", path)
+    assert not [r for r in caplog.records if "holds no cache" in r.getMessage()]
+    assert mgr.stats().spill_loads == 0  # save's read is no turn's load
+    fresh = SessionManager(llama, tokenizer)
+    fresh.load(path)
+    assert fresh.messages("big") == messages and fresh.info("big").cached_tokens > 0
+    messages.append(user_message(1))
+    _, report = exact_turn(fresh, "big", messages, llama, tokenizer)
+    assert report.reused_tokens > 0.5 * report.prompt_tokens, report
 
 
 def test_saving_a_resident_session_warns_of_nothing(llama, tokenizer, tmp_path, caplog):
