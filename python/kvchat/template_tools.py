@@ -113,16 +113,29 @@ def _calls(message) -> list:
 
 @functools.lru_cache(maxsize=32)
 def _dropped_calls_grammar(tokenizer, template: str) -> CallGrammar | None:
-    """How to write calls for a template that renders none of them: its
+    """How to write calls for a template that renders none of them (a
+    message with a call, its content "" or None, renders as the same
+    message without it): its
     format's grammar, where that writes calls as JSON. None for a template
     that renders calls (or refuses the probe), or whose markup kvchat
     cannot write."""
+    # Rendered with tools, as a conversation with calls is: a template may
+    # render calls only beside its tools.
+    tools = tools_argument(tokenizer, [{"type": "function", "function": _PROBE_FUNCTION}])
+    uncalled = [{k: v for k, v in m.items() if k != "tool_calls"} for m in _CALLED]
+    # Content None as well as "": some templates render calls only beside
+    # None (DeepSeek R1's distills), and such a template renders calls.
+    no_content = [dict(m, content=None) if "tool_calls" in m else m for m in _CALLED]
     try:
-        text = tokenizer.apply_chat_template(_CALLED, tokenize=False)
+        bare = tokenizer.apply_chat_template(uncalled, tokenize=False, **tools)
+        renders = [
+            tokenizer.apply_chat_template(probe, tokenize=False, **tools)
+            for probe in (_CALLED, no_content)
+        ]
     except Exception as error:  # refused: leave its messages as they are
         logger.debug("kvchat: the chat template refused a tool-call probe: %s", error)
         return None
-    if _PROBE_NAME in text:
+    if any(render != bare for render in renders):  # the call shows
         return None
     fmt = detect(tokenizer)
     grammar = fmt.grammar if fmt is not None else None

@@ -131,3 +131,40 @@ def test_a_template_that_renders_neither_tools_nor_calls_in_known_markup_is_left
         messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True
     )
     assert render_text(tokenizer, messages, tools=[WEATHER]) == expected
+
+
+def _templates() -> list[str]:
+    return sorted(path.stem for path in (fetch() / "templates").glob("*.jinja"))
+
+
+@pytest.mark.parametrize("content", ["", None], ids=["empty", "none"])
+def test_every_other_template_renders_tools_and_calls_as_transformers_does(content):
+    """Of llama.cpp's templates none shows tools only from ``xml_tools`` or
+    renders no call at all: kvchat renders them all as apply_chat_template
+    does (arguments as the template wants them aside). DeepSeek R1's Llama
+    distill renders calls only beside content None: it is no template that
+    leaves calls out."""
+    from kvchat.call_arguments import as_the_template_wants
+
+    messages = [
+        USER,
+        {"role": "assistant", "content": content, "tool_calls": [_call("a", '{"city": "Paris"}')]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    ]
+    checked = 0
+    for template in _templates():
+        tokenizer = tiny_tokenizer(chat_template=template_text(template))
+        try:
+            expected = tokenizer.apply_chat_template(
+                as_the_template_wants(tokenizer, messages),
+                tools=[WEATHER],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception:  # the template refuses this conversation
+            with pytest.raises(ValueError, match="messages"):
+                render_text(tokenizer, messages, tools=[WEATHER])
+            continue
+        assert render_text(tokenizer, messages, tools=[WEATHER]) == expected, template
+        checked += 1
+    assert checked >= 50  # of about 70; some refuse a call beside content None
