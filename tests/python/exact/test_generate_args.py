@@ -197,14 +197,15 @@ def test_no_max_new_tokens_generates_what_generate_does(prompt_tokens, compiled,
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
-def test_turns_under_autocast_run_as_plain_generate(family, tokenizer):
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_turns_under_autocast_run_as_plain_generate(family, half, tokenizer):
     # Autocast casts float32 work only, so the model is float32 here (float64
     # would run untouched). Under it the rotary keys come out float32 and the
-    # values bfloat16: a cache cannot hold them, so the turn runs plain.
+    # values in half precision: a cache cannot hold them, so the turn runs plain.
     model = tiny_model(family, dtype=torch.float32, seed=0).to(DEVICE)
     mgr = SessionManager(model, tokenizer)
     messages = [SYSTEM, user_message(0)]
-    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=half):
         reply, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
         assert report.reason == "unsupported_generation" and report.reused_tokens == 0
         messages += [{"role": "assistant", "content": reply}, user_message(1)]
