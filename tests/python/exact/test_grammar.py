@@ -222,7 +222,7 @@ def _forced_loop(
     from helpers import SYSTEM, common_prefix, history_ids, reference_turn
     from kvchat import SessionManager
     from kvchat.agents import detect
-    from kvchat.prompting import end_ids, render_prompt
+    from kvchat.prompting import end_ids, render_prompt, render_text
     from llama_cpp_models import template_text
 
     if template is None:
@@ -255,11 +255,16 @@ def _forced_loop(
         text = tokenizer.decode(list(report.output_ids), skip_special_tokens=False)
         _, calls = _read(fmt, text.split(tokenizer.eos_token)[0])
         assert len(calls) == 1 and _allowed(calls[0]), text
+        before = render_text(tokenizer, messages, tools=TOOLS)
         messages.append({"role": "assistant", "content": "", "tool_calls": [calls[0].as_dict()]})
         # The tool's time: the session settles on the call as it is sent back.
         manager.settle("s", messages, tools=TOOLS)
         assert manager.wait_settled(timeout=120)
         messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"})
+        # The call sent back shows in what the model reads next (SmolLM3's
+        # template renders none: kvchat writes it into the content).
+        after = render_text(tokenizer, messages, tools=TOOLS)
+        assert after.count(calls[0].name) > before.count(calls[0].name), after
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from helpers import common_prefix, history_ids, reference_turn
 from kvchat.agents import detect
 from kvchat.agents.grammar import Grammars
-from kvchat.prompting import end_ids, render_prompt
+from kvchat.prompting import end_ids, render_prompt, render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import SMOLLM3, template_text
 from serving import family_of, function_tool, reference_model, start_server
@@ -157,6 +157,7 @@ def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) ->
         if turn:
             _only_the_new_message_prefilled(usage, tokenizer, messages)
         result = {"role": "tool", "tool_call_id": call["id"], "content": '{"ok": true}'}
+        _shows_the_tools_and_the_call(tokenizer, messages, [message, result], name)
         messages += [message, result]
         server.settled()  # the tool's time: the session settles meanwhile
 
@@ -169,6 +170,17 @@ def _tool_loop(server, family: str, tokenizer, stream: bool, rounds: int = 3) ->
         _only_the_new_message_prefilled(usage, tokenizer, messages)
         messages += [message, {"role": "user", "content": f"And in {turn + 2} hours?"}]
         server.settled()  # the user's time to read and type
+
+
+def _shows_the_tools_and_the_call(tokenizer, messages, sent_back, name: str) -> None:
+    """What the model reads (the render the replies above were checked
+    against) lists every tool, and once the call is sent back, holds it:
+    so for SmolLM3's template, which reads tools from xml_tools and renders
+    no call (kvchat writes it into the content)."""
+    before = render_text(tokenizer, messages, tools=TOOLS)
+    assert all(tool["function"]["name"] in before for tool in TOOLS), before
+    after = render_text(tokenizer, [*messages, *sent_back], tools=TOOLS)
+    assert after.count(name) > before.count(name), after
 
 
 ONE_CALL = dict(tools=TOOLS, parallel_tool_calls=False)

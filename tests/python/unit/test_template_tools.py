@@ -139,11 +139,12 @@ def _templates() -> list[str]:
 
 @pytest.mark.parametrize("content", ["", None], ids=["empty", "none"])
 def test_every_other_template_renders_tools_and_calls_as_transformers_does(content):
-    """Of llama.cpp's templates none shows tools only from ``xml_tools`` or
-    renders no call at all: kvchat renders them all as apply_chat_template
-    does (arguments as the template wants them aside). DeepSeek R1's Llama
-    distill renders calls only beside content None: it is no template that
-    leaves calls out."""
+    """Of llama.cpp's templates none shows tools only from ``xml_tools``, and
+    none that renders no call has a tool-call format kvchat can write (its
+    SmolLM3 copy, LFM2.5-Instruct and LFM2-8B-A1B have no format at all):
+    kvchat renders them all as apply_chat_template does (arguments as the
+    template wants them aside). DeepSeek R1's Llama distill renders calls
+    only beside content None, so it is no template that leaves calls out."""
     from kvchat.call_arguments import as_the_template_wants
 
     messages = [
