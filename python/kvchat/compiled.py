@@ -90,9 +90,10 @@ class CompiledDecode:
 
     def failed(self, pool) -> None:
         """torch.compile failed in a turn (a backend this machine lacks, say):
-        that turn raised and aborted (the session keeps its history); later
-        turns decode eagerly rather than fail the same way, and the pool's
-        caches are freed."""
+        that turn aborted (the session keeps its history) and raised, unless
+        no token had come yet (then it runs again, eagerly); later turns
+        decode eagerly rather than fail the same way, and the pool's caches
+        are freed."""
         pool.clear()
         if self.enabled:
             logger.warning(

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
 from . import _C
 from .arguments import ContextLengthError
@@ -143,18 +143,20 @@ class Turns:
             )
 
     def run(self, request: TurnRequest) -> TurnOutcome:
-        try:
-            return self._run(request)
-        except _ForwardRefusesCache as refused:
-            # The turn aborted at its first forward, before any token: run it
-            # again as plain generate, and every later turn too.
-            self._forward_refuses_cache = refused.why
-            logger.warning(
-                "kvchat: the model's forward cannot run on kvchat's cache (%s); "
-                "this manager's turns run as plain generate",
-                refused.why,
-            )
-            return self._run(request)
+        # At most: compiled, then eager (compiling failed), then plain.
+        for _ in range(2):
+            try:
+                return self._run(request)
+            except _RunAgain as again:
+                # The turn aborted at its first forward, before any token.
+                if again.forward_refuses is not None:  # plain, and every later turn too
+                    self._forward_refuses_cache = again.forward_refuses
+                    logger.warning(
+                        "kvchat: the model's forward cannot run on kvchat's cache (%s); "
+                        "this manager's turns run as plain generate",
+                        again.forward_refuses,
+                    )
+        return self._run(request)
 
     def _run(self, request: TurnRequest) -> TurnOutcome:
         session_id, args = request.session_id, request.args
@@ -233,11 +235,11 @@ class Turns:
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
             return TurnOutcome(run.output, run.reply, record)
-        except _ForwardRefusesCache as refused:
+        except _RunAgain as again:
             # Where a token came, it was streamed and given to the logits
             # processors: running the turn again would repeat it.
             if timer.first_at is not None:
-                raise refused.__cause__  # noqa: B904 - the model's own error, as it was
+                raise again.__cause__  # noqa: B904 - torch's own error, as it was
             raise
         finally:
             self._flush_evicted()
@@ -310,17 +312,19 @@ class Turns:
         # pool is emptied and this manager decodes eagerly from now on).
         pooled = compile_config is not None
         returned = False
+        if kwargs.get("streamer") is not None:  # see _PromptHeld
+            kwargs = dict(kwargs, streamer=_PromptHeld(kwargs["streamer"]))
         try:
             try:
                 run = self._run_on(cache, plan, model_input, kwargs)
-            except TorchDynamoException as error:
+            except _DYNAMO_ERRORS as error:
                 if not pooled:
                     # Not kvchat's compiled decode: the model's forward is
                     # compiled by its user (fullgraph) and cannot trace the cache.
-                    raise _ForwardRefusesCache(_first_line(error)) from error
+                    raise _RunAgain(_first_line(error)) from error
                 pooled = False
-                self._compiled.failed(bridge.static_pool)
-                raise
+                self._compiled.failed(bridge.static_pool)  # eager from now on
+                raise _RunAgain(None) from error
             if pooled:
                 self._compiled.record_turn()
             returned = not isinstance(run.output, torch.Tensor) and (
@@ -409,10 +413,47 @@ class Turns:
             return None
 
 
-class _ForwardRefusesCache(Exception):
-    def __init__(self, why: str):
-        super().__init__(why)
-        self.why = why
+# What torch.compile raises: its errors, and a fullgraph compile's recompile
+# limit, which is no TorchDynamoException.
+_DYNAMO_ERRORS = (TorchDynamoException, FailOnRecompileLimitHit)
+
+
+class _PromptHeld:
+    """A streamer that passes on generate's first ``put`` (the prompt) only
+    with the next one (the first token) or ``end``. A cached attempt that
+    dynamo refuses at its first forward then leaves the caller's streamer
+    untouched, and the plain run again's prompt is the first it sees (a
+    streamer that skips the prompt skips its first ``put``)."""
+
+    def __init__(self, streamer):
+        self._streamer, self._prompt = streamer, None
+        self._first = True
+
+    def put(self, value) -> None:
+        if self._first:
+            self._first, self._prompt = False, value
+            return
+        self._release()
+        self._streamer.put(value)
+
+    def end(self) -> None:
+        self._release()
+        self._streamer.end()
+
+    def _release(self) -> None:
+        if self._prompt is not None:
+            prompt, self._prompt = self._prompt, None
+            self._streamer.put(prompt)
+
+
+class _RunAgain(Exception):
+    """torch.compile failed a cached turn (its ``__cause__``): the turn may run
+    again, eagerly, or as plain generate where ``forward_refuses`` says why
+    the model's own forward cannot run on kvchat's cache."""
+
+    def __init__(self, forward_refuses: str | None):
+        super().__init__(forward_refuses)
+        self.forward_refuses = forward_refuses
 
 
 def _first_line(error: Exception) -> str:

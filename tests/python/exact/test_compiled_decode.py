@@ -331,6 +331,27 @@ def test_a_failing_compiler_fails_one_turn_then_decodes_eagerly(tokenizer, caplo
     assert manager.stats().compiled_turns == 0
 
 
+def test_a_users_fullgraph_forward_under_compile_true_never_fails_a_turn(tokenizer, caplog):
+    """The user compiled the forward with fullgraph=True and the manager
+    compiles the decode: with plain generate between turns (the reference
+    here), that forward reaches its recompile limit, which is no
+    TorchDynamoException and failed every turn from then on. Before any
+    token it now runs the turn again, eagerly, then plain: every turn is
+    generate's, and none raises."""
+    from helpers import exact_turns
+
+    torch._dynamo.reset()
+    try:
+        model = tiny_model("llama", seed=0).to(DEVICE)
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        manager = SessionManager(model, tokenizer, compile=True)
+        _, reports = exact_turns(manager, "s", [SYSTEM], model, tokenizer, 3)
+        assert reports[-1].reason == "unsupported_generation"
+        assert "cannot run on kvchat's cache" in caplog.text
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_models_generation_config_is_read_as_generate_reads_it():
     from transformers import GenerationConfig
 

@@ -259,9 +259,12 @@ def test_a_forward_compiled_with_fullgraph_runs_as_plain_generate(
     messages += [{"role": "assistant", "content": reply}, user_message(1)]
     _, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
     assert report.reason == "unsupported_generation"
-    # Streamed, from a worker thread, on a new manager (its first turn refused).
+    # Streamed, from a worker thread, on a new manager (its first turn
+    # refused): the stream is the reply, never the prompt that the refused
+    # attempt handed generate's streamer first.
     streamed = SessionManager(model, tokenizer)
-    "".join(streamed.stream_chat("t", messages, max_new_tokens=MAX_NEW))
+    text = "".join(streamed.stream_chat("t", messages[:2], max_new_tokens=MAX_NEW))
     report = streamed.last_turn("t")
-    expected = reference_turn(model, tokenizer, messages)[2]
+    expected = reference_turn(model, tokenizer, messages[:2])[2]
     assert report.reason == "unsupported_generation" and report.output_ids == expected
+    assert text == reply
