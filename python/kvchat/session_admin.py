@@ -212,7 +212,8 @@ class SessionAdmin:
 
     def load(self, path: str | os.PathLike, session_id: str | None = None) -> str:
         """Reads a file ``save`` wrote into session ``session_id`` (default: the
-        saved id), replacing that session's cache and messages. Returns the id.
+        saved id), replacing that session's cache and messages (and a cache
+        spilled to disk of what it held before). Returns the id.
 
         The whole file is checked first (format, model fingerprint, checksum):
         a bad file raises ``SessionFileError`` and changes nothing."""
@@ -238,6 +239,10 @@ class SessionAdmin:
             else:
                 session.restore(saved.state)
             session.set_messages(core_messages(messages))
+        if not self._tier.shared:
+            # A spilled cache of what the session held before is no longer its
+            # own: neither a later turn nor a save may read it back.
+            self._tier.forget(target)
         self._flush_evicted()
         return target
 

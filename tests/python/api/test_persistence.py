@@ -253,6 +253,29 @@ def test_saving_a_session_the_budget_spilled_saves_the_spilled_cache(
     assert report.reused_tokens > 0.5 * report.prompt_tokens, report
 
 
+def test_loading_over_a_spilled_session_forgets_what_it_spilled(llama, tokenizer, tmp_path):
+    """A load replaces the session: the cache it spilled before is no longer
+    its own, so a later save writes the loaded file's contents, never the
+    old conversation (here one without a cache, which was saved with the
+    old one's cache before)."""
+    spill = tmp_path / "spill"
+    mgr = SessionManager(llama, tokenizer, max_cache_bytes=1024, spill_dir=spill)
+    secret = [LONG_SYSTEM, {"role": "user", "content": "My password is hunter2"}]
+    mgr.chat("s", secret, max_new_tokens=MAX_NEW)
+    mgr.wait_settled()
+    assert list(spill.glob("*.safetensors"))
+    other = SessionManager(llama, tokenizer, max_cache_bytes=1024)  # no spill: messages only
+    new = exact_turns(other, "o", [SYSTEM], llama, tokenizer, 1)[0]
+    other.wait_settled()
+    other.save("o", tmp_path / "new.safetensors")
+    mgr.load(tmp_path / "new.safetensors", session_id="s")
+    assert not list(spill.glob("*.safetensors"))
+    mgr.save("s", tmp_path / "s.safetensors")
+    fresh = SessionManager(llama, tokenizer)
+    fresh.load(tmp_path / "s.safetensors")
+    assert fresh.messages("s") == new and fresh.info("s").cached_tokens == 0
+
+
 def test_saving_a_resident_session_warns_of_nothing(llama, tokenizer, tmp_path, caplog):
     mgr = SessionManager(llama, tokenizer)
     exact_turns(mgr, "s", [SYSTEM], llama, tokenizer, 1)
