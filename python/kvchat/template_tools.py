@@ -61,11 +61,17 @@ def tools_argument(tokenizer, tools, template_kwargs=None) -> dict:
         return {"tools": tools}
     if not _reads_xml_tools(tokenizer, _template(tokenizer)):
         return {"tools": tools}
-    functions = [
-        tool["function"] if isinstance(tool, dict) and "function" in tool else tool
-        for tool in tools
-    ]
-    return {"xml_tools": functions}
+    return {"xml_tools": [_function(tool) for tool in tools]}
+
+
+def _function(tool):
+    """A tool's function spec: a Python function's as transformers reads it
+    for ``tools`` (its signature and docstring), a spec as it is."""
+    if callable(tool):
+        from transformers.utils import get_json_schema
+
+        tool = get_json_schema(tool)
+    return tool["function"] if isinstance(tool, dict) and "function" in tool else tool
 
 
 @functools.lru_cache(maxsize=32)

@@ -58,6 +58,23 @@ def test_smollm3s_template_is_shown_the_tools_as_xml_tools():
     assert "get_weather" not in plain
 
 
+def get_weather(city: str, days: int = 1) -> str:
+    """The weather in a city, in degrees.
+
+    Args:
+        city: The city's name.
+        days: How many days ahead.
+    """
+    return "sunny"
+
+
+def test_a_python_function_as_a_tool_is_shown_as_its_schema():
+    """transformers turns a function given in ``tools`` into its JSON schema;
+    one given to SmolLM3's template goes as that schema too."""
+    prompt = render_text(_smollm3(), [USER], tools=[get_weather])
+    assert "'name': 'get_weather'" in prompt and "How many days ahead." in prompt
+
+
 def test_a_callers_own_xml_tools_are_passed_as_given():
     tokenizer = _smollm3()
     own = [{"name": "look_up", "description": "Mine."}]
