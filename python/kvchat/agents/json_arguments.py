@@ -162,6 +162,8 @@ def _completes(text: str, stack: list[str], in_string: bool, escape: bool) -> bo
     """Whether ``text``, left with ``stack`` open and in a string or not,
     completed by one of the endings reads as an object whose ``json.dumps``
     text begins with it."""
+    if escape:  # what the escape becomes is unknown: "\u00e9" is written "é"
+        return False
     for ending in _ENDINGS:
         quoted, escaped = in_string, escape
         for c in ending:  # no brackets in the endings: only strings change

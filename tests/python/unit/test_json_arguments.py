@@ -5,6 +5,8 @@ string value must not be read back as JSON on every piece."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kvchat.agents import json_arguments
 from kvchat.agents.json_arguments import ArgumentsScan
@@ -38,6 +40,21 @@ def test_sure_fed_in_pieces_is_sure_read_whole_at_every_prefix(text, step, casta
         whole = scan()
         whole.feed(text[:end])
         assert fed.sure() == whole.sure(), text[:end]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"\\u00e9": 1}', '{"a\\/b": 1}', '{"k\\"": "v\\u00e9"}', '{"\\n": "\\t", "x": "\\/"}'],
+)
+def test_what_is_sure_begins_the_arguments_read_back_through_escapes(text):
+    """An escape's start waits for what it becomes: a key ending in a
+    backslash was sure (completed as an escaped quote), yet the escape
+    u00e9 is written back as the letter itself."""
+    final = json.dumps(json.loads(text), ensure_ascii=False)
+    scan = ArgumentsScan(_uncast)
+    for c in text:
+        scan.feed(c)
+        assert final.startswith(scan.sure()), (scan.text, scan.sure())
 
 
 def test_a_long_string_value_is_not_read_back_on_every_piece(monkeypatch):
