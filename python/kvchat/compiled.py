@@ -90,10 +90,12 @@ class CompiledDecode:
 
     def failed(self, pool) -> None:
         """torch.compile failed in a turn (a backend this machine lacks, say):
-        that turn aborted (the session keeps its history) and raised, unless
-        no token had come yet (then it runs again, eagerly); later turns
-        decode eagerly rather than fail the same way, and the pool's caches
-        are freed."""
+        that turn aborted (the session keeps its history) and raised, since
+        generate compiles the decode steps, after the first token; later
+        turns decode eagerly rather than fail the same way, and the pool's
+        caches are freed. A failure before the first token (a user's own
+        fullgraph forward refusing the cache at the prefill) runs the turn
+        again instead (``turn.py``)."""
         pool.clear()
         if self.enabled:
             logger.warning(

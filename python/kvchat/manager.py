@@ -302,7 +302,7 @@ class SessionManager(SessionAdmin):
         check_session_id(session_id)
         messages = self._requests.check_conversation(messages, tools, chat_template_kwargs)
         session = self._core.find(session_id)  # KeyError for an unknown session
-        if not self._settles:
+        if not self._settles or self._turns.plain_only:  # plain turns keep no cache
             return
         version = session.version  # read first: a turn meanwhile makes the settle moot
         target = self._requests.settle_target(messages, tools, chat_template_kwargs)

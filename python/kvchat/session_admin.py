@@ -193,20 +193,21 @@ class SessionAdmin:
         ):
             messages = as_dicts(session.messages())
             state = session.cached_state()
-        if not state.ids and messages:
-            # Evicted by the byte budget: the tier's copy (a spill file), if it
-            # keeps one. A cache of an earlier turn is still safe to save: a
-            # turn after load reuses only what is a true prefix of its prompt.
-            stored = self._tier.stored(session_id)
-            if stored is not None and stored.ids:
-                state = stored
-            else:  # evicted with no tier to keep it, or a turn left no cache
-                logger.warning(
-                    "kvchat: session %r holds no cache in memory (evicted, or none yet); "
-                    "%s holds its messages only, so its next turn after load prefills them",
-                    session_id,
-                    path,
-                )
+            if not state.ids and messages:
+                # Evicted by the byte budget: the tier's copy (a spill file),
+                # read under the lease so that no turn replaces it meanwhile. A
+                # cache of an earlier turn is still safe to save: a turn after
+                # load reuses only what is a true prefix of its prompt.
+                stored = self._tier.stored(session_id)
+                if stored is not None and stored.ids:
+                    state = stored
+        if not state.ids and messages:  # evicted with no tier copy, or a turn left no cache
+            logger.warning(
+                "kvchat: session %r holds no cache in memory (evicted, or none yet); "
+                "%s holds its messages only, so its next turn after load prefills them",
+                session_id,
+                path,
+            )
         slots = self._bridge.layout.slots
         write_session(path, session_id, messages, state, self._fingerprint, slots)
 
@@ -239,10 +240,11 @@ class SessionAdmin:
             else:
                 session.restore(saved.state)
             session.set_messages(core_messages(messages))
-        if not self._tier.shared:
-            # A spilled cache of what the session held before is no longer its
-            # own: neither a later turn nor a save may read it back.
-            self._tier.forget(target)
+            if not self._tier.shared:
+                # A spilled cache of what the session held before is no longer
+                # its own: no later turn or save may read it back (forgotten
+                # under the lease, before a turn waiting for it could).
+                self._tier.forget(target)
         self._flush_evicted()
         return target
 

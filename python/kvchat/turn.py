@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+from torch._dynamo import exc as dynamo_errors
 
 from . import _C
 from .arguments import ContextLengthError
@@ -142,23 +142,36 @@ class Turns:
                 f"max_context_length={self._max_context}"
             )
 
+    @property
+    def plain_only(self) -> bool:
+        """Whether every turn runs as plain generate: the model's forward
+        cannot run on kvchat's cache."""
+        return self._forward_refuses_cache is not None
+
     def run(self, request: TurnRequest) -> TurnOutcome:
-        # At most: compiled, then eager (compiling failed), then plain.
+        # A turn that torch.compile failed before its first token runs again:
+        # eagerly where kvchat's compiled decode was off from then on, as
+        # plain generate where the model's forward cannot trace the cache.
+        refused = None
         for _ in range(2):
             try:
-                return self._run(request)
+                outcome = self._run(request, refused)
+                break
             except _RunAgain as again:
-                # The turn aborted at its first forward, before any token.
-                if again.forward_refuses is not None:  # plain, and every later turn too
-                    self._forward_refuses_cache = again.forward_refuses
-                    logger.warning(
-                        "kvchat: the model's forward cannot run on kvchat's cache (%s); "
-                        "this manager's turns run as plain generate",
-                        again.forward_refuses,
-                    )
-        return self._run(request)
+                refused = again.forward_refuses or refused
+        else:
+            outcome = self._run(request, refused)
+        if refused is not None and self._forward_refuses_cache is None:
+            # Plain generate ran that forward: so will every later turn.
+            self._forward_refuses_cache = refused
+            logger.warning(
+                "kvchat: the model's forward cannot run on kvchat's cache (%s); "
+                "this manager's turns run as plain generate",
+                refused,
+            )
+        return outcome
 
-    def _run(self, request: TurnRequest) -> TurnOutcome:
+    def _run(self, request: TurnRequest, refused: str | None = None) -> TurnOutcome:
         session_id, args = request.session_id, request.args
         # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
@@ -170,8 +183,9 @@ class Turns:
             # embeddings upcast the keys), which a cache cannot hold as one
             # layer; and a cache from outside autocast is not what it computes.
             plain, why = _C.ReuseReason.unsupported_generation, "torch.autocast is on"
-        if plain is None and self._forward_refuses_cache is not None:
-            plain, why = _C.ReuseReason.unsupported_generation, self._forward_refuses_cache
+        refused = refused or self._forward_refuses_cache
+        if plain is None and refused is not None:
+            plain, why = _C.ReuseReason.unsupported_generation, refused
         if plain is not None and why:
             logger.info("kvchat: %s runs as plain generate (%s)", session_id, why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
@@ -211,7 +225,7 @@ class Turns:
                             session_id,
                             plan.reload_error,
                         )
-                    run = self._model_run(plan, prompt, kwargs, request)
+                    run = self._model_run(plan, prompt, kwargs, request, timer)
                     record = turn.finish(run.result(timer))
                 writes = self._tier.shared and self._tier.writes_turns  # a SharedTier's
                 if writes and not plan.plain and record.cache_stored:
@@ -235,12 +249,6 @@ class Turns:
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
             return TurnOutcome(run.output, run.reply, record)
-        except _RunAgain as again:
-            # Where a token came, it was streamed and given to the logits
-            # processors: running the turn again would repeat it.
-            if timer.first_at is not None:
-                raise again.__cause__  # noqa: B904 - torch's own error, as it was
-            raise
         finally:
             self._flush_evicted()
 
@@ -277,7 +285,7 @@ class Turns:
         have = session.held_tokens(prompt)
         return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
-    def _model_run(self, plan, prompt, kwargs, request: TurnRequest) -> ModelRun:
+    def _model_run(self, plan, prompt, kwargs, request: TurnRequest, timer) -> ModelRun:
         """The model's part of a turn. A plain plan runs plain generate, passing
         no cache. Otherwise the cache is built from the plan's layers, the
         uncached tail is prefilled to each checkpoint position, and generate
@@ -287,7 +295,7 @@ class Turns:
             output = self._model.generate(model_input, **kwargs)
             run = ModelRun(output, _sequences(output)[0].to("cpu", torch.long).contiguous())
         else:
-            run = self._cached_run(plan, model_input, kwargs, request.args.max_new_tokens)
+            run = self._cached_run(plan, model_input, kwargs, request.args.max_new_tokens, timer)
         if self._match == "text" and request.text is not None and not plan.plain:
             # The text of the cached ids, for the next turn's prefix match.
             cached_ids = run.sequence[prompt.numel() : run.cached_tokens]
@@ -296,7 +304,7 @@ class Turns:
             self._send_back(run, plan, prompt.numel(), request.sendback)
         return run
 
-    def _cached_run(self, plan, model_input, kwargs, max_new_tokens: int) -> ModelRun:
+    def _cached_run(self, plan, model_input, kwargs, max_new_tokens: int, timer) -> ModelRun:
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
         compile_config = self._compiled.config_for(kwargs)
@@ -318,13 +326,21 @@ class Turns:
             try:
                 run = self._run_on(cache, plan, model_input, kwargs)
             except _DYNAMO_ERRORS as error:
-                if not pooled:
-                    # Not kvchat's compiled decode: the model's forward is
-                    # compiled by its user (fullgraph) and cannot trace the cache.
+                compiled = pooled
+                if pooled:
+                    pooled = False
+                    self._compiled.failed(bridge.static_pool)  # eager from now on
+                if timer.first_at is not None:
+                    # A token came: it was streamed and given to the logits
+                    # processors, so running the turn again would repeat it.
+                    raise
+                if compiled:
+                    raise _RunAgain(None) from error
+                if isinstance(error, _CANNOT_TRACE):
+                    # The model's forward, compiled by its user (fullgraph),
+                    # cannot trace the cache (its buffers are a C++ extension's).
                     raise _RunAgain(_first_line(error)) from error
-                pooled = False
-                self._compiled.failed(bridge.static_pool)  # eager from now on
-                raise _RunAgain(None) from error
+                raise
             if pooled:
                 self._compiled.record_turn()
             returned = not isinstance(run.output, torch.Tensor) and (
@@ -414,8 +430,17 @@ class Turns:
 
 
 # What torch.compile raises: its errors, and a fullgraph compile's recompile
-# limit, which is no TorchDynamoException.
-_DYNAMO_ERRORS = (TorchDynamoException, FailOnRecompileLimitHit)
+# limit, which is no TorchDynamoException (FailOnCacheLimitHit before torch 2.7).
+_RECOMPILE_LIMIT = getattr(
+    dynamo_errors,
+    "FailOnRecompileLimitHit",
+    getattr(dynamo_errors, "FailOnCacheLimitHit", dynamo_errors.TorchDynamoException),
+)
+_DYNAMO_ERRORS = (dynamo_errors.TorchDynamoException, _RECOMPILE_LIMIT)
+# What a fullgraph forward raises where it cannot trace kvchat's cache; not
+# a model's own error found while tracing (a shape mismatch), which plain
+# generate would raise too.
+_CANNOT_TRACE = (dynamo_errors.Unsupported, _RECOMPILE_LIMIT)
 
 
 class _PromptHeld:
@@ -447,8 +472,9 @@ class _PromptHeld:
 
 
 class _RunAgain(Exception):
-    """torch.compile failed a cached turn (its ``__cause__``): the turn may run
-    again, eagerly, or as plain generate where ``forward_refuses`` says why
+    """torch.compile failed a cached turn before its first token (the
+    ``__cause__``): it runs again, eagerly (kvchat's compiled decode is off
+    from then on), or as plain generate where ``forward_refuses`` says why
     the model's own forward cannot run on kvchat's cache."""
 
     def __init__(self, forward_refuses: str | None):

@@ -103,9 +103,9 @@ class Tier:
         return None
 
     def forget(self, session_id: str, held_here: bool = True) -> bool:
-        """The session was cleared or removed (``held_here``: it existed in this
-        process): drop what is stored of it. Returns whether the tier held
-        anything of it."""
+        """The session was cleared, removed, or replaced by a ``load``
+        (``held_here``: it existed in this process): drop what is stored of
+        it. Returns whether the tier held anything of it."""
         return False
 
     def observe_prefill(self, tokens: int, ms: float) -> None:

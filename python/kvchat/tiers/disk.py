@@ -72,13 +72,15 @@ class Spill(Tier):
             shared = _C.common_prefix_length(ids, prompt)
             return self.reload_cost.worth_loading(path.stat().st_size, shared)
 
-        return self._read(session_id, worth_it, count=True)
+        return self._read(session_id, worth_it, self.device, count=True)
 
     def stored(self, session_id: str) -> _C.CachedState | None:
-        """The session's spilled cache, however long reading it takes."""
-        return self._read(session_id, lambda path: True, count=False)
+        """The session's spilled cache, however long reading it takes, on the
+        CPU: ``save`` only writes it out, and an accelerator's memory need not
+        hold what the byte budget evicted."""
+        return self._read(session_id, lambda path: True, torch.device("cpu"), count=False)
 
-    def _read(self, session_id: str, wanted, count: bool) -> _C.CachedState | None:
+    def _read(self, session_id: str, wanted, device, count: bool) -> _C.CachedState | None:
         path = self.path_for(session_id)
         with self._lock:
             if not path.exists():
@@ -88,7 +90,7 @@ class Spill(Tier):
                     return None
                 nbytes = path.stat().st_size
                 started = time.perf_counter()
-                saved = read_session(path, self.fingerprint, self.device, self.layout)
+                saved = read_session(path, self.fingerprint, device, self.layout)
             except (SessionFileError, OSError, ValueError, KeyError, TypeError) as error:
                 # A spill file is only ever a shortcut: whatever is wrong with it is a miss.
                 logger.warning("kvchat: ignoring spill file %s: %s", path, error)

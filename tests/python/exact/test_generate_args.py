@@ -268,3 +268,35 @@ def test_a_forward_compiled_with_fullgraph_runs_as_plain_generate(
     expected = reference_turn(model, tokenizer, messages[:2])[2]
     assert report.reason == "unsupported_generation" and report.output_ids == expected
     assert text == reply
+
+
+def test_a_forward_compiled_without_fullgraph_reuses_and_is_exact(tokenizer, fresh_dynamo):
+    # Without fullgraph, dynamo runs the cache's C++ calls eagerly (graph
+    # breaks): turns reuse the cache, and are generate's.
+    model = tiny_model("llama", seed=0).to(DEVICE)
+    model.forward = torch.compile(model.forward, backend="eager")
+    mgr = SessionManager(model, tokenizer)
+    _, reports = exact_turns(mgr, "s", [SYSTEM], model, tokenizer, 2)
+    assert reports[-1].reason != "unsupported_generation" and reports[-1].reused_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["TorchRuntimeError", "Unsupported"])
+def test_a_forward_that_fails_plain_generate_too_is_raised_and_not_remembered(kind, tokenizer):
+    # A model's own error found while tracing (TorchRuntimeError: a shape
+    # mismatch, say) is raised as it is; a refusal that plain generate meets
+    # too is raised after that run. Neither turns the manager plain: once the
+    # forward works, turns reuse again.
+    model = tiny_model("llama", seed=0).to(DEVICE)
+    error = getattr(torch._dynamo.exc, kind)
+    original = model.forward
+
+    def failing(*args, **kwargs):
+        raise error("found while tracing")
+
+    mgr = SessionManager(model, tokenizer)
+    model.forward = failing
+    with pytest.raises(error, match="found while tracing"):
+        mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)
+    model.forward = original
+    _, reports = exact_turns(mgr, "s", [SYSTEM], model, tokenizer, 2)
+    assert reports[-1].reason != "unsupported_generation" and reports[-1].reused_tokens > 0
