@@ -93,9 +93,8 @@ class CompiledDecode:
         that turn aborted (the session keeps its history) and raised, since
         generate compiles the decode steps, after the first token; later
         turns decode eagerly rather than fail the same way, and the pool's
-        caches are freed. A failure before the first token (a user's own
-        fullgraph forward refusing the cache at the prefill) runs the turn
-        again instead (``turn.py``)."""
+        caches are freed. A failure before the first token is no failure of
+        this compile but of the model's own forward (``turn.py``)."""
         pool.clear()
         if self.enabled:
             logger.warning(

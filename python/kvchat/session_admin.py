@@ -242,8 +242,10 @@ class SessionAdmin:
             session.set_messages(core_messages(messages))
             if not self._tier.shared:
                 # A spilled cache of what the session held before is no longer
-                # its own: no later turn or save may read it back (forgotten
-                # under the lease, before a turn waiting for it could).
+                # its own: forgotten under the lease, before a turn waiting for
+                # it could read it. (An eviction another thread flushes later
+                # may still write the old cache back; a turn reuses only a
+                # true prefix of what it reads.)
                 self._tier.forget(target)
         self._flush_evicted()
         return target

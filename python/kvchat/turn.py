@@ -149,19 +149,12 @@ class Turns:
         return self._forward_refuses_cache is not None
 
     def run(self, request: TurnRequest) -> TurnOutcome:
-        # A turn that torch.compile failed before its first token runs again:
-        # eagerly where kvchat's compiled decode was off from then on, as
-        # plain generate where the model's forward cannot trace the cache.
-        refused = None
-        for _ in range(2):
-            try:
-                outcome = self._run(request, refused)
-                break
-            except _RunAgain as again:
-                refused = again.forward_refuses or refused
-        else:
-            outcome = self._run(request, refused)
-        if refused is not None and self._forward_refuses_cache is None:
+        try:
+            return self._run(request)
+        except _RunAgain as again:  # refused before its first token: run it plain
+            refused = again.forward_refuses
+        outcome = self._run(request, refused)
+        if self._forward_refuses_cache is None:
             # Plain generate ran that forward: so will every later turn.
             self._forward_refuses_cache = refused
             logger.warning(
@@ -172,6 +165,7 @@ class Turns:
         return outcome
 
     def _run(self, request: TurnRequest, refused: str | None = None) -> TurnOutcome:
+        """One try at the turn; ``refused``: why it runs as plain generate."""
         session_id, args = request.session_id, request.args
         # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
@@ -326,20 +320,20 @@ class Turns:
             try:
                 run = self._run_on(cache, plan, model_input, kwargs)
             except _DYNAMO_ERRORS as error:
-                compiled = pooled
-                if pooled:
+                if timer.first_at is None:
+                    # Before the first token: not kvchat's compiled decode
+                    # (generate compiles the decode steps) but the model's own
+                    # forward. One its user compiled (fullgraph) that cannot
+                    # trace the cache (a C++ extension's buffers) runs the turn
+                    # again as plain generate, which nothing was streamed or
+                    # given to a logits processor before; any other error is
+                    # the model's, raised as it is.
+                    if isinstance(error, _CANNOT_TRACE):
+                        raise _RunAgain(_first_line(error)) from error
+                    raise
+                if pooled:  # kvchat's compiled decode failed
                     pooled = False
                     self._compiled.failed(bridge.static_pool)  # eager from now on
-                if timer.first_at is not None:
-                    # A token came: it was streamed and given to the logits
-                    # processors, so running the turn again would repeat it.
-                    raise
-                if compiled:
-                    raise _RunAgain(None) from error
-                if isinstance(error, _CANNOT_TRACE):
-                    # The model's forward, compiled by its user (fullgraph),
-                    # cannot trace the cache (its buffers are a C++ extension's).
-                    raise _RunAgain(_first_line(error)) from error
                 raise
             if pooled:
                 self._compiled.record_turn()
@@ -472,12 +466,11 @@ class _PromptHeld:
 
 
 class _RunAgain(Exception):
-    """torch.compile failed a cached turn before its first token (the
-    ``__cause__``): it runs again, eagerly (kvchat's compiled decode is off
-    from then on), or as plain generate where ``forward_refuses`` says why
-    the model's own forward cannot run on kvchat's cache."""
+    """The model's forward, compiled by its user, refused kvchat's cache
+    before the turn's first token (the ``__cause__``): the turn runs again as
+    plain generate; ``forward_refuses`` says why."""
 
-    def __init__(self, forward_refuses: str | None):
+    def __init__(self, forward_refuses: str):
         super().__init__(forward_refuses)
         self.forward_refuses = forward_refuses
 

@@ -352,6 +352,30 @@ def test_a_users_fullgraph_forward_under_compile_true_never_fails_a_turn(tokeniz
         torch._dynamo.reset()
 
 
+def test_a_models_own_error_at_the_prefill_leaves_the_decode_compiled(tokenizer):
+    """generate compiles the decode steps, so an error before the first token
+    is the model's, not the compile's: it is raised, and later turns still
+    decode compiled (one bad request turned a manager eager for good)."""
+    torch._dynamo.reset()
+    try:
+        model = model_for("llama")
+        config = CompileConfig(backend="eager", mode=None)
+        manager = SessionManager(model, tokenizer, compile=config)
+        original = model.forward
+
+        def failing(*args, **kwargs):
+            raise torch._dynamo.exc.TorchRuntimeError("a shape mismatch found while tracing")
+
+        model.forward = failing
+        with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="shape mismatch"):
+            manager.chat("s", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)
+        model.forward = original
+        manager.chat("s", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)
+        assert manager.stats().compiled_turns == 1
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_models_generation_config_is_read_as_generate_reads_it():
     from transformers import GenerationConfig
 
