@@ -311,6 +311,7 @@ def test_a_forced_call_on_a_real_template_is_plain_generates_and_reads_back(temp
         ("lfm2", None),
         ("lfm2", "LFM2.5-8B-A1B"),  # Python calls, on the hybrid
         ("llama", "openai-gpt-oss-120b"),  # harmony
+        ("llama", "SmolLM3-3B-xml_tools"),  # calls sent back written into the content
     ],
 )
 def test_forced_calls_in_half_precision_stay_calls_and_reuse(family, template, dtype):
