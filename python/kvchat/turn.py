@@ -425,10 +425,8 @@ class Turns:
 
 # What torch.compile raises: its errors, and a fullgraph compile's recompile
 # limit, which is no TorchDynamoException (FailOnCacheLimitHit before torch 2.7).
-_RECOMPILE_LIMIT = getattr(
-    dynamo_errors,
-    "FailOnRecompileLimitHit",
-    getattr(dynamo_errors, "FailOnCacheLimitHit", dynamo_errors.TorchDynamoException),
+_RECOMPILE_LIMIT = (
+    getattr(dynamo_errors, "FailOnRecompileLimitHit", None) or dynamo_errors.FailOnCacheLimitHit
 )
 _DYNAMO_ERRORS = (dynamo_errors.TorchDynamoException, _RECOMPILE_LIMIT)
 # What a fullgraph forward raises where it cannot trace kvchat's cache; not
