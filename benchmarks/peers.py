@@ -101,7 +101,9 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------ models
 def llama_server_binary() -> Path:
     """llama-server, built once from the sdist's vendor/llama.cpp into build/."""
-    binary = LLAMA_CPP / "cmake" / "bin" / "llama-server"  # beside the libraries it loads
+    # A folder of its own: a GGML_NATIVE build left by an older bench is never reused.
+    build = LLAMA_CPP / "cmake-portable"
+    binary = build / "bin" / "llama-server"  # beside the libraries it loads
     if binary.exists():
         return binary
     source = LLAMA_CPP / "src"
@@ -113,12 +115,37 @@ def llama_server_binary() -> Path:
             (folder,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
             shutil.copytree(folder, source)
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
-    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
-    subprocess.run(["cmake", "-S", source, "-B", LLAMA_CPP / "cmake", *flags], check=True)
-    subprocess.run(
-        ["cmake", "--build", LLAMA_CPP / "cmake", "--target", "llama-server", "-j2"], check=True
-    )
+    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cpu_flags()]
+    subprocess.run(["cmake", "-S", source, "-B", build, *flags], check=True)
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j2"], check=True)
+    probe = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise RuntimeError(
+            f"the llama-server just built does not run here ({binary} --version exited "
+            f"{probe.returncode}); delete {build} and check cpu_flags()"
+        )
     return binary
+
+
+# The x86 instruction sets llama.cpp may use, as /proc/cpuinfo names them.
+_X86_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2"}
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """ggml's CPU options. Not GGML_NATIVE (its default): on the cloud VMs
+    this runs on, -march=native builds a llama-server that dies with "Illegal
+    instruction" or a segfault at its thread-pool start (the CPU reports
+    AVX-512 the build then cannot use safely). So native is off, and each of
+    AVX, AVX2, FMA, F16C and BMI2 is on where /proc/cpuinfo lists it; AVX-512
+    stays off."""
+    try:
+        words = set(Path(cpuinfo).read_text().split())
+    except OSError:  # not Linux: ggml's portable defaults
+        return ["-DGGML_NATIVE=OFF"]
+    on = [
+        f"-DGGML_{name}={'ON' if flag in words else 'OFF'}" for flag, name in _X86_FEATURES.items()
+    ]
+    return ["-DGGML_NATIVE=OFF", *on]
 
 
 def _save_checkpoint(model, tokenizer, path: Path) -> None:
