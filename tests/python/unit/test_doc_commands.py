@@ -19,7 +19,7 @@ from helpers import ROOT
 from kvchat import demo
 from kvchat.serve import cli
 from packaging.requirements import Requirement
-from snippets import all_blocks
+from snippets import PAGES, all_blocks
 
 MAKE_TARGETS = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
 _EXTRAS_TABLE = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
@@ -113,6 +113,19 @@ def test_every_bash_line_parses_or_exists(block):
         if words[0] == "curl":  # sent by tests/python/api/test_doc_snippets.py
             assert block.kind == "server", f"{block.where}: curl needs a server: mark it"
             continue
+        check_line(words)
+
+
+# A command in running text: `make bench-serve`, `kvchat serve --no-settle`.
+_INLINE = re.compile(r"`((?:make|kvchat serve|python -m kvchat\.demo) [^`]*)`")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_in_the_text_parses_or_exists(page):
+    for span in _INLINE.findall((ROOT / page).read_text()):
+        words = [w for w in shlex.split(span) if not w.startswith("[")]  # "[flags]"
+        if words[:2] == ["kvchat", "serve"] and (len(words) == 2 or words[2].startswith("-")):
+            words.insert(2, "tiny")  # a flag named alone: any MODEL
         check_line(words)
 
 
