@@ -30,13 +30,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     "(default: False)" on options whose default is to be absent."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if "default" in text or default is None or default is False or default == []:
-            return text
-        if default is argparse.SUPPRESS:
-            return text
-        return f"{text} (default: %(default)s)"
+        text, default = action.help or "", action.default
+        absent = (
+            default is None or default is False or default == [] or default is argparse.SUPPRESS
+        )
+        return text if absent or "default" in text else f"{text} (default: %(default)s)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
