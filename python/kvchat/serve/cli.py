@@ -25,6 +25,18 @@ _DTYPES = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, less "(default: None)" and
+    "(default: False)" on options whose default is to be absent."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        absent = (
+            default is None or default is False or default == [] or default is argparse.SUPPRESS
+        )
+        return text if absent or "default" in text else f"{text} (default: %(default)s)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "model",
@@ -32,9 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "to float32 unless --dtype says otherwise), or an embedded tiny model with random "
         f"weights that writes whole words: tiny, tiny:FAMILY (FAMILY one of {', '.join(FAMILIES)})",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="auto")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default="auto",
+        help="the weights' dtype (auto: the checkpoint's; float32 for a .gguf or tiny)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
     parser.add_argument(
@@ -45,10 +62,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "each key sees only its own sessions",
     )
     limits = parser.add_argument_group("sessions (see SessionManager)")
-    limits.add_argument("--max-sessions", type=int, default=16)
+    limits.add_argument(
+        "--max-sessions", type=int, default=16, help="sessions holding a cache at once (LRU)"
+    )
     limits.add_argument("--max-cache-bytes", help="e.g. 4GiB (default: no byte limit)")
-    limits.add_argument("--max-context-length", type=int)
-    limits.add_argument("--max-checkpoints", type=int, default=8)
+    limits.add_argument(
+        "--max-context-length",
+        type=int,
+        help="prompt plus reply, in tokens (default: the model's max_position_embeddings)",
+    )
+    limits.add_argument(
+        "--max-checkpoints",
+        type=int,
+        default=8,
+        help="checkpoints a hybrid or sliding-window session keeps",
+    )
     limits.add_argument(
         "--checkpoints",
         choices=["last", "every"],
@@ -56,7 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="where hybrid models' turns take checkpoints (see docs/hybrid-models.md, Checkpoints)",
     )
     limits.add_argument("--spill-dir", help="write evicted caches here, read them back later")
-    limits.add_argument("--no-share-prefixes", action="store_true")
+    limits.add_argument(
+        "--no-share-prefixes",
+        action="store_true",
+        help="do not hold a prefix sessions share (a system prompt) once",
+    )
     limits.add_argument(
         "--no-settle",
         action="store_true",
@@ -77,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--store-write",
         choices=("turn", "evict"),
         default="turn",
-        help="write a session's snapshot after every turn (default) or only on eviction",
+        help="write a session's snapshot after every turn, or only on eviction",
     )
     store.add_argument(
         "--store-ttl", type=float, default=24 * 3600.0, help="seconds a snapshot lives"
@@ -93,8 +125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "finds it on any replica (0: do not wait)",
     )
     server = parser.add_argument_group("requests")
-    server.add_argument("--default-max-tokens", type=int, default=512)
-    server.add_argument("--max-pending", type=int, default=64, help="more get 429")
+    server.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="a reply's tokens when a request sets no max_tokens",
+    )
+    server.add_argument(
+        "--max-pending", type=int, default=64, help="requests at once; more get 429"
+    )
     server.add_argument(
         "--session-ttl",
         type=float,
@@ -102,7 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a session may sit unused before it is removed (0: never)",
     )
     server.add_argument("--max-body-bytes", default="8MiB", help="larger bodies get 413")
-    server.add_argument("--log-level", default="info")
+    server.add_argument(
+        "--log-level", default="info", help="debug, info, warning, error (kvchat and uvicorn)"
+    )
     return parser
 
 
@@ -174,7 +215,9 @@ def build_app(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> None:
     parser = add_arguments(
         argparse.ArgumentParser(
-            prog="kvchat serve", description="An OpenAI-compatible server over kvchat."
+            prog="kvchat serve",
+            description="An OpenAI-compatible server over kvchat.",
+            formatter_class=DefaultsHelpFormatter,
         )
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
