@@ -58,6 +58,12 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         ttl=config.session_ttl if config.session_ttl > 0 else None,
     )
     store = server_store(manager.tier, limits)
+    logger.info(
+        "kvchat serve: stored responses kept in %s, each API key's newest %d and %d bytes",
+        "this replica's memory" if store.routes is None else f"the shared store ({store.where})",
+        limits.per_key,
+        limits.bytes_per_key,
+    )
     router = SessionRouter(manager, store.routes)
     metrics = Metrics(manager)
     expiry = IdleExpiry(manager, router, config.session_ttl)

@@ -65,7 +65,7 @@ class ServerStore:
 
     responses: ResponseStore
     routes: Routes | None
-    where: str  # for logs and docs: "this replica's memory" or the store's name
+    where: str  # for the log at start: "memory", or the shared tier's class
 
 
 def server_store(tier, limits: ResponseLimits) -> ServerStore:
