@@ -26,8 +26,8 @@ from .endpoints.context import AppContext
 from .errors import APIError, api_error_handler
 from .expiry import IdleExpiry
 from .metrics import Metrics
-from .response_store import ResponseStore
 from .sessions import SessionRouter
+from .store import ResponseLimits, server_store
 from .turns import TurnRunner
 
 logger = logging.getLogger("kvchat.serve")
@@ -44,13 +44,31 @@ class ServeConfig:
     # With a shared store: seconds a reply's end waits for its session's
     # snapshot, so the client's next turn finds it on any replica (0: no wait).
     store_wait: float = 5.0
+    # Stored responses each API key keeps, newest first: at most this many, and bytes.
+    responses_per_key: int = 1000
+    response_bytes_per_key: int = 64 * 2**20
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
-    router = SessionRouter(manager)
+    """The app; ValueError for a shared tier that keeps no stored responses
+    or routes (serve/store.py)."""
+    limits = ResponseLimits(
+        per_key=config.responses_per_key,
+        bytes_per_key=config.response_bytes_per_key,
+        ttl=config.session_ttl if config.session_ttl > 0 else None,
+    )
+    store = server_store(manager.tier, limits)
+    logger.info(
+        "kvchat serve: stored responses kept in %s, each API key's newest %d and %d bytes",
+        "this replica's memory" if store.routes is None else f"the shared store ({store.where})",
+        limits.per_key,
+        limits.bytes_per_key,
+    )
+    router = SessionRouter(manager, store.routes)
     metrics = Metrics(manager)
     expiry = IdleExpiry(manager, router, config.session_ttl)
     metrics.track(expiry, router)
+    metrics.track_responses(store.responses)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,7 +94,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         metrics=metrics,
         expiry=expiry,
         turns=TurnRunner(manager, config, router, metrics, expiry),
-        response_store=ResponseStore(manager.tier, config.session_ttl),
+        response_store=store.responses,
     )
 
     @app.exception_handler(StarletteHTTPException)

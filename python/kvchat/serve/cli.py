@@ -124,6 +124,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a reply's end waits for its snapshot to be stored, so the next turn "
         "finds it on any replica (0: do not wait)",
     )
+    kept = parser.add_argument_group(
+        "stored responses (/v1/responses, previous_response_id), per API key, for --session-ttl"
+    )
+    kept.add_argument(
+        "--responses-per-key",
+        type=int,
+        default=1000,
+        help="responses each API key keeps stored; its oldest go first (default: 1000)",
+    )
+    kept.add_argument(
+        "--response-bytes-per-key",
+        default="64MiB",
+        help="bytes of stored responses each API key keeps; its oldest go first, and one "
+        "larger alone is not stored (its body says store: false) (default: 64MiB)",
+    )
     server = parser.add_argument_group("requests")
     server.add_argument(
         "--default-max-tokens",
@@ -173,6 +188,9 @@ def build_app(args: argparse.Namespace):
 
     if args.session_ttl < 0:
         raise ValueError(f"--session-ttl must be >= 0 seconds (0: never), got {args.session_ttl}")
+    if args.responses_per_key < 1:
+        raise ValueError(f"--responses-per-key must be at least 1, got {args.responses_per_key}")
+    response_bytes = parse_bytes(args.response_bytes_per_key, "--response-bytes-per-key")
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype], args.device)
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
@@ -208,6 +226,8 @@ def build_app(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         session_ttl=args.session_ttl,
         store_wait=args.store_wait if args.store is not None else 0.0,
+        responses_per_key=args.responses_per_key,
+        response_bytes_per_key=response_bytes,
     )
     return create_app(manager, config)
 

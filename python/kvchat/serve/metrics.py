@@ -6,6 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..tiers import StoreUnavailable
+
 # What /metrics reads from SessionManager.stats() at every scrape:
 # (metric name, help, ManagerStats field, counter or gauge). Counters get
 # prometheus' "_total" suffix when exposed.
@@ -116,6 +118,34 @@ class _TablesCollector:
         )
 
 
+class _ResponsesCollector:
+    """The stored responses, read when scraped: this replica's, or with a
+    shared store the store's (every replica reports the same); nothing while
+    the store cannot be reached."""
+
+    def __init__(self, responses):
+        self._responses = responses
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "kvchat_stored_responses_evicted",
+            "Stored responses this replica evicted to keep an API key within its bounds",
+            value=self._responses.evicted,
+        )
+        try:
+            records, nbytes = self._responses.totals()
+        except StoreUnavailable:
+            return
+        yield GaugeMetricFamily(
+            "kvchat_stored_responses", "Responses stored, over every API key", value=records
+        )
+        yield GaugeMetricFamily(
+            "kvchat_stored_response_bytes",
+            "Bytes of the stored responses' records, over every API key",
+            value=nbytes,
+        )
+
+
 class Metrics:
     def __init__(self, manager):
         self.registry = CollectorRegistry()
@@ -151,6 +181,10 @@ class Metrics:
     def track(self, expiry, router) -> None:
         """Also report the size of the server's session tables."""
         self.registry.register(_TablesCollector(expiry, router))
+
+    def track_responses(self, responses) -> None:
+        """Also report the stored responses (a ``ResponseStore``)."""
+        self.registry.register(_ResponsesCollector(responses))
 
     def observe(self, report) -> None:
         self.tokens["prompt"].inc(report.prompt_tokens)

@@ -29,6 +29,8 @@ class Reply:
         self.max_tokens = max_tokens
         self._first = first
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
+        # Run once a turn its client left is finished (a streamed response stores itself).
+        self.on_abandoned = None
         self._trim = StopTrimmer(chat.stop)
         self._parser = None
         if fmt is not None:
@@ -64,6 +66,11 @@ class Reply:
         if self._trim.stopped:
             return self._end(text)
         return self._read(text, final=False)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the reply was read to its end (else its client left first)."""
+        return self._ended
 
     def collect_items(self) -> list:
         """Every item up to the reply's end."""

@@ -55,11 +55,20 @@ def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
     }
 
 
-def response(request: ResponsesRequest, rid: str, created: int, status: str, output, report):
-    """The response object; ``status`` "in_progress", "completed" or "incomplete"."""
+def response(
+    request: ResponsesRequest,
+    rid: str,
+    created: int,
+    status: str,
+    output,
+    report,
+    reason: str = "max_output_tokens",
+):
+    """The response object; ``status`` "in_progress", "completed" or
+    "incomplete" (why: ``reason``, "max_output_tokens" or "client_disconnected")."""
     body = request.body
     chat = request.chat_fields
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    incomplete = {"reason": reason} if status == "incomplete" else None
     text_format = chat.get("response_format") or {"type": "text"}
     if text_format.get("type") == "json_schema":
         text_format = {"type": "json_schema", **text_format["json_schema"]}

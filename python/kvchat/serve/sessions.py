@@ -75,11 +75,11 @@ class SessionRouter:
     turn ends and maps what it then holds. So a request that forks an older
     point of its conversation never finds it, and never takes it over."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, routes=None):
+        """``routes``: the map other replicas share (``ServerStore.routes``,
+        serve/store.py), consulted first; None: the map here is the only one."""
         self._mgr = manager
-        # The map is the server's; a tier other replicas share may store it
-        # for them too (SharedTier.routes).
-        self._routes = manager.tier.routes if manager.tier.shared else None
+        self._routes = routes
         self._lock = threading.Lock()
         self._open: dict[tuple[str, str], str] = {}  # (namespace, conversation) -> session
         self._key_of: dict[str, tuple[str, str]] = {}  # session -> its conversation key
@@ -87,6 +87,11 @@ class SessionRouter:
         self._running: dict[str, _Running] = {}  # automatic session -> its turns now
         # Text completions: an idle automatic session -> (namespace, the text it holds).
         self._texts: dict[str, tuple[str, str]] = {}
+
+    @property
+    def shared(self) -> bool:
+        """Whether claims and releases call a shared store (a network call)."""
+        return self._routes is not None
 
     @staticmethod
     def internal(ns: str, session_id: str) -> str:

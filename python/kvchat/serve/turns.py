@@ -80,7 +80,7 @@ class TurnRunner:
         a session held out of the map for ever."""
         if chat.prompt is not None:  # a text completion: routed here, by its text
             return self.router.claim_text(ns, explicit, chat.prompt)
-        if not self.manager.tier.shared:
+        if not self.router.shared:
             return self.router.claim(ns, explicit, chat.messages)
         loop = asyncio.get_running_loop()
         claimed = loop.run_in_executor(None, self.router.claim, ns, explicit, chat.messages)
@@ -99,7 +99,7 @@ class TurnRunner:
         """self.router.release for a turn that never ran, off the event loop when it
         writes to the shared store (a network call that a hung store stalls)."""
         loop = asyncio.get_running_loop()
-        if not self.manager.tier.shared:
+        if not self.router.shared:
             self.router.release(ns, session, None)
             done = loop.create_future()
             done.set_result(None)
@@ -190,10 +190,11 @@ class TurnRunner:
         except KeyError:  # no such session (yet, or removed meanwhile)
             return False
 
-    def finish(self, turn: Reply) -> None:
-        """Waits for the turn to be committed, then counts it and frees its slot."""
+    def finish(self, turn: Reply) -> bool:
+        """Waits for the turn to be committed, then counts it and frees its slot;
+        False if it was finished already."""
         if not turn.finished.acquire(blocking=False):
-            return
+            return False
         report = None
         try:
             turn.stream.close()
@@ -214,6 +215,7 @@ class TurnRunner:
             self.expiry.end(turn.session)
         if history is not None:
             self._settle(turn, history)
+        return True
 
     def _settle(self, turn: Reply, history: list[dict]) -> None:
         """Settles the session on the conversation the client received (the
@@ -234,7 +236,14 @@ class TurnRunner:
         left, or the response never started), stop it and finish it on a thread."""
         if not turn.finished.locked():
             turn.stream.cancel()
-            threading.Thread(target=self.finish, args=(turn,), daemon=True).start()
+            threading.Thread(target=self._finish_abandoned, args=(turn,), daemon=True).start()
+
+    def _finish_abandoned(self, turn: Reply) -> None:
+        if self.finish(turn) and turn.on_abandoned is not None:
+            try:
+                turn.on_abandoned()
+            except Exception:  # a thread of its own: nobody else would hear of it
+                logger.exception("kvchat serve: after the turn of %s its client left", turn.session)
 
 
 def _vocab_size(model) -> int:

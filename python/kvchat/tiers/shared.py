@@ -10,9 +10,11 @@ its copy here began (``deleted_since``): the manager then drops the copy
 here. A delete that cannot reach the store raises ``StoreUnavailable``, so it
 is never reported done when it was not.
 
-``routes``: where ``kvchat serve`` may keep its map from conversations to
-sessions so that every replica sees it (None: the server keeps it in memory).
-The map is the server's; the tier only stores it.
+``routes`` and ``responses``: where ``kvchat serve`` keeps its map from
+conversations to sessions and its stored responses, so that every replica
+sees them. They are the server's (serve/store.py); the tier only stores them.
+``kvchat serve`` refuses a shared tier that keeps neither (the defaults), so a
+response is never kept on one replica while its session is shared.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class SharedTier(Tier):
     writes_turns = True
     # An object with remember / take / take_session (tiers/redis/routes.py), or None.
     routes = None
+
+    def responses(self, per_key: int, bytes_per_key: int, ttl: float | None):
+        """Where ``kvchat serve`` stores its responses (``Responses`` in
+        serve/store.py: put, get, delete, totals), each API key within
+        ``per_key`` records and ``bytes_per_key`` bytes, for ``ttl`` seconds
+        (None: until evicted); None if this tier keeps none."""
+        return None
 
     def turn_finished(self, session_id: str, state: _C.CachedState, messages: list) -> None:
         """A turn left the session holding ``state`` (only if ``writes_turns``)."""

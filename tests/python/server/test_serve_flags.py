@@ -47,3 +47,29 @@ def test_no_settle_flag_reaches_the_manager(monkeypatch, flags, settle):
 @pytest.mark.parametrize(("flags", "compiled"), [((), False), (("--compile",), True)])
 def test_compile_flag_reaches_the_manager(monkeypatch, flags, compiled):
     assert _manager_arguments(monkeypatch, *flags)["compile"] is compiled
+
+
+@pytest.mark.parametrize(
+    ("flags", "per_key", "nbytes"),
+    [
+        ((), 1000, 64 * 2**20),
+        (("--responses-per-key", "5", "--response-bytes-per-key", "12KiB"), 5, 12 * 1024),
+    ],
+)
+def test_stored_response_bounds_reach_the_app(monkeypatch, flags, per_key, nbytes):
+    import kvchat.serve
+
+    seen = {}
+    monkeypatch.setattr(kvchat.serve, "create_app", lambda manager, config: seen.update(c=config))
+    cli.build_app(_args(*flags))
+    assert (seen["c"].responses_per_key, seen["c"].response_bytes_per_key) == (per_key, nbytes)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--responses-per-key", "0"), ("--response-bytes-per-key", "lots")],
+    ids=["count", "bytes"],
+)
+def test_bad_stored_response_bounds_are_refused_by_name(flags):
+    with pytest.raises(ValueError, match=flags[0]):
+        cli.build_app(_args(*flags))

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 
 import agents
+import httpx
 import openai
 import pytest
 from helpers import reference_turn
@@ -19,7 +22,7 @@ from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids
 from kvchat.serve.responses_request import chat_tools
 from kvchat.tiny import tiny_tokenizer
-from serving import KEY_A, KEY_B, family_of, reference_model, start_server
+from serving import KEY_A, KEY_B, auth, family_of, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -450,3 +453,187 @@ def test_the_agents_sdk_runner_completes_a_tool_loop(server):
     schema = last.text.format.schema_
     expected = _reference_reply(server, history[:4], tools, CALL_TOKENS, grammar=schema)
     assert _output_ids(server, key) == expected
+
+
+# ------------------------------------------------------------ stored responses' bounds
+KEY_C, KEY_D = "key-c", "key-d"
+PER_KEY, BYTES_PER_KEY = 5, 12_000
+PADDING = {f"pad{i}": "x" * 512 for i in range(16)}  # ~9 KB of metadata, echoed in the record
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    """A server whose keys each keep at most 5 stored responses and 12,000 bytes
+    of them (a small record is about 1 KB, one padded with PADDING about 9.4 KB)."""
+    flags = ("--api-key", KEY_B, "--api-key", KEY_C, "--api-key", KEY_D)
+    bounds = ("--responses-per-key", str(PER_KEY), "--response-bytes-per-key", str(BYTES_PER_KEY))
+    yield from start_server("tiny:llama", *flags, *bounds)
+
+
+def _small(client, model, **extra):
+    return client.responses.create(
+        model=model, input="hi", max_output_tokens=4, temperature=0, **extra
+    )
+
+
+def _kept(client, rid) -> bool:
+    try:
+        client.responses.retrieve(rid)
+    except openai.NotFoundError:
+        return False
+    return True
+
+
+def _metric(server, name) -> float:
+    """A sample of /metrics (no labels)."""
+    match = re.search(rf"^{name} (\S+)$", server.get("/metrics").text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_one_key_filling_its_stored_responses_never_evicts_anothers(bounded):
+    """Key B stores more responses than its bound: its own oldest go (404),
+    its newest 5 stay, and key A's response is still read and continued."""
+    mine, other = bounded.client(KEY_A), bounded.client(KEY_B)
+    first = _small(mine, bounded.model, prompt_cache_key="a-chain", instructions=INSTRUCTIONS)
+    filled = [_small(other, bounded.model, store=True).id for _ in range(PER_KEY + 2)]
+    assert mine.responses.retrieve(first.id).id == first.id
+    assert [_kept(other, rid) for rid in filled] == [False] * 2 + [True] * PER_KEY
+    with pytest.raises(openai.NotFoundError) as error:  # continuing an evicted one: 404
+        other.responses.create(
+            model=bounded.model, input="more", previous_response_id=filled[0], max_output_tokens=2
+        )
+    assert error.value.body["code"] == "response_not_found"
+    bounded.settled()
+    more = mine.responses.create(
+        model=bounded.model,
+        instructions=INSTRUCTIONS,
+        input="And then?",
+        previous_response_id=first.id,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert more.previous_response_id == first.id
+    details = more.usage.input_tokens_details
+    assert details.cached_tokens >= 0.9 * more.usage.input_tokens
+    assert len(bounded.session("a-chain")["history"]) == 5  # system, 2 x (user, assistant)
+
+
+def test_a_keys_stored_responses_are_bounded_in_bytes(bounded):
+    """Two padded records (~9.4 KB each) exceed the key's 12,000 bytes: the
+    newer evicts the older, though the count bound is far. A record larger
+    than the whole bound alone is not stored: its body says ``store: false``
+    (as its GET's 404 does), and it evicts nothing."""
+    client = bounded.client(KEY_C)
+    older = _small(client, bounded.model, metadata=PADDING)
+    newer = _small(client, bounded.model, metadata=PADDING)
+    assert older.store and newer.store
+    assert not _kept(client, older.id) and _kept(client, newer.id)
+    huge = client.responses.create(
+        model=bounded.model,
+        input="the " * 1000,  # ~4 KB, ~1,000 tokens: with the padding, over 12,000 bytes
+        metadata=PADDING,
+        max_output_tokens=2,
+        temperature=0,
+    )
+    assert huge.status in ("completed", "incomplete") and huge.store is False
+    assert not _kept(client, huge.id)
+    assert _kept(client, newer.id)  # the refused record evicted nothing
+    assert "over the 12000 bytes each API key may store" in bounded.output()
+
+
+def test_stored_responses_and_their_bytes_show_in_metrics(bounded):
+    """kvchat_stored_responses and kvchat_stored_response_bytes count every
+    key's records: one stored adds one and its bytes, its DELETE takes them
+    back exactly; a key past its bound counts the evicted and holds its 5."""
+    client = bounded.client(KEY_D)
+    records = _metric(bounded, "kvchat_stored_responses")
+    nbytes = _metric(bounded, "kvchat_stored_response_bytes")
+    evicted = _metric(bounded, "kvchat_stored_responses_evicted_total")
+    response = _small(client, bounded.model, metadata={"note": "metrics"})
+    assert _metric(bounded, "kvchat_stored_responses") == records + 1
+    added = _metric(bounded, "kvchat_stored_response_bytes") - nbytes
+    assert 500 < added < 3000, added  # the record: its body and its conversation
+    client.responses.delete(response.id)
+    assert _metric(bounded, "kvchat_stored_responses") == records
+    assert _metric(bounded, "kvchat_stored_response_bytes") == nbytes
+    for _ in range(PER_KEY + 1):
+        _small(client, bounded.model)
+    assert _metric(bounded, "kvchat_stored_responses_evicted_total") == evicted + 1
+    assert _metric(bounded, "kvchat_stored_responses") == records + PER_KEY
+
+
+def test_a_stream_whose_client_left_is_stored_incomplete_and_continues(bounded):
+    """A streamed response whose client reads ``response.created`` and a few
+    deltas, then closes the connection: its id is stored as ``incomplete``
+    (``incomplete_details.reason`` "client_disconnected"), with the text
+    written so far, and ``previous_response_id`` continues it on its session."""
+    body = {
+        "model": bounded.model,
+        "instructions": INSTRUCTIONS,
+        "input": "Tell me a long story.",
+        "max_output_tokens": 2000,
+        "min_tokens": 2000,  # it cannot end before the client leaves
+        "temperature": 0,
+        "stream": True,
+        "prompt_cache_key": "left",
+    }
+    deltas, rid = [], None
+    with httpx.Client(timeout=60) as http:
+        url = f"{bounded.url}/v1/responses"
+        with http.stream("POST", url, json=body, headers=auth(KEY_A)) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if event["type"] == "response.created":
+                    rid = event["response"]["id"]
+                elif event["type"] == "response.output_text.delta":
+                    deltas.append(event["delta"])
+                    if len(deltas) == 3:
+                        break  # leaving closes the connection mid-stream
+    assert rid is not None
+    client = bounded.client(KEY_A)
+    deadline = time.monotonic() + 60
+    while not _kept(client, rid):  # stored once the turn its client left is finished
+        assert time.monotonic() < deadline, "the response was never stored"
+        time.sleep(0.1)
+    stored = client.responses.retrieve(rid)
+    assert stored.status == "incomplete"
+    assert stored.incomplete_details.reason == "client_disconnected"
+    (message,) = stored.output
+    assert message.type == "message" and message.status == "completed"
+    text = message.content[0].text
+    assert text.startswith("".join(deltas))  # what the client got, and what followed
+    assert 3 <= stored.usage.output_tokens < 2000
+    bounded.settled()
+    more = client.responses.create(
+        model=bounded.model,
+        instructions=INSTRUCTIONS,
+        input="And then?",
+        previous_response_id=rid,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert more.status in ("completed", "incomplete")
+    history = bounded.session("left")["history"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert history[2]["content"] == text
+    details = more.usage.input_tokens_details
+    assert details.cached_tokens >= 0.9 * more.usage.input_tokens, details
+
+
+def test_a_shared_tier_that_keeps_no_responses_is_refused():
+    """A SharedTier with no ``responses`` nor ``routes`` would leave stored
+    responses and routes on one replica while its sessions are shared:
+    create_app refuses it, naming it."""
+    from helpers import model_for
+    from kvchat import SessionManager, SharedTier
+    from kvchat.serve import ServeConfig, create_app
+
+    class Elsewhere(SharedTier):
+        pass
+
+    manager = SessionManager(model_for("llama"), tiny_tokenizer(), tier=Elsewhere())
+    with pytest.raises(ValueError, match="shared tier Elsewhere keeps no stored responses"):
+        create_app(manager, ServeConfig(model_name="tiny"))

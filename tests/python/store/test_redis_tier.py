@@ -494,6 +494,90 @@ def test_a_response_made_on_one_replica_is_continued_on_the_other(server):
             replica.stop()
 
 
+def _stored_responses(manager, per_key: int, bytes_per_key: int, ttl: float):
+    """What `kvchat serve` stores its responses in over ``manager``'s tier."""
+    from kvchat.serve.store import ResponseLimits, server_store
+
+    limits = ResponseLimits(per_key=per_key, bytes_per_key=bytes_per_key, ttl=ttl)
+    return server_store(manager.tier, limits).responses
+
+
+def _record_bytes(response: dict, conversation: list) -> int:
+    """A stored response's size: its record, as JSON."""
+    record = {"response": response, "conversation": conversation, "session_key": None}
+    return len(json.dumps(record).encode())
+
+
+def _response_keys(client) -> list[bytes]:
+    """Every key in Redis that stored responses use."""
+    kinds = (b":response:", b":responses-of:", b":response-sizes:", b":responses:")
+    return [k for k in client.scan_iter(count=1000) if any(kind in k for kind in kinds)]
+
+
+def test_stored_responses_are_bounded_per_key_in_redis(llama, tokenizer, server):
+    """Two replicas' response stores on one Redis (kvchat serve --store): a
+    key past its bound in count, or in bytes, loses its own oldest records,
+    whichever replica stored them, never another key's; a record larger than
+    the byte bound alone is not stored and evicts nothing; both replicas count
+    the same totals, and a delete gives back its bytes; every key the records
+    use expires with the TTL."""
+    a, b = _two_managers(server.redis_url, llama, tokenizer)
+    one, two = (_stored_responses(m, 3, 2000, ttl=60) for m in (a, b))
+    assert one.put("key-a", "a1", {"n": "a"}, [])
+    for i in range(5):  # key B fills its 3, alternately on each replica
+        (one, two)[i % 2].put("key-b", f"b{i}", {"n": i}, [{"role": "user", "content": "hi"}])
+    assert two.get("key-a", "a1")["response"] == {"n": "a"}
+    kept = [one.get("key-b", f"b{i}") is not None for i in range(5)]
+    assert kept == [False, False, True, True, True]
+    assert two.get("key-b", "b4")["response"] == {"n": 4}
+
+    pad = {"pad": "x" * 760}  # about 800 bytes: 3 of them are over 2000
+    assert _record_bytes(pad, []) * 2 < 2000 < _record_bytes(pad, []) * 3
+    for i in range(3):
+        (one, two)[i % 2].put("key-c", f"c{i}", pad, [])
+    assert [two.get("key-c", f"c{i}") is not None for i in range(3)] == [False, True, True]
+    assert not one.put("key-c", "huge", {"pad": "x" * 2000}, [])
+    assert two.get("key-c", "huge") is None and two.get("key-c", "c1") is not None
+    assert one.evicted + two.evicted == 3
+
+    sizes = [
+        _record_bytes({"n": "a"}, []),
+        *(_record_bytes({"n": i}, [{"role": "user", "content": "hi"}]) for i in (2, 3, 4)),
+        _record_bytes(pad, []) * 2,
+    ]
+    assert one.totals() == two.totals() == (6, sum(sizes))
+    assert two.delete("key-c", "c2") and not one.delete("key-c", "c2")
+    assert one.totals() == (5, sum(sizes) - _record_bytes(pad, []))
+    client = redis.Redis.from_url(server.redis_url)
+    keys = _response_keys(client)
+    assert len(keys) == 5 + 3 * 2 + 1, keys  # records; index and sizes per key; the list of keys
+    assert all(0 < client.pttl(k) <= 60_000 for k in keys), [(k, client.pttl(k)) for k in keys]
+
+
+def test_stored_responses_in_redis_expire_with_the_ttl(llama, tokenizer, server):
+    """Past the TTL a stored response is gone and leaves its key's bounds and
+    the totals (an older one expired beside a newer one still kept), and at
+    last nothing of them is left in Redis."""
+    (manager,) = _two_managers(server.redis_url, llama, tokenizer)[:1]
+    responses = _stored_responses(manager, 3, 2000, ttl=2)
+    client = redis.Redis.from_url(server.redis_url)
+
+    def wait(done, what):
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    responses.put("key-a", "older", {"n": 1}, [])
+    time.sleep(1)
+    responses.put("key-a", "newer", {"n": 22}, [])
+    wait(lambda: responses.get("key-a", "older") is None, "the older one expired")
+    if responses.get("key-a", "newer") is not None:  # (not yet expired itself)
+        assert responses.totals() == (1, _record_bytes({"n": 22}, []))
+    wait(lambda: not _response_keys(client), "every key of them expired")
+    assert responses.totals() == (0, 0)
+
+
 def test_a_missing_redis_client_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'kvchat\[redis\]'"):

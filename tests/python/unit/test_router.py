@@ -1,11 +1,9 @@
 """The server's session router without a model or a server: which session a
 request's turn runs on, given the conversations the sessions hold. A stand-in
-manager says which sessions exist; a stand-in shared map stands for the
-Redis one (the store tests run the real one)."""
+manager says which sessions exist; a stand-in shared map (the server store's
+routes) stands for the Redis one (the store tests run the real one)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 from kvchat.serve.sessions import SessionRouter, namespace
@@ -23,10 +21,9 @@ def _assistant(text):
 
 
 class _Manager:
-    """What the router asks of a manager: its tier, and which sessions exist."""
+    """What the router asks of a manager: which sessions exist."""
 
-    def __init__(self, routes=None):
-        self.tier = SimpleNamespace(shared=routes is not None, routes=routes)
+    def __init__(self):
         self.held: set[str] = set()
 
     def sessions(self):
@@ -223,7 +220,7 @@ def _call(city):
 
 
 class _SharedRoutes:
-    """A stand-in for the store's conversation map (SharedTier.routes)."""
+    """A stand-in for the store's conversation map (ServerStore.routes)."""
 
     def __init__(self):
         self.map: dict[tuple[str, str], str] = {}  # (ns, digest) -> session
@@ -253,8 +250,8 @@ class _SharedRoutes:
 
 def test_a_shared_map_routes_a_conversation_this_replica_never_saw():
     routes = _SharedRoutes()
-    one, two = _Manager(routes), _Manager(routes)
-    first_replica, second_replica = SessionRouter(one), SessionRouter(two)
+    one, two = _Manager(), _Manager()
+    first_replica, second_replica = SessionRouter(one, routes), SessionRouter(two, routes)
     ns = namespace(None)
     first = [SYSTEM, _user("Hi")]
     session = _turn(first_replica, one, ns, first, "Hello!")
@@ -268,8 +265,8 @@ def test_a_route_the_store_gives_from_another_namespace_is_not_taken():
     """The store's map is keyed by namespace; should it ever hand back another
     namespace's session, the router starts a new one rather than use it."""
     routes = _SharedRoutes()
-    manager = _Manager(routes)
-    router = SessionRouter(manager)
+    manager = _Manager()
+    router = SessionRouter(manager, routes)
     first = [SYSTEM, _user("Hi")]
     foreign = _turn(router, manager, namespace("k"), first, "Hello!")
     routes.take = lambda ns, digests: (foreign, digests[0])  # a store that ignores ns
@@ -280,8 +277,8 @@ def test_a_route_the_store_gives_from_another_namespace_is_not_taken():
 
 def test_the_map_here_stands_in_while_the_store_is_down():
     routes = _SharedRoutes()
-    manager = _Manager(routes)
-    router = SessionRouter(manager)
+    manager = _Manager()
+    router = SessionRouter(manager, routes)
     ns = namespace(None)
     first = [SYSTEM, _user("Hi")]
     session = _turn(router, manager, ns, first, "Hello!")

@@ -56,7 +56,16 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             output.close(bool(turn.calls))
             return await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
 
-        events = lambda: response_events(ctx, turn, req, rid, created, ns)  # noqa: E731
+        sent = Output()  # a streamed response's items, as they are sent
+
+        def keep_abandoned() -> None:
+            """The client left mid-stream: its response is stored all the same."""
+            sent.close(bool(turn.calls))  # the open message, and any call cut short, end
+            keep_response(ctx, turn, req, rid, created, ns, sent, left=True)
+
+        if req.stream:
+            turn.on_abandoned = keep_abandoned
+        events = lambda: response_events(ctx, turn, req, rid, created, ns, sent)  # noqa: E731
         return await ctx.answer(turn, req.stream, events, body)
 
     @app.get("/v1/responses/{response_id}")
@@ -80,45 +89,80 @@ def register(app: FastAPI, ctx: AppContext) -> None:
 
 
 def keep_response(
-    ctx: AppContext, turn: Reply, req: ResponsesRequest, rid: str, created: int, ns: str, output
+    ctx: AppContext,
+    turn: Reply,
+    req: ResponsesRequest,
+    rid: str,
+    created: int,
+    ns: str,
+    output: Output,
+    left: bool = False,
 ) -> dict:
-    """The finished response's body, stored when ``store`` (a failed turn is not)."""
-    status = "completed"
-    if turn.report is not None and turn.finish_reason(ctx.turns.stop_ids) == "length":
+    """The finished response's body, stored when ``store`` (a failed turn is
+    not); ``store`` reads false in it if it was not. ``left``: its client
+    left mid-stream; unless the reply had ended, it is incomplete, with the
+    output written so far."""
+    status, reason = "completed", "max_output_tokens"
+    if left and not turn.ended:
+        status, reason = "incomplete", "client_disconnected"
+    elif turn.report is not None and turn.finish_reason(ctx.turns.stop_ids) == "length":
         status = "incomplete"
-    body = response(req, rid, created, status, output.items, turn.report)
+    body = response(req, rid, created, status, output.items, turn.report, reason)
     if req.store and turn.report is not None:
         conversation = [*turn.chat.messages, turn.message()]
         if req.instructions is not None:
             conversation = conversation[1:]  # instructions do not carry over
         try:
-            ctx.response_store.put(ns, rid, body, conversation, turn.chat.session_key)
+            stored = ctx.response_store.put(ns, rid, body, conversation, turn.chat.session_key)
         except StoreUnavailable as error:
             logger.warning("kvchat serve: response %s not stored: %s", rid, error)
+            stored = False
+        body["store"] = stored
     return body
 
 
 async def response_events(
-    ctx: AppContext, turn: Reply, req: ResponsesRequest, rid: str, created: int, ns: str
+    ctx: AppContext,
+    turn: Reply,
+    req: ResponsesRequest,
+    rid: str,
+    created: int,
+    ns: str,
+    output: Output,
 ):
     turns = ctx.turns
-    output = Output()
+
+    def read():
+        """The next events; on the thread, so ``output`` holds every item read
+        even when the client leaves while this runs (turn.on_abandoned stores it)."""
+        items = turn.next_items()
+        return DONE if items is DONE else output.feed(items)
+
     finished = False
     try:
         start = response(req, rid, created, "in_progress", [], None)
         yield _event(output.event("response.created", response=start))
         yield _event(output.event("response.in_progress", response=start))
-        while True:
-            items = await run_in_threadpool(turn.next_items)
-            if items is DONE:
-                break
-            for event in output.feed(items):
+        while (events := await run_in_threadpool(read)) is not DONE:
+            for event in events:
                 yield _event(event)
-        await run_in_threadpool(turns.finish, turn)
         finished = True
-        for event in output.close(bool(turn.calls)):
+
+        def end():
+            """Finished, then stored before the last events go out, on one
+            thread call (which runs to its end even if the client leaves):
+            a client that leaves now still finds its response stored."""
+            if not turns.finish(turn):
+                return None  # finished as abandoned meanwhile: stored by that
+            closing = output.close(bool(turn.calls))
+            return closing, keep_response(ctx, turn, req, rid, created, ns, output)
+
+        ended = await run_in_threadpool(end)
+        if ended is None:
+            return
+        closing, body = ended
+        for event in closing:
             yield _event(event)
-        body = await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield _event(output.event(kind, response=body))
     finally:

@@ -9,6 +9,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from .context import AppContext
 
@@ -40,4 +41,6 @@ def register(app: FastAPI, ctx: AppContext) -> None:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: a scrape may ask the shared store (stored responses).
+        text = await run_in_threadpool(generate_latest, ctx.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -62,6 +62,9 @@ class Connection:
         self.take_session = register(scripts.TAKE_SESSION)
         self.refresh = register(scripts.REFRESH)
         self.release = register(scripts.RELEASE)
+        self.put_response = register(scripts.PUT_RESPONSE)
+        self.delete_response = register(scripts.DELETE_RESPONSE)
+        self.response_totals = register(scripts.RESPONSE_TOTALS)
         self.url = redact_url(url)  # never the password: the URL as messages may show it
         self._secrets = secrets_of(url)  # scrubbed from the client's error texts
         self.call_timeout, self.retry_after = timeout, retry_after

@@ -155,3 +155,102 @@ for i = 1, #KEYS do
 end
 return {}
 """
+
+# Stored responses of `kvchat serve` (responses.py). Per API key: an index (a
+# sorted set: record key -> its put's sequence number, so oldest first) and a
+# hash of sizes (record key -> bytes, '~bytes': their sum, '~seq': the last
+# sequence number); a hash of every key's index -> its sizes. A record that
+# expired (or that maxmemory evicted) leaves its key's bounds once it is the
+# oldest left: records all live as long, so the expired are the oldest.
+_RESPONSES = """
+local function drop(index, sizes, record)
+  local size = tonumber(redis.call('HGET', sizes, record) or '0')
+  redis.call('DEL', record)
+  redis.call('ZREM', index, record)
+  redis.call('HDEL', sizes, record)
+  redis.call('HINCRBY', sizes, '~bytes', -size)
+end
+local function prune(index, sizes)
+  while true do
+    local oldest = redis.call('ZRANGE', index, 0, 0)[1]
+    if not oldest or redis.call('EXISTS', oldest) == 1 then return end
+    drop(index, sizes, oldest)
+  end
+end
+"""
+
+# KEYS: the record, its key's index, its key's sizes, the hash of every index;
+# ARGV: the record's bytes, its life in ms ('' for ever), the most records
+# and the most bytes a key keeps. Stores the record, then evicts the key's
+# oldest until it is within both bounds again (never the record just put).
+# Returns how many it evicted.
+PUT_RESPONSE = (
+    _RESPONSES
+    + """
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[3]) end
+prune(KEYS[2], KEYS[3])
+if redis.call('ZSCORE', KEYS[2], KEYS[1]) then drop(KEYS[2], KEYS[3], KEYS[1]) end
+local seq = redis.call('HINCRBY', KEYS[3], '~seq', 1)
+if ARGV[2] == '' then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+redis.call('ZADD', KEYS[2], seq, KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], #ARGV[1])
+local total = redis.call('HINCRBY', KEYS[3], '~bytes', #ARGV[1])
+local evicted = 0
+local count = redis.call('ZCARD', KEYS[2])
+while count > 1 and (count > tonumber(ARGV[3]) or total > tonumber(ARGV[4])) do
+  drop(KEYS[2], KEYS[3], redis.call('ZRANGE', KEYS[2], 0, 0)[1])
+  total = tonumber(redis.call('HGET', KEYS[3], '~bytes'))
+  count = count - 1
+  evicted = evicted + 1
+end
+redis.call('HSET', KEYS[4], KEYS[2], KEYS[3])
+for i = 2, 4 do
+  if ARGV[2] == '' then
+    redis.call('PERSIST', KEYS[i])
+  else
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+  end
+end
+return evicted
+"""
+)
+
+# KEYS: the record, its key's index, its key's sizes. Returns 1 if it was stored.
+DELETE_RESPONSE = (
+    _RESPONSES
+    + """
+local existed = redis.call('EXISTS', KEYS[1])
+if redis.call('ZSCORE', KEYS[2], KEYS[1]) then
+  drop(KEYS[2], KEYS[3], KEYS[1])
+else
+  redis.call('DEL', KEYS[1])
+end
+return existed
+"""
+)
+
+# KEYS: the hash of every index. Drops what expired; returns {records, bytes}
+# stored over every key.
+RESPONSE_TOTALS = (
+    _RESPONSES
+    + """
+local records, bytes = 0, 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  prune(all[i], all[i + 1])
+  local count = redis.call('ZCARD', all[i])
+  if count == 0 then
+    redis.call('DEL', all[i + 1])
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    records = records + count
+    bytes = bytes + tonumber(redis.call('HGET', all[i + 1], '~bytes') or '0')
+  end
+end
+return {records, bytes}
+"""
+)

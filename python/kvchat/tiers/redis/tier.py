@@ -17,6 +17,7 @@ what lets replicas agree on a session's life. One file per part:
 - ``copies``: **held marks** (which processes hold a copy of a session) and
   **tombstones** (a delete every replica sees before its next turn).
 - ``routes``: ``kvchat serve``'s map from a conversation to its session.
+- ``responses``: ``kvchat serve``'s stored responses, bounded per API key.
 - ``keys``, ``connection``, ``scripts``, ``url``: names, the client and its
   health, the Lua scripts, and what a URL may show.
 
@@ -46,6 +47,7 @@ from .connection import Connection
 from .copies import GONE, Copies
 from .keys import Keys
 from .reader import Reader
+from .responses import RedisResponses
 from .routes import Routes
 from .writer import Writer
 
@@ -214,6 +216,9 @@ class RedisTier(SharedTier):
         if digests:
             self.writer.collect(session_id, digests)
         return bool(existed)
+
+    def responses(self, per_key: int, bytes_per_key: int, ttl: float | None) -> RedisResponses:
+        return RedisResponses(self.conn, self.keys, per_key, bytes_per_key, ttl)
 
     def owed_routes(self) -> int:
         """Route changes waiting for the store to be back."""
