@@ -116,6 +116,12 @@ async def response_events(
                 yield _event(event)
         await run_in_threadpool(turns.finish, turn)
         finished = True
+        refused = turns.grammar_error(turn)
+        if refused is not None:  # OpenAI's error event ends the stream; nothing is stored
+            error = refused.body()["error"]
+            fields = {k: error[k] for k in ("code", "message", "param")}
+            yield _event(output.event("error", **fields))
+            return
         for event in output.close(bool(turn.calls)):
             yield _event(event)
         body = await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
