@@ -772,9 +772,9 @@ def _second_turn(server, key: str) -> list:
 
 
 def test_a_grammar_too_large_to_compile_is_a_short_400(server):
-    """A 100,000-value enum (1.4 MB of grammar, whose 400 quoted all of it)
-    is refused by its size before llguidance compiles it, in a few hundred
-    bytes; so is one under tool_choice, naming tool_choice."""
+    """A 100,000-value enum (1.4 MB of grammar) is refused by its size before
+    llguidance compiles it, in a few hundred bytes; so is one under
+    tool_choice, naming tool_choice. No 400 quotes the schema."""
     logged = len(server.output())
     values = [f"value{i}" for i in range(100_000)]
     body = {
@@ -788,6 +788,12 @@ def test_a_grammar_too_large_to_compile_is_a_short_400(server):
     tool = function_tool("pick", "Pick one.", {"value": {"enum": values}})
     body = {**body, "response_format": None, "tools": [tool], "tool_choice": "required"}
     _refused(server.post("/v1/chat/completions", json=body), "tool_choice")
+    # Within the bound, a schema llguidance cannot compile: its error goes on
+    # to quote the grammar's line, the whole schema; the 400 keeps the first.
+    nonsense = {"type": "nonsense", "enum": values[:10_000]}
+    body = {**body, "tools": None, "tool_choice": None, "response_format": _json_format(nonsense)}
+    message = _refused(server.post("/v1/chat/completions", json=body))
+    assert "Invalid type: nonsense" in message and "value9999" not in message, message
     _no_grammar_logged(server, logged)
 
 
