@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from helpers import common_prefix, history_ids, reference_turn
@@ -18,7 +19,7 @@ from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids, render_prompt, render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import SMOLLM3, template_text
-from serving import family_of, function_tool, reference_model, start_server
+from serving import KEY_A, family_of, function_tool, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -863,3 +864,58 @@ def test_a_grammar_compiles_inside_its_max_pending_slot(monkeypatch):
         assert meanwhile == [429, 429]
         monkeypatch.setattr(TurnRunner, "_constrain", compile_grammar)
         assert client.post("/v1/chat/completions", json=plain).status_code == 200
+
+
+def test_a_refused_reply_is_not_the_conversation_a_keyless_client_continues(server):
+    """A keyless chat client's session is found by its conversation. A reply
+    its grammar refused while decoding never reached the client, so the
+    router keeps the session under the conversation it held: the same
+    request sent plain continues that session and reuses its cache."""
+    messages = [SYSTEM, {"role": "user", "content": "Hello, keyless refusal"}]
+    body = {"model": server.model, "messages": messages, "max_tokens": ANSWER_TOKENS}
+    first = server.post("/v1/chat/completions", json=body)
+    session = first.headers["X-Session-ID"]
+    reply = first.json()["choices"][0]["message"]["content"]
+    server.settled()
+    held = server.session(session)["cached_tokens"]
+    following = [*messages, {"role": "assistant", "content": reply}]
+    following.append({"role": "user", "content": "Why?"})
+    refused = {**body, "messages": following, "max_tokens": CALL_TOKENS}
+    refused["response_format"] = _json_format(LATE_REFUSED_SCHEMA)
+    _refused(server.post("/v1/chat/completions", json=refused))
+    server.settled()
+    again = server.post("/v1/chat/completions", json={**body, "messages": following})
+    assert again.headers["X-Session-ID"] == session
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= held > 0
+
+
+def test_a_streamed_response_whose_grammar_is_refused_ends_with_an_error_event(server):
+    """/v1/responses, streamed: the refusal is OpenAI's `error` event, the
+    stream's last, and the response is not stored."""
+    text_format = {"type": "json_schema", "name": "x", "schema": LATE_REFUSED_SCHEMA}
+    body = {
+        "model": server.model,
+        "input": "Hello",
+        "max_output_tokens": CALL_TOKENS,
+        "text": {"format": text_format},
+        "stream": True,
+    }
+    events = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/responses",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert events[0]["type"] == "response.created"
+    last = events[-1]
+    assert last["type"] == "error", last
+    assert (last["code"], last["param"]) == ("invalid_value", "text.format"), last
+    assert not any(e["type"] == "response.completed" for e in events)
+    rid = events[0]["response"]["id"]
+    assert server.get(f"/v1/responses/{rid}").status_code == 404

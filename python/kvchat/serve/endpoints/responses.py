@@ -15,7 +15,7 @@ from ...tiers import StoreUnavailable
 from ..errors import APIError
 from ..reply import DONE, Reply
 from ..responses_output import Output, new_id, now, response
-from ..responses_request import ResponsesRequest, parse_request
+from ..responses_request import ResponsesRequest, parse_request, responses_param
 from .context import AppContext
 
 logger = logging.getLogger("kvchat.serve")
@@ -46,7 +46,11 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             previous, key = record["conversation"], record.get("session_key")
         chat = req.chat(req.conversation(previous), key)
         ctx.check_model(chat.model)
-        turn = await turns.begin(ns, chat, chat.session_key)
+        try:
+            turn = await turns.begin(ns, chat, chat.session_key)
+        except APIError as error:  # a grammar's 400 names the field as sent (text.format)
+            error.param = responses_param(error.param)
+            raise
         rid, created = new_id("resp"), now()
 
         async def body(items) -> dict:
@@ -57,7 +61,11 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             return await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
 
         events = lambda: response_events(ctx, turn, req, rid, created, ns)  # noqa: E731
-        return await ctx.answer(turn, req.stream, events, body)
+        try:
+            return await ctx.answer(turn, req.stream, events, body)
+        except APIError as error:  # a grammar refused while decoding
+            error.param = responses_param(error.param)
+            raise
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
@@ -119,7 +127,8 @@ async def response_events(
         refused = turns.grammar_error(turn)
         if refused is not None:  # OpenAI's error event ends the stream; nothing is stored
             error = refused.body()["error"]
-            fields = {k: error[k] for k in ("code", "message", "param")}
+            fields = {k: error[k] for k in ("code", "message")}
+            fields["param"] = responses_param(error["param"])
             yield _event(output.event("error", **fields))
             return
         for event in output.close(bool(turn.calls)):
