@@ -891,15 +891,17 @@ def test_a_refused_reply_is_not_the_conversation_a_keyless_client_continues(serv
 
 def test_a_streamed_response_whose_grammar_is_refused_ends_with_an_error_event(server):
     """/v1/responses, streamed: the refusal is OpenAI's `error` event, the
-    stream's last, and the response is not stored."""
+    stream's last, and the response is not stored. Whole, it is a 400; both
+    name the field as sent, text.format."""
     text_format = {"type": "json_schema", "name": "x", "schema": LATE_REFUSED_SCHEMA}
     body = {
         "model": server.model,
         "input": "Hello",
         "max_output_tokens": CALL_TOKENS,
         "text": {"format": text_format},
-        "stream": True,
     }
+    _refused(server.post("/v1/responses", json=body), "text.format")
+    body["stream"] = True
     events = []
     with httpx.stream(
         "POST",
