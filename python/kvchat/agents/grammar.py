@@ -26,8 +26,8 @@ logger = logging.getLogger("kvchat.agents")
 
 # What one request's grammar may cost. llguidance bounds each decoding step
 # (its LLParserLimits: lexer fuel, Earley items), but not the compile, which
-# grows with the grammar's text (about 1.3 us a byte on this CPU, whatever
-# the schema's shape): 256 KiB is some 0.35 s.
+# grows with the grammar's text (up to about 1.3 us a byte on this CPU, over
+# the schema shapes tried): 256 KiB is some 0.35 s.
 MAX_GRAMMAR_BYTES = 256 * 1024
 # How many of the tokens every reply starts with (llguidance's fast-forward
 # tokens) a new processor walks to find an error there before the turn.
@@ -65,7 +65,8 @@ def _import():
 
 class Grammars:
     """Builds grammars for one tokenizer and model; the llguidance tokenizer
-    (about a second to build) is made on first use and shared."""
+    (about a second to build) is made on first use and shared. A grammar
+    over ``max_grammar_bytes`` is refused before it compiles (a CPU bound)."""
 
     def __init__(
         self, tokenizer, vocab_size: int, end_ids, max_grammar_bytes: int = MAX_GRAMMAR_BYTES
