@@ -12,6 +12,7 @@ sees only the generated tokens).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 
@@ -20,6 +21,18 @@ import torch
 from transformers import LogitsProcessor
 
 from .formats import CallGrammar, ToolFormat
+
+logger = logging.getLogger("kvchat.agents")
+
+# What one request's grammar may cost. llguidance bounds each decoding step
+# (its LLParserLimits: lexer fuel, Earley items), but not the compile, which
+# grows with the grammar's text (up to about 1.3 us a byte on this CPU, over
+# the schema shapes tried): 256 KiB is some 0.35 s.
+MAX_GRAMMAR_BYTES = 256 * 1024
+# How many of the tokens every reply starts with (llguidance's fast-forward
+# tokens) a new processor walks to find an error there before the turn.
+_FORCED_WALK = 16
+_MESSAGE_CHARS = 300  # of llguidance's error: its first line, never the grammar
 
 # Compact JSON with the spaces json.dumps and Jinja's tojson write: no free
 # whitespace, which a random or weak model can repeat until max_tokens, and
@@ -52,12 +65,16 @@ def _import():
 
 class Grammars:
     """Builds grammars for one tokenizer and model; the llguidance tokenizer
-    (about a second to build) is made on first use and shared."""
+    (about a second to build) is made on first use and shared. A grammar
+    over ``max_grammar_bytes`` is refused before it compiles (a CPU bound)."""
 
-    def __init__(self, tokenizer, vocab_size: int, end_ids):
+    def __init__(
+        self, tokenizer, vocab_size: int, end_ids, max_grammar_bytes: int = MAX_GRAMMAR_BYTES
+    ):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._end_ids = sorted(end_ids)
+        self.max_grammar_bytes = max_grammar_bytes
         self._lock = threading.Lock()
         self._ll = None
 
@@ -266,12 +283,27 @@ class Grammars:
         return " ".join(p for p in (self._literal(before), rule, self._literal(after)) if p)
 
     def processor(self, grammar: str, param: str) -> GrammarProcessor:
-        """A fresh processor for one turn; GrammarError for a grammar llguidance refuses."""
+        """A fresh processor for one turn. GrammarError (naming ``param``, the
+        request field) for a grammar over ``max_grammar_bytes`` or one
+        llguidance refuses: when it builds it, at the first token's mask, or
+        on the tokens every reply starts with. Where it refuses later, the
+        processor ends the reply and holds the error (``GrammarProcessor.error``)."""
+        size = len(grammar.encode("utf-8", "surrogatepass"))
+        if size > self.max_grammar_bytes:
+            raise GrammarError(
+                param,
+                f"{param}: its grammar is {size} bytes, over the {self.max_grammar_bytes} "
+                "kvchat compiles for one request (a smaller schema, or fewer tools)",
+            )
         llguidance = _import()
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(param, f"{param}: {matcher.get_error()}")
-        return GrammarProcessor(matcher)
+        # verbose_errors=False: llguidance's error states no parser state or grammar.
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=limits)
+        first = None if matcher.is_error() else matcher.compute_bitmask()
+        error = matcher.get_error() or _forced_error(matcher.deep_copy())
+        if error:
+            raise GrammarError(param, f"{param}: llguidance refuses its grammar: {short(error)}")
+        return GrammarProcessor(matcher, self._end_ids, first, param)
 
     def _literal(self, text: str) -> str:
         """``text`` in Lark: special tokens by id (their text is no bytes a
@@ -400,25 +432,81 @@ def _parameters(tool: dict) -> dict:
 
 class GrammarProcessor(LogitsProcessor):
     """Masks the tokens the grammar does not allow next. One sequence, one
-    turn: the first call's length is the prompt, later tokens are the reply."""
+    turn: the first call's length is the prompt, later tokens are the reply.
 
-    def __init__(self, matcher):
+    Where llguidance refuses the grammar while decoding (a parser limit
+    reached on the tokens written so far), the processor raises nothing: it
+    keeps the error in ``error`` (a GrammarError naming the request field) and
+    from then on allows only ``end_ids``, so ``generate`` ends the reply
+    there. An exception inside ``generate`` would fail the whole turn, and a
+    session drops its cache when a turn fails (docs/errors.md)."""
+
+    def __init__(
+        self, matcher, end_ids=(), first_mask: bytes | None = None, param: str = "grammar"
+    ):
         self._matcher = matcher
+        self._end_ids = list(end_ids)
+        self._first = first_mask  # computed when it was built: the first step's mask
+        self._param = param
         self._seen: int | None = None
+        self.error: GrammarError | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
         if input_ids.shape[0] != 1:
             raise ValueError("a grammar constrains one sequence, not a batch")
-        if self._seen is not None:
-            for token in input_ids[0, self._seen :].tolist():
-                if not self._matcher.consume_token(token):
-                    raise RuntimeError(
-                        f"token {token} breaks the grammar: {self._matcher.get_error()}"
-                    )
-        self._seen = input_ids.shape[1]
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: scores.shape[-1]].astype(bool)
+        bits = None if self.error is not None else self._next_mask(input_ids)
+        if bits is None:  # refused: only the end of the reply is left to write
+            allowed = np.zeros(scores.shape[-1], bool)
+            allowed[[i for i in self._end_ids if 0 <= i < allowed.size]] = True
+        else:
+            allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")
+            allowed = allowed[: scores.shape[-1]].astype(bool)
         if allowed.size < scores.shape[-1]:  # ids past the tokenizer's: never allowed
             allowed = np.concatenate([allowed, np.zeros(scores.shape[-1] - allowed.size, bool)])
         mask = torch.from_numpy(~allowed).to(scores.device)
         return scores.masked_fill(mask, float("-inf"))
+
+    def _next_mask(self, input_ids: torch.LongTensor) -> bytes | None:
+        """The next token's mask; None once llguidance refuses the grammar."""
+        if self._seen is not None:
+            for token in input_ids[0, self._seen :].tolist():
+                if not self._matcher.consume_token(token):
+                    return self._refused(f"at token {token}")
+        self._seen = input_ids.shape[1]
+        if self._first is not None:  # the first step: nothing consumed yet
+            bits, self._first = self._first, None
+            return bits
+        bits = self._matcher.compute_bitmask()
+        if self._matcher.is_error():
+            return self._refused("computing the next token's mask")
+        return bits
+
+    def _refused(self, where: str) -> None:
+        message = short(self._matcher.get_error())
+        self.error = GrammarError(
+            self._param, f"{self._param}: llguidance refused its grammar while decoding: {message}"
+        )
+        logger.warning("kvchat: a grammar failed %s; the reply ends here: %s", where, message)
+        return None
+
+
+def _forced_error(matcher) -> str:
+    """llguidance's error on the first tokens every reply under ``matcher``
+    writes (its fast-forward tokens: the mask allows nothing else), if any:
+    a grammar it builds may refuse the very first token (a row of more than
+    2,000 alternatives, a required ``$ref`` to itself), which is found here,
+    before the turn, rather than once the reply has begun."""
+    for token in matcher.compute_ff_tokens()[:_FORCED_WALK]:
+        if not matcher.consume_token(token):
+            return matcher.get_error()
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return matcher.get_error()
+
+
+def short(message: str) -> str:
+    """llguidance's error as a client or a log line gets it: its first line,
+    at most a few hundred characters (a compile error goes on to quote the
+    grammar, which can be megabytes of the client's schema)."""
+    line = message.strip().split("\n", 1)[0]
+    return line if len(line) <= _MESSAGE_CHARS else line[: _MESSAGE_CHARS - 3] + "..."

@@ -49,6 +49,7 @@ class Reply:
         self.text = ""  # the reply as sent, before tool calls are read out of it
         self.content = ""
         self.calls: list[ToolCall] = []
+        self.grammar = None  # the GrammarProcessor of a constrained turn (turns.py sets it)
 
     def next_items(self):
         if self._ended:

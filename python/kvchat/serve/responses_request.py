@@ -87,8 +87,13 @@ class ResponsesRequest:
         try:
             return parse_chat_request({**fields, "messages": messages})
         except APIError as error:
-            error.param = _PARAMS.get(error.param, error.param)
+            error.param = responses_param(error.param)
             raise
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat field an error names, as the Responses field it came from."""
+    return _PARAMS.get(param, param)
 
 
 def parse_request(body) -> ResponsesRequest:

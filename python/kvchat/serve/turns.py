@@ -41,10 +41,6 @@ class TurnRunner:
         """Claims the session (``explicit``, or found by the conversation) and
         starts the turn; what is refused before generation is an APIError."""
         fmt = tool_format(chat, self.calls_format)
-        # Built before any session is claimed: a bad schema is a 400 that touches nothing.
-        processor = None
-        if chat.constrained:
-            processor = await run_in_threadpool(self._constrain, chat, fmt)
         if not self.pending.acquire(blocking=False):
             self.metrics.requests.labels("429").inc()
             raise APIError(
@@ -52,6 +48,9 @@ class TurnRunner:
                 f"more than {self.config.max_pending} requests are in progress; retry later",
                 code="rate_limit_exceeded",
             )
+        # Compiled in the slot (a grammar's CPU counts among --max-pending), and
+        # before any session is claimed: a bad schema is a 400 that touches nothing.
+        processor = await self._compile(chat, fmt) if chat.constrained else None
         try:
             session = await self._claim(ns, explicit, chat)
         except BaseException:
@@ -68,7 +67,9 @@ class TurnRunner:
             if not isinstance(error, asyncio.CancelledError):
                 await released  # before the error reaches the client, who may retry at once
             raise
-        return Reply(stream, first, chat, max_tokens, session, ns, fmt)
+        turn = Reply(stream, first, chat, max_tokens, session, ns, fmt)
+        turn.grammar = processor
+        return turn
 
     def session_header(self, turn: Reply) -> dict:
         return {"X-Session-ID": self.router.external(turn.ns, turn.session) or turn.session}
@@ -105,6 +106,27 @@ class TurnRunner:
             done.set_result(None)
             return done
         return asyncio.shield(loop.run_in_executor(None, self.router.release, ns, session, None))
+
+    async def _compile(self, chat: ChatRequest, fmt):
+        """self._constrain on a thread, in the slot begin() took, which is
+        freed if it fails. If the request is cancelled meanwhile (its client
+        left), the slot is freed once the compile ends: clients that leave
+        never run more compiles at once than --max-pending."""
+        compiling = asyncio.get_running_loop().run_in_executor(None, self._constrain, chat, fmt)
+        try:
+            return await asyncio.shield(compiling)
+        except asyncio.CancelledError:
+
+            def free(done) -> None:
+                if not done.cancelled():
+                    done.exception()  # read: an error no one awaits is not logged as lost
+                self.pending.release()
+
+            compiling.add_done_callback(free)
+            raise
+        except BaseException:
+            self.pending.release()
+            raise
 
     def _constrain(self, chat: ChatRequest, fmt):
         """The grammar's logits processor for a constrained request; 400 for a
@@ -195,27 +217,41 @@ class TurnRunner:
         False if it was finished already."""
         if not turn.finished.acquire(blocking=False):
             return False
-        report = None
+        report, refused = None, False
         try:
             turn.stream.close()
             report = turn.stream.report
+            refused = self.grammar_error(turn) is not None  # read once generate has ended
             if self.config.store_wait > 0:  # after the last token: TTFT never pays for it
                 self.manager.flush(timeout=self.config.store_wait, session_id=turn.session)
-            self.metrics.requests.labels("200" if report is not None else "500").inc()
+            status = "400" if refused else "200" if report is not None else "500"
+            self.metrics.requests.labels(status).inc()
             if report is not None:
                 self.metrics.observe(report)
         finally:  # whatever failed above, the slot, the self.router and self.expiry are freed
             self.pending.release()
+            # A reply its grammar refused is no one's history: the router keeps what the
+            # session held before, and it is not settled on (its cache still serves the
+            # conversation up to that reply's prompt).
+            answered = report is not None and not refused
             history = None
-            if report is not None and turn.chat.prompt is None:  # a chat's conversation
+            if answered and turn.chat.prompt is None:  # a chat's conversation
                 history = [*turn.chat.messages, turn.message()]
             self.router.release(turn.ns, turn.session, history)
-            if report is not None and turn.chat.prompt is not None:
+            if answered and turn.chat.prompt is not None:
                 self.router.remember_text(turn.ns, turn.session, turn.chat.prompt + turn.text)
             self.expiry.end(turn.session)
         if history is not None:
             self._settle(turn, history)
         return True
+
+    def grammar_error(self, turn: Reply) -> APIError | None:
+        """The 400 for a reply whose grammar llguidance refused while decoding
+        (the processor ended it there), or None."""
+        error = turn.grammar.error if turn.grammar is not None else None
+        if error is None:
+            return None
+        return APIError(400, str(error), param=error.param, code="invalid_value")
 
     def _settle(self, turn: Reply, history: list[dict]) -> None:
         """Settles the session on the conversation the client received (the

@@ -273,6 +273,14 @@ README_ROWS = {
         "test_generate_args.py::test_a_turn_that_fails_in_generate_leaves_no_half_state",
         "test_budget_accounting.py::test_cancelled_turns_pin_nothing",
     ],
+    "a grammar llguidance refuses when": [
+        "test_grammar.py::test_a_grammar_llguidance_refuses_on_its_first_tokens_is_refused_when_built",
+        "test_grammar.py::test_a_grammar_over_the_size_bound_is_refused_before_it_compiles",
+        "test_grammar.py::test_a_schema_llguidance_refuses_names_the_field",
+    ],
+    "a grammar llguidance refuses later": [
+        "test_grammar.py::test_a_grammar_refused_while_decoding_ends_the_reply_as_plain_generate_does"
+    ],
     "core: KV tensors": ["test_core_tensor_checks_name_the_argument"],
     "core: a crop": ["test_core_positions_out_of_range"],
 }

@@ -206,6 +206,101 @@ def test_a_schema_llguidance_refuses_names_the_field():
     assert error.value.param == "response_format" and "nonsense" in str(error.value)
 
 
+# Schemas llguidance 1.9.1 builds but refuses on the first token every reply
+# writes ("{"): a row of more than 2,000 alternatives; an object that must
+# hold itself.
+BRANCHES_2001 = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(2001)
+    ]
+}
+ITSELF = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
+SELF_REFERENCE = {"$defs": {"n": ITSELF}, "$ref": "#/$defs/n"}
+# Refused only a few tokens into the reply, after `{"a": ` and a boolean.
+REFUSED_LATER = {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}, "n": {"$ref": "#/$defs/n"}},
+    "required": ["a", "n"],
+    "$defs": {"n": ITSELF},
+}
+
+
+@pytest.mark.parametrize(
+    "schema, says",
+    [
+        (BRANCHES_2001, "Current row has 2001 items"),
+        (SELF_REFERENCE, "Too many items"),
+        # A compile error goes on to quote the grammar, here 130 kB of it.
+        ({"type": "nonsense", "enum": [f"value{i}" for i in range(10_000)]}, "nonsense"),
+    ],
+    ids=["anyOf-2001", "self-reference", "compile-error"],
+)
+def test_a_grammar_llguidance_refuses_on_its_first_tokens_is_refused_when_built(schema, says):
+    """These raised inside generate on the reply's first token; now building
+    the processor raises GrammarError naming the field, in one short line."""
+    grammars = tiny_grammars()
+    with pytest.raises(GrammarError) as error:
+        grammars.processor(grammars.json_schema(schema), "response_format")
+    message = str(error.value)
+    assert error.value.param == "response_format" and says in message, message
+    assert message.startswith("response_format: ") and "\n" not in message
+    assert len(message) < 400 and "value9999" not in message, message
+
+
+def test_a_grammar_over_the_size_bound_is_refused_before_it_compiles():
+    grammars = tiny_grammars()
+    grammar = grammars.json_schema({"enum": [f"value{i}" for i in range(100_000)]})
+    assert len(grammar) > grammars.max_grammar_bytes
+    with pytest.raises(GrammarError) as error:
+        grammars.processor(grammar, "tool_choice")
+    assert error.value.param == "tool_choice" and "bytes" in str(error.value)
+    assert len(str(error.value)) < 200
+    small = Grammars(grammars._tokenizer, len(grammars._tokenizer), [2], max_grammar_bytes=100)
+    with pytest.raises(GrammarError, match="over the 100"):
+        small.processor(small.json_schema(ANSWER), "response_format")
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_a_grammar_refused_while_decoding_ends_the_reply_as_plain_generate_does(family, caplog):
+    """A refusal a few tokens in raised inside generate, so the turn failed
+    and the session dropped its cache. Now the processor keeps the error and
+    allows only the end: the turn commits, token for token what plain
+    generate writes with the same processor (float64), the error names the
+    field, the log says it in one line without the grammar, and the next
+    turn reuses the cache."""
+    from helpers import SYSTEM, model_for, reference_turn
+    from kvchat import SessionManager
+    from kvchat.prompting import end_ids
+
+    model, tokenizer = model_for(family), tiny_tokenizer()
+    ends = end_ids(tokenizer, model.generation_config)
+    grammars = Grammars(tokenizer, model.config.vocab_size, ends)
+    grammar = grammars.json_schema(REFUSED_LATER)
+    messages = [SYSTEM, {"role": "user", "content": "Hello"}]
+    manager = SessionManager(model, tokenizer)
+    processor = grammars.processor(grammar, "response_format")
+    with caplog.at_level("WARNING", logger="kvchat.agents"):
+        manager.chat("s", messages, max_new_tokens=60, logits_processor=[processor])
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvchat.agents"]
+    report = manager.last_turn("s")
+    fresh = grammars.processor(grammar, "response_format")
+    expected = reference_turn(model, tokenizer, messages, 60, logits_processor=[fresh])[2]
+    assert report.output_ids == expected and fresh.error is not None
+    assert report.output_ids[-1] in ends and len(report.output_ids) < 20, report
+    assert tokenizer.decode(report.output_ids).startswith('{"a": ')
+    error = processor.error
+    assert error.param == "response_format"
+    assert str(error).startswith("response_format: llguidance refused its grammar while decoding")
+    assert len(logged) == 1 and "Too many items" in logged[0], logged
+    assert "$defs" not in logged[0] and "%json" not in logged[0] and "\n" not in logged[0]
+    # The turn committed: the session holds its prompt and reply, not a dropped cache.
+    assert manager.info("s").cached_tokens >= report.prompt_tokens
+    if family == "llama":  # attention crops back to the prompt (a hybrid keeps no state there)
+        manager.chat("s", messages, max_new_tokens=4)
+        assert manager.last_turn("s").reused_tokens >= report.prompt_tokens - 1
+
+
 def _forced_loop(
     template: str | None,
     model,

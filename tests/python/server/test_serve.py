@@ -585,6 +585,12 @@ def test_every_readme_bad_request_row_is_covered():
         "`/v1/responses`: a field it cannot serve": (
             "test_serve_responses.py::test_bad_responses_requests_get_openai_errors_and_touch_nothing"
         ),
+        "a grammar llguidance refuses (when built": (
+            "test_serve_agents.py::test_a_grammar_llguidance_refuses_is_a_400_and_the_session_keeps_its_cache"
+        ),
+        "a grammar llguidance refuses while decoding": (
+            "test_serve_agents.py::test_a_grammar_refused_while_decoding_ends_the_reply_as_a_400"
+        ),
         "a tool kvchat cannot call": (
             "test_serve_agents.py::test_bad_tools_are_refused_through_the_sdk_and_touch_no_session"
         ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from helpers import common_prefix, history_ids, reference_turn
@@ -18,7 +19,7 @@ from kvchat.agents.grammar import Grammars
 from kvchat.prompting import end_ids, render_prompt, render_text
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import SMOLLM3, template_text
-from serving import family_of, function_tool, reference_model, start_server
+from serving import KEY_A, family_of, function_tool, reference_model, start_server
 
 pytestmark = pytest.mark.server
 
@@ -672,3 +673,251 @@ def test_an_unforced_call_cut_after_its_arguments_leaves_no_json_with_the_client
     whole = _create(server, "auto-cut-whole", messages, cut, **extra).choices[0]
     assert (whole.finish_reason, whole.message.tool_calls) == ("length", None)
     assert whole.message.content == content
+
+
+# Schemas llguidance 1.9.1 builds but refuses on the first token every reply
+# under them writes ("{"): a row of more than 2,000 alternatives, and an object
+# that must hold itself. kvchat finds that before the turn (Grammars.processor).
+REFUSED_SCHEMAS = {
+    "anyOf-2001": {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+            for i in range(2001)
+        ]
+    },
+    "self-ref": {
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {"next": {"$ref": "#/$defs/n"}},
+                "required": ["next"],
+            }
+        },
+        "$ref": "#/$defs/n",
+    },
+}
+# One llguidance refuses only once the reply has begun: after `{"a": ` and the
+# boolean the model chooses, at the object that must hold itself.
+LATE_REFUSED_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}, "n": {"$ref": "#/$defs/n"}},
+    "required": ["a", "n"],
+    "$defs": REFUSED_SCHEMAS["self-ref"]["$defs"],
+}
+
+
+def _json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _refused(response, param: str = "response_format") -> str:
+    """The OpenAI-shaped 400 naming ``param``, short; its message."""
+    assert response.status_code == 400, response.text[:500]
+    assert len(response.content) < 2000, response.text[:500]
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == (
+        "invalid_value",
+        param,
+        "invalid_request_error",
+    )
+    return error["message"]
+
+
+def _cached(server, key: str, messages: list) -> int:
+    usage = _create(server, key, messages, ANSWER_TOKENS).usage
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def _no_grammar_logged(server, since: int) -> None:
+    """What the server logged since ``since`` quotes none of the schemas."""
+    log = server.output()[since:]
+    for text in ('"anyOf"', '"$defs"', "k2000", "value99999", "%json", "x-guidance"):
+        assert text not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("schema", list(REFUSED_SCHEMAS))
+def test_a_grammar_llguidance_refuses_is_a_400_and_the_session_keeps_its_cache(
+    server, schema, stream
+):
+    """The 2,001-branch anyOf and the required self-reference were a 500 that
+    dropped the session's cache (the next turn reused 0 tokens): now a short
+    400 naming response_format, before the turn, streamed or not; the session
+    is as it was, and its next plain turn reuses all the cache it held."""
+    key = f"refused-{schema}-{stream}"
+    following = _second_turn(server, key)
+    before, logged = server.session(key), len(server.output())
+    body = {
+        "model": server.model,
+        "messages": following,
+        "max_tokens": CALL_TOKENS,
+        "prompt_cache_key": key,
+        "response_format": _json_format(REFUSED_SCHEMAS[schema]),
+        "stream": stream,
+    }
+    message = _refused(server.post("/v1/chat/completions", json=body))
+    assert message.startswith("response_format: llguidance refuses its grammar"), message
+    assert server.session(key) == before
+    assert before["cached_tokens"] > 0
+    assert _cached(server, key, following) == before["cached_tokens"]
+    _no_grammar_logged(server, logged)
+
+
+def _second_turn(server, key: str) -> list:
+    """A first plain turn on session ``key`` (its conversation its own: no
+    other session's cache can serve it), settled; the messages of a second."""
+    messages = [SYSTEM, {"role": "user", "content": f"Hello, {key}"}]
+    reply = _create(server, key, messages, ANSWER_TOKENS).choices[0].message.content
+    server.settled()
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+
+
+def test_a_grammar_too_large_to_compile_is_a_short_400(server):
+    """A 100,000-value enum (1.4 MB of grammar) is refused by its size before
+    llguidance compiles it, in a few hundred bytes; so is one under
+    tool_choice, naming tool_choice. No 400 quotes the schema."""
+    logged = len(server.output())
+    values = [f"value{i}" for i in range(100_000)]
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "response_format": _json_format({"enum": values}),
+    }
+    message = _refused(server.post("/v1/chat/completions", json=body))
+    assert "bytes" in message and "262144" in message, message
+    tool = function_tool("pick", "Pick one.", {"value": {"enum": values}})
+    body = {**body, "response_format": None, "tools": [tool], "tool_choice": "required"}
+    _refused(server.post("/v1/chat/completions", json=body), "tool_choice")
+    # Within the bound, a schema llguidance cannot compile: its error goes on
+    # to quote the grammar's line, the whole schema; the 400 keeps the first.
+    nonsense = {"type": "nonsense", "enum": values[:10_000]}
+    body = {**body, "tools": None, "tool_choice": None, "response_format": _json_format(nonsense)}
+    message = _refused(server.post("/v1/chat/completions", json=body))
+    assert "Invalid type: nonsense" in message and "value9999" not in message, message
+    _no_grammar_logged(server, logged)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_grammar_refused_while_decoding_ends_the_reply_as_a_400(server, stream):
+    """llguidance refuses this grammar a few tokens into the reply. That
+    raised inside generate (a 500, the session's cache dropped); now the
+    processor ends the reply and the client gets a 400 naming response_format,
+    or, streamed, an error event after what was sent. The session's next
+    plain turn reuses at least the cache it held before."""
+    key = f"late-{stream}"
+    following = _second_turn(server, key)
+    before, logged = server.session(key), len(server.output())
+    request = dict(
+        model=server.model,
+        messages=following,
+        max_tokens=CALL_TOKENS,
+        prompt_cache_key=key,
+        response_format=_json_format(LATE_REFUSED_SCHEMA),
+    )
+    if stream:
+        sent = ""
+        with pytest.raises(openai.APIError) as error:
+            for chunk in server.client().chat.completions.create(**request, stream=True):
+                sent += "".join(c.delta.content or "" for c in chunk.choices)
+        assert sent.startswith('{"a": ')  # what was written before the refusal
+        body = error.value.body
+        assert (body["code"], body["param"]) == ("invalid_value", "response_format"), body
+        message = body["message"]
+    else:
+        message = _refused(server.post("/v1/chat/completions", json=request))
+    assert message.startswith("response_format: llguidance refused its grammar while decoding")
+    assert len(message) < 400, message
+    server.settled()
+    assert before["cached_tokens"] > 0
+    assert _cached(server, key, following) >= before["cached_tokens"]
+    assert 'kvchat_requests_total{status="400"}' in server.get("/metrics").text
+    _no_grammar_logged(server, logged)
+
+
+def test_a_grammar_compiles_inside_its_max_pending_slot(monkeypatch):
+    """Compiling a grammar holds one of --max-pending's slots: with one slot,
+    a request sent while another's grammar compiles gets 429 (the compile
+    sends it, so no clock is involved), and a grammar refused frees its slot."""
+    from fastapi.testclient import TestClient
+    from kvchat import SessionManager
+    from kvchat.serve import ServeConfig, create_app
+    from kvchat.serve.turns import TurnRunner
+
+    manager = SessionManager(reference_model("llama"), tiny_tokenizer())
+    app = create_app(manager, ServeConfig(model_name="tiny", max_pending=1))
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    constrained = {**plain, "response_format": {"type": "json_object"}}
+    meanwhile = []
+    compile_grammar = TurnRunner._constrain
+
+    def constrain(self, chat, fmt):
+        meanwhile.append(client.post("/v1/chat/completions", json=plain).status_code)
+        return compile_grammar(self, chat, fmt)
+
+    monkeypatch.setattr(TurnRunner, "_constrain", constrain)
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=constrained).status_code == 200
+        assert meanwhile == [429]
+        refused = {**plain, "response_format": _json_format({"type": "nonsense"})}
+        assert client.post("/v1/chat/completions", json=refused).status_code == 400
+        assert meanwhile == [429, 429]
+        monkeypatch.setattr(TurnRunner, "_constrain", compile_grammar)
+        assert client.post("/v1/chat/completions", json=plain).status_code == 200
+
+
+def test_a_refused_reply_is_not_the_conversation_a_keyless_client_continues(server):
+    """A keyless chat client's session is found by its conversation. A reply
+    its grammar refused while decoding never reached the client, so the
+    router keeps the session under the conversation it held: the same
+    request sent plain continues that session and reuses its cache."""
+    messages = [SYSTEM, {"role": "user", "content": "Hello, keyless refusal"}]
+    body = {"model": server.model, "messages": messages, "max_tokens": ANSWER_TOKENS}
+    first = server.post("/v1/chat/completions", json=body)
+    session = first.headers["X-Session-ID"]
+    reply = first.json()["choices"][0]["message"]["content"]
+    server.settled()
+    held = server.session(session)["cached_tokens"]
+    following = [*messages, {"role": "assistant", "content": reply}]
+    following.append({"role": "user", "content": "Why?"})
+    refused = {**body, "messages": following, "max_tokens": CALL_TOKENS}
+    refused["response_format"] = _json_format(LATE_REFUSED_SCHEMA)
+    _refused(server.post("/v1/chat/completions", json=refused))
+    server.settled()
+    again = server.post("/v1/chat/completions", json={**body, "messages": following})
+    assert again.headers["X-Session-ID"] == session
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= held > 0
+
+
+def test_a_streamed_response_whose_grammar_is_refused_ends_with_an_error_event(server):
+    """/v1/responses, streamed: the refusal is OpenAI's `error` event, the
+    stream's last, and the response is not stored. Whole, it is a 400; both
+    name the field as sent, text.format."""
+    text_format = {"type": "json_schema", "name": "x", "schema": LATE_REFUSED_SCHEMA}
+    body = {
+        "model": server.model,
+        "input": "Hello",
+        "max_output_tokens": CALL_TOKENS,
+        "text": {"format": text_format},
+    }
+    _refused(server.post("/v1/responses", json=body), "text.format")
+    body["stream"] = True
+    events = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/responses",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert events[0]["type"] == "response.created"
+    last = events[-1]
+    assert last["type"] == "error", last
+    assert (last["code"], last["param"]) == ("invalid_value", "text.format"), last
+    assert not any(e["type"] == "response.completed" for e in events)
+    rid = events[0]["response"]["id"]
+    assert server.get(f"/v1/responses/{rid}").status_code == 404

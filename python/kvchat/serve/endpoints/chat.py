@@ -72,6 +72,10 @@ async def stream_body(turns: TurnRunner, turn: Reply, cid: str):
         # Committed and released before [DONE], so the client's next turn finds it.
         await run_in_threadpool(turns.finish, turn)
         finished = True
+        refused = turns.grammar_error(turn)
+        if refused is not None:  # the status is sent: the error ends the stream, as OpenAI's do
+            yield sse(refused.body())
+            return
         yield sse(chat_response.chunk(cid, model, {}, turn.finish_reason(turns.stop_ids)))
         if turn.chat.include_usage and turn.stream.report is not None:
             yield sse(chat_response.usage_chunk(cid, model, turn.stream.report))

@@ -111,11 +111,16 @@ class AppContext:
         )
 
     async def collected(self, turn: Reply) -> list:
-        """The whole reply's items, once its turn is finished."""
+        """The whole reply's items, once its turn is finished; a 400 if its
+        grammar was refused while decoding."""
         try:
-            return await run_in_threadpool(turn.collect_items)
+            items = await run_in_threadpool(turn.collect_items)
         finally:
             await run_in_threadpool(self.turns.finish, turn)
+        refused = self.turns.grammar_error(turn)
+        if refused is not None:
+            raise refused
+        return items
 
 
 def sse(body: dict) -> str:

@@ -15,7 +15,7 @@ from ...tiers import StoreUnavailable
 from ..errors import APIError
 from ..reply import DONE, Reply
 from ..responses_output import Output, new_id, now, response
-from ..responses_request import ResponsesRequest, parse_request
+from ..responses_request import ResponsesRequest, parse_request, responses_param
 from .context import AppContext
 
 logger = logging.getLogger("kvchat.serve")
@@ -46,7 +46,11 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             previous, key = record["conversation"], record.get("session_key")
         chat = req.chat(req.conversation(previous), key)
         ctx.check_model(chat.model)
-        turn = await turns.begin(ns, chat, chat.session_key)
+        try:
+            turn = await turns.begin(ns, chat, chat.session_key)
+        except APIError as error:  # a grammar's 400 names the field as sent (text.format)
+            error.param = responses_param(error.param)
+            raise
         rid, created = new_id("resp"), now()
 
         async def body(items) -> dict:
@@ -59,14 +63,21 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         sent = Output()  # a streamed response's items, as they are sent
 
         def keep_abandoned() -> None:
-            """The client left mid-stream: its response is stored all the same."""
+            """The client left mid-stream: its response is stored all the same,
+            unless its grammar was refused (such a reply is no one's)."""
+            if turns.grammar_error(turn) is not None:
+                return
             sent.close(bool(turn.calls))  # the open message, and any call cut short, end
             keep_response(ctx, turn, req, rid, created, ns, sent, left=True)
 
         if req.stream:
             turn.on_abandoned = keep_abandoned
         events = lambda: response_events(ctx, turn, req, rid, created, ns, sent)  # noqa: E731
-        return await ctx.answer(turn, req.stream, events, body)
+        try:
+            return await ctx.answer(turn, req.stream, events, body)
+        except APIError as error:  # a grammar refused while decoding
+            error.param = responses_param(error.param)
+            raise
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
@@ -151,9 +162,14 @@ async def response_events(
         def end():
             """Finished, then stored before the last events go out, on one
             thread call (which runs to its end even if the client leaves):
-            a client that leaves now still finds its response stored."""
+            a client that leaves now still finds its response stored. A
+            reply its grammar refused is not stored: its stream ends with
+            OpenAI's error event."""
             if not turns.finish(turn):
                 return None  # finished as abandoned meanwhile: stored by that
+            refused = turns.grammar_error(turn)
+            if refused is not None:
+                return refused, None
             closing = output.close(bool(turn.calls))
             return closing, keep_response(ctx, turn, req, rid, created, ns, output)
 
@@ -161,6 +177,12 @@ async def response_events(
         if ended is None:
             return
         closing, body = ended
+        if body is None:
+            error = closing.body()["error"]
+            fields = {k: error[k] for k in ("code", "message")}
+            fields["param"] = responses_param(error["param"])
+            yield _event(output.event("error", **fields))
+            return
         for event in closing:
             yield _event(event)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
