@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -44,6 +44,8 @@ class ServeConfig:
     # With a shared store: seconds a reply's end waits for its session's
     # snapshot, so the client's next turn finds it on any replica (0: no wait).
     store_wait: float = 5.0
+    # Template variables every chat turn gets under its own chat_template_kwargs.
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:

@@ -7,6 +7,7 @@ only shape what goes over the wire."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import threading
@@ -19,6 +20,7 @@ from ..agents.grammar import GrammarError, Grammars
 from ..arguments import ContextLengthError
 from ..prompting import end_ids
 from .chat_request import ChatRequest
+from .chat_template import merged
 from .errors import APIError
 from .reply import DONE, Reply, calls_allowed, tool_format
 
@@ -40,6 +42,9 @@ class TurnRunner:
     async def begin(self, ns: str, chat: ChatRequest, explicit: str | None) -> Reply:
         """Claims the session (``explicit``, or found by the conversation) and
         starts the turn; what is refused before generation is an APIError."""
+        if chat.prompt is None and self.config.chat_template_kwargs:  # --chat-template-kwargs
+            own = merged(self.config.chat_template_kwargs, chat.template_kwargs)
+            chat = dataclasses.replace(chat, template_kwargs=own)
         fmt = tool_format(chat, self.calls_format)
         # Built before any session is claimed: a bad schema is a 400 that touches nothing.
         processor = None
