@@ -29,7 +29,8 @@ logger = logging.getLogger("kvchat.serve")
 
 class TurnRunner:
     """The turns of one app. ``begin`` starts one and returns its ``Reply``;
-    ``finish`` (once its text is read) or ``abandon`` (its client left) ends it."""
+    ``finish`` (once its text is read) or ``abandon`` (its client left) ends it;
+    ``sent`` (its response ended) frees its session for the idle expiry."""
 
     def __init__(self, manager, config, router, metrics, expiry):
         self.manager, self.config, self.router = manager, config, router
@@ -62,7 +63,7 @@ class TurnRunner:
         except BaseException:
             self.pending.release()
             raise
-        self.expiry.begin(session)  # until finish(): it never expires while in use
+        self.expiry.begin(session)  # until finish() and sent(): never expires while in use
         max_tokens = chat.max_tokens or self.config.default_max_tokens
         try:
             stream, first = await self._start(session, chat, max_tokens, fmt, processor)
@@ -216,7 +217,7 @@ class TurnRunner:
             self.router.release(turn.ns, turn.session, history)
             if report is not None and turn.chat.prompt is not None:
                 self.router.remember_text(turn.ns, turn.session, turn.chat.prompt + turn.text)
-            self.expiry.end(turn.session)
+            self._let_go(turn, "turn")
         if history is not None:
             self._settle(turn, history)
 
@@ -240,6 +241,18 @@ class TurnRunner:
         if not turn.finished.locked():
             turn.stream.cancel()
             threading.Thread(target=self.finish, args=(turn,), daemon=True).start()
+
+    def sent(self, turn: Reply) -> None:
+        """The turn's response ended: sent to its last byte, or its client
+        left. Its turn is stopped if unfinished, and once that is finished too,
+        the session's idle time (``--session-ttl``) counts from now: a slow
+        reader keeps its session while its reply is still being sent."""
+        self.abandon(turn)
+        self._let_go(turn, "response")
+
+    def _let_go(self, turn: Reply, hold: str) -> None:
+        if turn.let_go(hold):
+            self.expiry.end(turn.session)
 
 
 def _vocab_size(model) -> int:
