@@ -119,6 +119,11 @@ class ManagerStats:
     compiled_turns: int = 0  # turns whose decode ran compiled, in a StaticCache
     static_caches_built: int = 0  # one per capacity bucket; more only under concurrency
     static_cache_bytes: int = 0  # held by idle static caches between turns
+    # Turns run as plain generate (docs/how-it-works.md), and by why:
+    # generate_args (beams, use_cache=False, ...), unsupported_layers,
+    # autocast, forward_refuses_cache (a forward compiled with fullgraph).
+    plain_turns: int = 0
+    plain_turn_reasons: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

@@ -44,6 +44,7 @@ class SessionAdmin:
             **self._tier.counters(),
             **self._settler.counters(),
             **self._compiled.counters(self._bridge.static_pool),
+            **self._turns.counters(),
         )
 
     def info(self, session_id: str) -> SessionInfo:

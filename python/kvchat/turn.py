@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -134,6 +135,15 @@ class Turns:
         # Why the model's own forward cannot run on kvchat's cache (a user's
         # torch.compile(fullgraph=True) cannot trace it): every turn is plain.
         self._forward_refuses_cache: str | None = None
+        # Turns run as plain generate, by why (PLAIN_REASONS), for stats().
+        self._plain_turns: dict[str, int] = {}
+        self._plain_lock = threading.Lock()
+
+    def counters(self) -> dict:
+        """stats()'s count of turns run as plain generate, in all and by why."""
+        with self._plain_lock:
+            reasons = dict(self._plain_turns)
+        return dict(plain_turns=sum(reasons.values()), plain_turn_reasons=reasons)
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if self._max_context is not None and prompt_tokens + max_new_tokens > self._max_context:
@@ -170,16 +180,19 @@ class Turns:
         # Refused before the lease, so a request that cannot fit never waits for one.
         self.check_context(request.fresh.numel(), args.max_new_tokens)
         plain, why = args.plain_reason, args.why
+        counted = "generate_args" if plain is not None else None
         if plain is None and not self._bridge.supported:
-            plain = _C.ReuseReason.unsupported_layers
+            plain, counted = _C.ReuseReason.unsupported_layers, "unsupported_layers"
         if plain is None and _autocast_on(self._model):
             # Autocast writes keys and values in different dtypes (rotary
             # embeddings upcast the keys), which a cache cannot hold as one
             # layer; and a cache from outside autocast is not what it computes.
             plain, why = _C.ReuseReason.unsupported_generation, "torch.autocast is on"
+            counted = "autocast"
         refused = refused or self._forward_refuses_cache
         if plain is None and refused is not None:
             plain, why = _C.ReuseReason.unsupported_generation, refused
+            counted = "forward_refuses_cache"
         if plain is not None and why:
             logger.info("kvchat: %s runs as plain generate (%s)", session_id, why)
         # TTFT counts kvchat's own planning and cache building, as a user sees it.
@@ -242,6 +255,9 @@ class Turns:
                         prompt.numel() + record.generated_tokens,
                     )
                 self._tier.observe_prefill(record.prefilled_tokens, record.prefill_ms)
+            if counted is not None:  # a turn that ran, not one refused or failed
+                with self._plain_lock:
+                    self._plain_turns[counted] = self._plain_turns.get(counted, 0) + 1
             return TurnOutcome(run.output, run.reply, record)
         finally:
             self._flush_evicted()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -47,6 +47,8 @@ class ServeConfig:
     # Stored responses each API key keeps, newest first: at most this many, and bytes.
     responses_per_key: int = 1000
     response_bytes_per_key: int = 64 * 2**20
+    # Template variables every chat turn gets under its own chat_template_kwargs.
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:

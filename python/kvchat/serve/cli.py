@@ -13,8 +13,10 @@ import torch
 
 from ..manager import SessionManager
 from ..pretrained import load_pretrained
+from ..prompting import check_template_kwargs
 from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from ..units import parse_bytes
+from .chat_template import chat_template, template_kwargs
 
 _DTYPES = {
     "auto": None,
@@ -54,6 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        type=chat_template,
+        help="render with this Jinja chat template instead of the model's own: a file, the "
+        "template's text, or one kvchat ships by name (chatml-tools: ChatML with Hermes-style "
+        "tool calls); tool calls are read in the markup it writes (default: the model's)",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        type=template_kwargs,
+        help="template variables every request gets, a JSON object such as "
+        "'{\"enable_thinking\": false}'; a request's own chat_template_kwargs win (default: none)",
+    )
     parser.add_argument(
         "--api-key",
         action="append",
@@ -192,6 +209,15 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--responses-per-key must be at least 1, got {args.responses_per_key}")
     response_bytes = parse_bytes(args.response_bytes_per_key, "--response-bytes-per-key")
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype], args.device)
+    if args.chat_template is not None:
+        # Before the manager: everything that reads the template (the tool-call
+        # format, the end tokens, the probes of how it renders) reads this one.
+        tokenizer.chat_template = args.chat_template
+    if args.chat_template_kwargs:
+        try:  # the model's own special tokens, which a template takes from the tokenizer
+            check_template_kwargs(args.chat_template_kwargs, tokenizer)
+        except ValueError as error:
+            raise ValueError(f"--chat-template-kwargs: {error}") from None
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("KVCHAT_API_KEYS", "").split(",") if k.strip()]
     tier = None
@@ -228,6 +254,7 @@ def build_app(args: argparse.Namespace):
         store_wait=args.store_wait if args.store is not None else 0.0,
         responses_per_key=args.responses_per_key,
         response_bytes_per_key=response_bytes,
+        chat_template_kwargs=args.chat_template_kwargs or {},
     )
     return create_app(manager, config)
 

@@ -97,6 +97,14 @@ class _ManagerCollector:
         for reason, count in sorted(stats.store_miss_reasons.items()):
             misses.add_metric([reason], count)
         yield misses
+        plain = CounterMetricFamily(
+            "kvchat_plain_turns",
+            "Turns run as plain generate, by reason (generate_args, autocast, ...)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.plain_turn_reasons.items()):
+            plain.add_metric([reason], count)
+        yield plain
         yield CounterMetricFamily(
             "kvchat_settle_seconds", "Time settles spent prefilling", value=stats.settle_ms / 1e3
         )

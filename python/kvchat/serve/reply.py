@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 
 from ..agents import Content, ToolCall, ToolCallParser, ToolFormat
 from ..agents.streamed_calls import CallStream, streamable
@@ -31,6 +31,10 @@ class Reply:
         self.finished = threading.Lock()  # finish() runs once, whoever gets here first
         # Run once a turn its client left is finished (a streamed response stores itself).
         self.on_abandoned = None
+        # What keeps the session in use (serve/expiry.py): its turn, until it is
+        # finished, and its response, until its last byte is handed to the server.
+        self._holds = {"turn", "response"}
+        self._holds_lock = threading.Lock()
         self._trim = StopTrimmer(chat.stop)
         self._parser = None
         if fmt is not None:
@@ -50,6 +54,15 @@ class Reply:
         self.content = ""
         self.calls: list[ToolCall] = []
         self.grammar = None  # the GrammarProcessor of a constrained turn (turns.py sets it)
+
+    def let_go(self, hold: str) -> bool:
+        """Drops ``hold`` ("turn" or "response"); True for the one call that
+        drops the last of them: the session is idle from then on."""
+        with self._holds_lock:
+            if hold not in self._holds:
+                return False
+            self._holds.discard(hold)
+            return not self._holds
 
     def next_items(self):
         if self._ended:
@@ -167,9 +180,10 @@ def calls_allowed(chat) -> bool:
     return bool(chat.tools) and chat.tool_choice != "none"
 
 
-class TurnStream(StreamingResponse):
-    """A streamed turn's response: ``on_end`` runs however the response ends,
-    even when its body never started (the client gone before the headers)."""
+class _EndsWith:
+    """A turn's response: ``on_end`` runs however the response ends (its
+    last byte handed to the server, or its client gone), even when its body
+    never started (the client gone before the headers)."""
 
     def __init__(self, content, on_end, **kwargs):
         super().__init__(content, **kwargs)
@@ -180,6 +194,14 @@ class TurnStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_end()
+
+
+class TurnStream(_EndsWith, StreamingResponse):
+    """A streamed turn's response (``_EndsWith``)."""
+
+
+class TurnJSON(_EndsWith, JSONResponse):
+    """A turn's whole response (``_EndsWith``)."""
 
 
 class StopTrimmer:

@@ -7,6 +7,7 @@ only shape what goes over the wire."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import threading
@@ -19,6 +20,7 @@ from ..agents.grammar import GrammarError, Grammars
 from ..arguments import ContextLengthError
 from ..prompting import end_ids
 from .chat_request import ChatRequest
+from .chat_template import merged
 from .errors import APIError
 from .reply import DONE, Reply, calls_allowed, tool_format
 
@@ -27,7 +29,8 @@ logger = logging.getLogger("kvchat.serve")
 
 class TurnRunner:
     """The turns of one app. ``begin`` starts one and returns its ``Reply``;
-    ``finish`` (once its text is read) or ``abandon`` (its client left) ends it."""
+    ``finish`` (once its text is read) or ``abandon`` (its client left) ends it;
+    ``sent`` (its response ended) frees its session for the idle expiry."""
 
     def __init__(self, manager, config, router, metrics, expiry):
         self.manager, self.config, self.router = manager, config, router
@@ -40,6 +43,9 @@ class TurnRunner:
     async def begin(self, ns: str, chat: ChatRequest, explicit: str | None) -> Reply:
         """Claims the session (``explicit``, or found by the conversation) and
         starts the turn; what is refused before generation is an APIError."""
+        if chat.prompt is None and self.config.chat_template_kwargs:  # --chat-template-kwargs
+            own = merged(self.config.chat_template_kwargs, chat.template_kwargs)
+            chat = dataclasses.replace(chat, template_kwargs=own)
         fmt = tool_format(chat, self.calls_format)
         if not self.pending.acquire(blocking=False):
             self.metrics.requests.labels("429").inc()
@@ -56,7 +62,7 @@ class TurnRunner:
         except BaseException:
             self.pending.release()
             raise
-        self.expiry.begin(session)  # until finish(): it never expires while in use
+        self.expiry.begin(session)  # until finish() and sent(): never expires while in use
         max_tokens = chat.max_tokens or self.config.default_max_tokens
         try:
             stream, first = await self._start(session, chat, max_tokens, fmt, processor)
@@ -240,7 +246,7 @@ class TurnRunner:
             self.router.release(turn.ns, turn.session, history)
             if answered and turn.chat.prompt is not None:
                 self.router.remember_text(turn.ns, turn.session, turn.chat.prompt + turn.text)
-            self.expiry.end(turn.session)
+            self._let_go(turn, "turn")
         if history is not None:
             self._settle(turn, history)
         return True
@@ -280,6 +286,18 @@ class TurnRunner:
                 turn.on_abandoned()
             except Exception:  # a thread of its own: nobody else would hear of it
                 logger.exception("kvchat serve: after the turn of %s its client left", turn.session)
+
+    def sent(self, turn: Reply) -> None:
+        """The turn's response ended: sent to its last byte, or its client
+        left. Its turn is stopped if unfinished, and once that is finished too,
+        the session's idle time (``--session-ttl``) counts from now: a slow
+        reader keeps its session while its reply is still being sent."""
+        self.abandon(turn)
+        self._let_go(turn, "response")
+
+    def _let_go(self, turn: Reply, hold: str) -> None:
+        if turn.let_go(hold):
+            self.expiry.end(turn.session)
 
 
 def _vocab_size(model) -> int:

@@ -46,6 +46,7 @@ def test_use_cache_false_is_honoured(family, tokenizer):
     mgr = SessionManager(model, tokenizer)
     report = turns_match_plain(mgr, model, tokenizer, turns=2, use_cache=False)
     assert report.reason == "unsupported_generation"
+    assert mgr.stats().plain_turn_reasons == {"generate_args": 2}
 
 
 def test_reuse_resumes_after_a_plain_turn(llama, tokenizer):
@@ -198,22 +199,28 @@ def test_no_max_new_tokens_generates_what_generate_does(prompt_tokens, compiled,
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_turns_under_autocast_run_as_plain_generate(family, half, tokenizer):
+def test_turns_under_autocast_run_as_plain_generate(family, half, tokenizer, caplog):
     # Autocast casts float32 work only, so the model is float32 here (float64
     # would run untouched). Under it the rotary keys come out float32 and the
     # values in half precision: a cache cannot hold them, so the turn runs plain.
     model = tiny_model(family, dtype=torch.float32, seed=0).to(DEVICE)
     mgr = SessionManager(model, tokenizer)
     messages = [SYSTEM, user_message(0)]
-    with torch.autocast(DEVICE.type, dtype=half):
+    with torch.autocast(DEVICE.type, dtype=half), caplog.at_level("INFO", logger="kvchat"):
         reply, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
         assert report.reason == "unsupported_generation" and report.reused_tokens == 0
         messages += [{"role": "assistant", "content": reply}, user_message(1)]
         _, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
         assert report.reason == "unsupported_generation"
-    # Out of autocast, the session's turns reuse again.
+    # Each such turn is logged with its reason, and counted by it.
+    logged = [r for r in caplog.records if "plain generate (torch.autocast is on)" in r.message]
+    assert len(logged) == 2 and all(r.levelname == "INFO" for r in logged)
+    stats = mgr.stats()
+    assert stats.plain_turns == 2 and stats.plain_turn_reasons == {"autocast": 2}
+    # Out of autocast, the session's turns reuse again, and are not counted.
     _, reports = exact_turns(mgr, "s", messages[:1], model, tokenizer, 2)
     assert reports[-1].reason != "unsupported_generation" and reports[-1].reused_tokens > 0
+    assert mgr.stats().plain_turn_reasons == {"autocast": 2}
 
 
 def test_a_streamed_turn_under_autocast_runs_under_it_as_plain_generate(tokenizer):
@@ -228,6 +235,7 @@ def test_a_streamed_turn_under_autocast_runs_under_it_as_plain_generate(tokenize
         "".join(mgr.stream_chat("s", messages, max_new_tokens=MAX_NEW))
     report = mgr.last_turn("s")
     assert report.reason == "unsupported_generation" and report.output_ids == expected
+    assert mgr.stats().plain_turn_reasons == {"autocast": 1}
 
 
 @pytest.fixture
@@ -259,6 +267,7 @@ def test_a_forward_compiled_with_fullgraph_runs_as_plain_generate(
     messages += [{"role": "assistant", "content": reply}, user_message(1)]
     _, report = exact_turn(mgr, "s", messages, model, tokenizer, MAX_NEW)
     assert report.reason == "unsupported_generation"
+    assert mgr.stats().plain_turn_reasons == {"forward_refuses_cache": 2}
     # Streamed, from a worker thread, on a new manager (its first turn
     # refused): the stream is the reply, never the prompt that the refused
     # attempt handed generate's streamer first.

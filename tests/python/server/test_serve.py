@@ -730,6 +730,73 @@ def test_a_session_never_expires_while_its_reply_is_still_being_read():
         server.stop()
 
 
+def test_a_session_stays_in_use_until_its_reply_has_been_sent():
+    """A client that pauses longer than the TTL while the last events of its
+    stream are still being sent keeps its session: it is idle only from when
+    the reply's last byte was sent, and the next turn on it reuses its cache."""
+    # Every chunk carries the model's name. With a 120 kB one, the reply is
+    # 720 kB, and its chunks after the turn ends (its finish_reason, its usage)
+    # wait for room in the buffers on the way (uvicorn's 64 kB, the kernel's
+    # send buffer, this reader's tiny window), which the chunks before filled.
+    name = "m" * 120_000
+    server = Server("tiny:llama", "--session-ttl", "1", "--served-model-name", name)
+    try:
+        body = _chat_body(
+            model=name,
+            max_tokens=3,
+            min_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            prompt_cache_key="slow",
+        )
+        sock = _slow_reader(server, body)
+        try:
+            received = bytearray()
+            # Read a little at a time until the turn has ended (the server
+            # counts a request once it has finished its turn) ...
+            while not _requests_counted(server):
+                chunk = sock.recv(16384)
+                assert chunk, "the reply ended before its turn did"
+                received += chunk
+            # ... then pause past the TTL and a sweep, the reply's end unsent,
+            # and read the rest.
+            time.sleep(2.5)
+            while chunk := sock.recv(65536):
+                received += chunk
+        finally:
+            sock.close()
+        assert received.startswith(b"HTTP/1.1 200"), bytes(received[:200])
+        assert received.count(b'"finish_reason": "length"') == 1
+        assert b"data: [DONE]" in received[-100:], bytes(received[-200:])  # its last event
+        # The reply's last byte was sent a moment ago: the session is there,
+        # and the next turn on it reuses its cache.
+        assert server.get("/v1/sessions/slow", key=None).status_code == 200
+        messages = [user_message(0), {"role": "assistant", "content": _reply_text(received)}]
+        messages.append(user_message(1))
+        body = _chat_body(model=name, messages=messages, prompt_cache_key="slow")
+        response = server.post("/v1/chat/completions", key=None, json=body)
+        assert response.status_code == 200, response.text[:500]
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        server.stop()
+
+
+def _requests_counted(server: Server) -> bool:
+    """Whether the server has counted a finished request (/metrics)."""
+    metrics = server.get("/metrics", key=None).text
+    return re.search(r'^kvchat_requests_total\{status="200"\} 1\.0$', metrics, re.M) is not None
+
+
+def _reply_text(stream: bytes) -> str:
+    """The content of a chat completion's server-sent chunks."""
+    text = ""
+    for line in bytes(stream).split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text += choice["delta"].get("content") or ""
+    return text
+
+
 SLOW_STREAMS = {
     # About 400 kB of events each, more than the buffers on the way hold.
     "completions": (

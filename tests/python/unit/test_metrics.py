@@ -25,6 +25,8 @@ def _distinct_stats() -> ManagerStats:
     for i, f in enumerate(fields(ManagerStats), start=1):
         if f.name == "store_miss_reasons":
             values[f.name] = {"absent": 3, "checksum": 1}
+        elif f.name == "plain_turn_reasons":
+            values[f.name] = {"autocast": 5, "generate_args": 2}
         elif f.name == "hit_rate":
             values[f.name] = 0.25
         else:
@@ -50,6 +52,8 @@ def test_every_stats_metric_is_the_field_it_names():
     reasons = {("reason", r): n for r, n in stats.store_miss_reasons.items()}
     for (reason, value), count in reasons.items():
         assert scraped[("kvchat_store_misses_total", ((reason, value),))] == count
+    for reason, count in stats.plain_turn_reasons.items():
+        assert scraped[("kvchat_plain_turns_total", (("reason", reason),))] == count
     assert scraped[("kvchat_settle_seconds_total", ())] == stats.settle_ms / 1e3
 
 

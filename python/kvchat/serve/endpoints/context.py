@@ -17,7 +17,7 @@ from ...manager import SessionManager
 from ..errors import APIError
 from ..expiry import IdleExpiry
 from ..metrics import Metrics
-from ..reply import Reply, TurnStream
+from ..reply import Reply, TurnJSON, TurnStream
 from ..response_store import ResponseStore
 from ..sessions import SessionRouter, namespace
 from ..turns import TurnRunner
@@ -99,13 +99,19 @@ class AppContext:
         headers = self.turns.session_header(turn)
         if stream:
             return self.streamed(turn, events(), headers)
-        return JSONResponse(await body(await self.collected(turn)), headers=headers)
+        try:
+            content = await body(await self.collected(turn))
+        except BaseException:  # no response of its own: its session is free now
+            self.turns.sent(turn)
+            raise
+        return TurnJSON(content, on_end=lambda: self.turns.sent(turn), headers=headers)
 
     def streamed(self, turn: Reply, body, headers: dict) -> TurnStream:
-        """A streamed reply; however it ends, its turn is finished."""
+        """A streamed reply; however it ends, its turn is finished, and its
+        session is free once it is sent."""
         return TurnStream(
             body,
-            on_end=lambda: self.turns.abandon(turn),
+            on_end=lambda: self.turns.sent(turn),
             media_type="text/event-stream",
             headers=headers,
         )
