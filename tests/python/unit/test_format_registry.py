@@ -16,7 +16,13 @@ from llama_cpp_models import fetch
 
 BEFORE = json.loads((Path(__file__).parent / "detected_formats.json").read_text())
 # Templates that had no format before the split and have one now.
-ADDED: dict[str, str] = {}
+ADDED = {
+    "Apertus-8B-Instruct.jinja": "apertus",
+    "GigaChat3-10B-A1.8B.jinja": "gigachat3",
+    "Kimi-K3.jinja": "kimi-k3",
+    "MiniMax-M3.jinja": "minimax-m3",
+    "openbmb-MiniCPM5-1B.jinja": "minicpm",
+}
 
 
 def _detected(template: str) -> str | None:

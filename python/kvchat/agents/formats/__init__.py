@@ -16,21 +16,23 @@ from .base import CallGrammar, ToolFormat
 from .cohere import COHERE
 from .deepseek import DEEPSEEK_R1, DEEPSEEK_V4, DEEPSEEK_V31, DEEPSEEK_V32
 from .gemma4 import GEMMA4
-from .gigachat import GIGACHAT
+from .gigachat import GIGACHAT, GIGACHAT_3
 from .glm import GLM, HY3
 from .harmony import HARMONY
 from .hermes import HERMES
-from .json_list import APRIEL, NEMOTRON_V2
-from .kimi import KIMI
+from .json_list import APERTUS, APRIEL, NEMOTRON_V2
+from .kimi import KIMI, KIMI_K3
 from .lfm2 import LFM2
 from .llama3 import LLAMA3_JSON
-from .minimax import MINIMAX, MINIMAX_M1
+from .minicpm import MINICPM
+from .minimax import MINIMAX, MINIMAX_M1, MINIMAX_M3
 from .mistral import MISTRAL_V3, MISTRAL_V11
 from .qwen_xml import QWEN_XML, SEED_OSS
 from .registry import RULES, Rule, detect, detect_template
 from .solar import SOLAR
 
 __all__ = [
+    "APERTUS",
     "APRIEL",
     "COHERE",
     "DEEPSEEK_R1",
@@ -39,15 +41,19 @@ __all__ = [
     "DEEPSEEK_V32",
     "GEMMA4",
     "GIGACHAT",
+    "GIGACHAT_3",
     "GLM",
     "HARMONY",
     "HERMES",
     "HY3",
     "KIMI",
+    "KIMI_K3",
     "LFM2",
     "LLAMA3_JSON",
     "MINIMAX",
+    "MINICPM",
     "MINIMAX_M1",
+    "MINIMAX_M3",
     "MISTRAL_V3",
     "MISTRAL_V11",
     "NEMOTRON_V2",

@@ -88,10 +88,12 @@ class ToolFormat:
         return f"call_{secrets.token_hex(12)}"
 
 
-def section(open_pattern: str, close: str | None, content: str, transform, **more) -> dict:
+def section(
+    open_pattern: str, close: str | list[str] | None, content: str, transform, **more
+) -> dict:
     """A response_template for a tool-call section: repeated call regions, and
     the text around them as content (the implicit field). ``close`` is a
-    literal, so a call is closed the moment its marker is complete (what is
+    literal (or a list of them), so a call is closed the moment its marker is complete (what is
     still open when the reply ends was cut short)."""
     calls = {"open_pattern": open_pattern, "repeats": True, "content": content, **more}
     if close is not None:

@@ -1,6 +1,8 @@
-"""MiniMax: M1's JSON lines in <tool_calls>, M2's <invoke> XML."""
+"""MiniMax: M1's JSON lines in <tool_calls>, M2's and M3's <invoke> XML."""
 
 from __future__ import annotations
+
+import re
 
 from .base import CALL, CALL_FROM_JSON, CallGrammar, ToolFormat, section
 
@@ -40,4 +42,26 @@ MINIMAX = ToolFormat(  # MiniMax-M2: <invoke name=...> XML calls in a <minimax:t
         xml=('<parameter name="', '">', "</parameter>\n"),
     ),
     ignore=("<minimax:tool_call>", "</minimax:tool_call>"),
+)
+# MiniMax-M3: M2's <invoke name=...> calls in <tool_call>, every tag after the
+# namespace token "]<]minimax[>[", and each argument a tag named by its key:
+# <city>Paris</city>. Not constrained: a key's closing tag repeats the key,
+# which CallGrammar's fixed value_close cannot write. Values are read back
+# cast by the tool's schema; an object or list the template writes as nested
+# tags is not JSON, so such a call stays text.
+_NS = "]<]minimax[>["
+_NS_RE = re.escape(_NS)
+MINIMAX_M3 = ToolFormat(
+    "minimax-m3",
+    markers=(_NS + "<tool_call>",),
+    spec=section(
+        rf'\s*(?:{_NS_RE}<tool_call>)?\s*{_NS_RE}<invoke name="(?P<name>[^"\n]+)">',
+        _NS + "</invoke>",
+        "xml-inline",
+        CALL,
+        content_args={
+            "tag_pattern": rf"{_NS_RE}<(?P<key>[^<>\s/]+)>(?P<value>.*?){_NS_RE}</(?P=key)>"
+        },
+    ),
+    ignore=(_NS + "<tool_call>", _NS + "</tool_call>"),
 )

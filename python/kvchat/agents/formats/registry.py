@@ -16,15 +16,16 @@ from .base import ToolFormat
 from .cohere import COHERE
 from .deepseek import DEEPSEEK_R1, DEEPSEEK_SEP, DEEPSEEK_V4, DEEPSEEK_V31, DEEPSEEK_V32
 from .gemma4 import GEMMA4
-from .gigachat import GIGACHAT
+from .gigachat import GIGACHAT, GIGACHAT_3
 from .glm import GLM, HY3
 from .harmony import HARMONY
 from .hermes import HERMES
-from .json_list import APRIEL, NEMOTRON_V2
-from .kimi import KIMI
+from .json_list import APERTUS, APRIEL, NEMOTRON_V2
+from .kimi import KIMI, KIMI_K3
 from .lfm2 import LFM2
 from .llama3 import LLAMA3_JSON
-from .minimax import MINIMAX, MINIMAX_M1
+from .minicpm import MINICPM
+from .minimax import MINIMAX, MINIMAX_M1, MINIMAX_M3
 from .mistral import MISTRAL_V3, MISTRAL_V11
 from .qwen_xml import QWEN_XML, SEED_OSS
 from .solar import SOLAR
@@ -54,12 +55,17 @@ RULES: tuple[Rule, ...] = (
     Rule(GEMMA4, ("<|tool_call>", "<tool_call|>")),
     Rule(SOLAR, ("<|tool_call:begin|>",)),
     Rule(GIGACHAT, ("<|function_call|>",)),
+    Rule(GIGACHAT_3, ("function call", "<|role_sep|>")),
+    Rule(APERTUS, ("<|tools_prefix|>", "<|tools_suffix|>")),
     Rule(NEMOTRON_V2, ("<TOOLCALL>",)),
     Rule(KIMI, ("<|tool_call_begin|>",)),
+    Rule(KIMI_K3, ("<|open|>", "<|close|>", "'argument'")),
     # R1 and its distills write type<｜tool▁sep｜>name and fenced JSON.
     Rule(DEEPSEEK_R1, (DEEPSEEK_SEP, "```json")),
     Rule(DEEPSEEK_V31, (DEEPSEEK_SEP,)),
     Rule(MINIMAX, ("<minimax:tool_call>",)),
+    Rule(MINIMAX_M3, ("]<]minimax[>[", "<invoke")),
+    Rule(MINICPM, ('<function name="', '<param name="')),
     Rule(LFM2, ("<|tool_call_start|>",)),
     Rule(GLM, ("<tool_call>", "<arg_key>")),
     Rule(QWEN_XML, ("<tool_call>", "<function=")),
