@@ -47,8 +47,8 @@ MINIMAX = ToolFormat(  # MiniMax-M2: <invoke name=...> XML calls in a <minimax:t
 # namespace token "]<]minimax[>[", and each argument a tag named by its key:
 # <city>Paris</city>. Not constrained: a key's closing tag repeats the key,
 # which CallGrammar's fixed value_close cannot write. Values are read back
-# cast by the tool's schema; an object or list the template writes as nested
-# tags is not JSON, so such a call stays text.
+# cast by the tool's schema. An object or list, which the template writes as
+# nested tags, not JSON, is not read as one: its value is the tags' text.
 _NS = "]<]minimax[>["
 _NS_RE = re.escape(_NS)
 MINIMAX_M3 = ToolFormat(
