@@ -1,8 +1,8 @@
 """The formats added with the registry (docs/agents.md's table), beyond what
 test_toolcalls.py checks for every template: GigaChat 3's call message, which
 the template renders after the reply's end-of-message token; the grammars of
-the ones kvchat constrains, walked at random and written as the template
-renders a call sent back; MiniCPM5's CDATA values; MiniMax-M3's tags named by
+the ones kvchat constrains written as the template renders a call sent
+back (exact/test_grammar.py walks them); MiniCPM5's CDATA values; MiniMax-M3's tags named by
 their keys. Every text is parsed whole and split at every position."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import functools
 import json
 
 import pytest
-from grammar_walks import TOOLS, tiny_grammars, walk
+from grammar_walks import TOOLS, tiny_grammars
 from kvchat.agents import Content, ToolCall, ToolCallParser, detect
-from kvchat.agents.formats import APERTUS, GIGACHAT_3, MINICPM, MINIMAX_M3, ToolFormat
+from kvchat.agents.formats import APERTUS, GIGACHAT_3, KIMI_K3, MINICPM, MINIMAX_M3, ToolFormat
+from kvchat.agents.grammar import GrammarError
 from kvchat.template_tools import _written
 from kvchat.tiny import tiny_tokenizer
 from llama_cpp_models import fetch
@@ -120,28 +121,6 @@ def test_a_minicpm_call_is_written_as_the_template_renders_it():
     assert written in _reply("openbmb-MiniCPM5-1B", arguments)
 
 
-@pytest.mark.parametrize("fmt", [APERTUS, MINICPM, GIGACHAT_3], ids=lambda f: f.name)
-@pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
-def test_what_the_grammar_lets_a_model_write_parses_as_calls(fmt, parallel):
-    grammars = tiny_grammars()
-    grammar = grammars.tool_calls(fmt, TOOLS, parallel=parallel)
-    counts = set()
-    for seed in range(12):
-        text = walk(grammars, grammar, seed, limit=2000)
-        content, calls = _parse(fmt, [text], TOOLS)
-        assert content.strip() == "" and calls, text
-        for name, arguments in calls:
-            if name == "get_weather":
-                assert arguments["unit"] in ("c", "f") and isinstance(arguments["hourly"], bool)
-            else:
-                assert name == "get_time" and arguments["zone"] in ("utc", "local"), text
-        counts.add(len(calls))
-    if not parallel or fmt is GIGACHAT_3:  # one call a reply
-        assert counts == {1}
-    else:
-        assert max(counts) > 1
-
-
 @pytest.mark.parametrize("value", ["line one\nline two", "5 < 6 & 7", "<b>bold</b>"])
 def test_a_minicpm_value_in_a_cdata_block_is_read_as_its_text(value):
     reply = _reply("openbmb-MiniCPM5-1B", {"city": value, "days": 2}).split("<|im_end|>")[0]
@@ -157,3 +136,11 @@ def test_minimax_m3_reads_each_argument_from_the_tag_its_key_names():
     content, calls = _every_split(MINIMAX_M3, reply)
     assert calls == [("get_weather", {"city": "Rome", "days": 1})]
     assert content.strip() == "</mm:think>"
+
+
+@pytest.mark.parametrize("fmt", [MINIMAX_M3, KIMI_K3], ids=lambda f: f.name)
+def test_a_forced_call_in_markup_without_a_grammar_is_refused_by_name(fmt):
+    """M3's closing tags repeat each key; K3's say each value's type."""
+    with pytest.raises(GrammarError, match=fmt.name) as error:
+        tiny_grammars().tool_calls(fmt, TOOLS)
+    assert error.value.param == "tool_choice"
