@@ -6,8 +6,9 @@ Qwen3-Coder's ``arguments|items``, GLM's), and refuse text; others apply
 ``tojson`` to them, which writes text as an escaped JSON string, not the call
 the model wrote; Gemma 4's writes the object's braces itself. The template
 decides: it is probed once with text arguments, and where it refuses them,
-escapes them or braces them again, arguments that are a
-JSON object are passed to it as that object. Templates that write text as it
+escapes them, braces them again or writes them as a JSON block where it
+writes an object as markup (Kimi-K3), arguments that are a JSON object are
+passed to it as that object. Templates that write text as it
 is (Hermes-style ``is string`` checks) get the text, unchanged.
 """
 
@@ -96,4 +97,17 @@ def _wants_objects(tokenizer, template: str) -> bool:
     # A template that writes the object's braces itself (Gemma 4's
     # call:NAME{key:value}) would write text inside a second pair.
     braced = "{" + _PROBE_ARGUMENTS + "}" in text
-    return escaped or braced
+    return escaped or braced or _markup_for_objects(render, text)
+
+
+def _markup_for_objects(render, text: str) -> bool:
+    """Whether the template writes text arguments as a JSON block but an
+    object as markup of its own, no JSON in it (Kimi-K3's argument tags):
+    the model writes the markup."""
+    if _PROBE_ARGUMENTS not in text:
+        return False
+    try:
+        as_object = render(json.loads(_PROBE_ARGUMENTS))
+    except Exception:
+        return False
+    return not any(pair in as_object for pair in ('"key": "value"', '"key":"value"'))

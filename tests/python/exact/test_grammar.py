@@ -14,6 +14,7 @@ import torch
 from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
+    APERTUS,
     APRIEL,
     COHERE,
     DEEPSEEK_R1,
@@ -22,6 +23,7 @@ from kvchat.agents.formats import (
     DEEPSEEK_V32,
     GEMMA4,
     GIGACHAT,
+    GIGACHAT_3,
     GLM,
     HARMONY,
     HERMES,
@@ -29,6 +31,7 @@ from kvchat.agents.formats import (
     KIMI,
     LFM2,
     LLAMA3_JSON,
+    MINICPM,
     MINIMAX,
     MINIMAX_M1,
     MISTRAL_V3,
@@ -69,6 +72,9 @@ CONSTRAINABLE = [
     DEEPSEEK_R1,
     GIGACHAT,
     MINIMAX_M1,
+    APERTUS,
+    MINICPM,
+    GIGACHAT_3,
 ]
 
 
@@ -99,7 +105,7 @@ def test_what_a_tool_grammar_lets_a_model_write_parses_as_calls(fmt, parallel):
         assert calls and all(_allowed(c) for c in calls), text
         assert content.strip() == "", text
         counts.add(len(calls))
-    if not parallel or fmt in (LLAMA3_JSON, HARMONY, GIGACHAT):  # one call a reply
+    if not parallel or fmt in (LLAMA3_JSON, HARMONY, GIGACHAT, GIGACHAT_3):  # one call a reply
         assert counts == {1}
 
 

@@ -14,6 +14,7 @@ import pytest
 from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
+    APERTUS,
     APRIEL,
     COHERE,
     DEEPSEEK_R1,
@@ -21,15 +22,19 @@ from kvchat.agents.formats import (
     DEEPSEEK_V32,
     GEMMA4,
     GIGACHAT,
+    GIGACHAT_3,
     GLM,
     HARMONY,
     HERMES,
     HY3,
     KIMI,
+    KIMI_K3,
     LFM2,
     LLAMA3_JSON,
+    MINICPM,
     MINIMAX,
     MINIMAX_M1,
+    MINIMAX_M3,
     MISTRAL_V3,
     MISTRAL_V11,
     NEMOTRON_V2,
@@ -59,6 +64,9 @@ FOLLOWED = [
     SEED_OSS,
     HY3,
     DEEPSEEK_V32,
+    APERTUS,
+    MINICPM,
+    GIGACHAT_3,
 ]
 
 
@@ -114,7 +122,7 @@ def test_text_that_is_not_the_grammars_is_not_followed(fmt):
 
 def test_only_python_calls_and_formats_without_a_grammar_are_given_whole():
     assert all(streamable(f) for f in FOLLOWED)
-    assert not any(streamable(f) for f in (LFM2, GEMMA4, SOLAR, None))
+    assert not any(streamable(f) for f in (LFM2, GEMMA4, SOLAR, MINIMAX_M3, KIMI_K3, None))
 
 
 def _arguments_given(items) -> dict[int, str]:
