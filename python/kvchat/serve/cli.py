@@ -18,6 +18,8 @@ from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from ..units import parse_bytes
 from .chat_template import chat_template, template_kwargs
 
+_MAX_TTL = 10 * 365 * 24 * 3600.0
+
 _DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -203,8 +205,12 @@ def load_model(spec: str, dtype: torch.dtype | None, device: str):
 def build_app(args: argparse.Namespace):
     from . import ServeConfig, create_app
 
-    if args.session_ttl < 0:
-        raise ValueError(f"--session-ttl must be >= 0 seconds (0: never), got {args.session_ttl}")
+    # NaN fails this too; Redis takes a life in whole milliseconds below 2**63.
+    if not 0 <= args.session_ttl <= _MAX_TTL:
+        raise ValueError(
+            f"--session-ttl must be 0 (never) to {_MAX_TTL:.0f} seconds (ten years), got "
+            f"{args.session_ttl}"
+        )
     if args.responses_per_key < 1:
         raise ValueError(f"--responses-per-key must be at least 1, got {args.responses_per_key}")
     response_bytes = parse_bytes(args.response_bytes_per_key, "--response-bytes-per-key")

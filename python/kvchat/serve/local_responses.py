@@ -72,6 +72,8 @@ class LocalResponses:
     def delete(self, ns: str, rid: str) -> bool:
         with self._lock:
             key = self._keys.get(ns)
+            if key is not None:
+                key.expire(time.monotonic())  # an expired response is a 404 here too
             found = None if key is None else key.records.pop(rid, None)
             if found is None:
                 return False

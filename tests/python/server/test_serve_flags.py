@@ -73,3 +73,11 @@ def test_stored_response_bounds_reach_the_app(monkeypatch, flags, per_key, nbyte
 def test_bad_stored_response_bounds_are_refused_by_name(flags):
     with pytest.raises(ValueError, match=flags[0]):
         cli.build_app(_args(*flags))
+
+
+@pytest.mark.parametrize("ttl", ["-1", "inf", "nan", "1e16"])
+def test_a_session_ttl_no_store_can_keep_is_refused_by_name(ttl):
+    # inf crashed a --store server at start, 1e16 failed every stored response
+    # (Redis takes lives in ms below 2**63), and nan was taken silently.
+    with pytest.raises(ValueError, match="--session-ttl"):
+        cli.build_app(_args("--session-ttl", ttl))

@@ -188,6 +188,12 @@ PUT_RESPONSE = (
     _RESPONSES
     + """
 if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('DEL', KEYS[3]) end
+-- The index, the sizes and the list live as long as the longest-lived record
+-- in them: a put with a shorter life (a replica with another --session-ttl)
+-- never ends them under records still stored. Read before anything below
+-- deletes or makes them: -2 none yet, -1 for ever.
+local lives = {}
+for i = 2, 4 do lives[i] = redis.call('PTTL', KEYS[i]) end
 prune(KEYS[2], KEYS[3])
 if redis.call('ZSCORE', KEYS[2], KEYS[1]) then drop(KEYS[2], KEYS[3], KEYS[1]) end
 local seq = redis.call('HINCRBY', KEYS[3], '~seq', 1)
@@ -209,10 +215,10 @@ while count > 1 and (count > tonumber(ARGV[3]) or total > tonumber(ARGV[4])) do
 end
 redis.call('HSET', KEYS[4], KEYS[2], KEYS[3])
 for i = 2, 4 do
-  if ARGV[2] == '' then
+  if ARGV[2] == '' or lives[i] == -1 then
     redis.call('PERSIST', KEYS[i])
   else
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    redis.call('PEXPIRE', KEYS[i], math.max(lives[i], tonumber(ARGV[2])))
   end
 end
 return evicted
