@@ -469,11 +469,12 @@ def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
         assert not _accepts(grammars, anything, written.format(f'{{"a": {value}}}')), value
     with pytest.raises(GrammarError, match="nsatisfiable"):  # a constant it cannot read
         grammars.processor(grammars.tool_calls(LFM2, _one({"s": {"const": 2**60}})), "x")
-    # A parameter that refers to the arguments schema's $defs (as pydantic writes).
+    # A parameter that refers to the arguments schema's $defs (as pydantic
+    # writes): written as what it refers to is (a boolean as True or False).
     referring = _one({"s": {"$ref": "#/$defs/P"}})
     referring[0]["function"]["parameters"]["$defs"] = {"P": {"type": "boolean"}}
     grammar = grammars.tool_calls(LFM2, referring, parallel=False)
-    assert _accepts(grammars, grammar, written.format("true"))
+    assert _accepts(grammars, grammar, written.format("True"))
     assert not _accepts(grammars, grammar, written.format("1"))
     with pytest.raises(GrammarError, match="'1st'") as error:
         grammars.tool_calls(LFM2, _one({"1st": {"type": "integer"}}))
