@@ -20,6 +20,9 @@ import torch
 from transformers import LogitsProcessor
 
 from .formats import CallGrammar, ToolFormat
+from .refs import refers as _refers
+from .refs import relocated as _relocated
+from .refs import resolved as _resolved
 
 # Compact JSON with the spaces json.dumps and Jinja's tojson write: no free
 # whitespace, which a random or weak model can repeat until max_tokens, and
@@ -468,49 +471,6 @@ def _strict(schema, branch: bool = False):
 
 
 _TOOL = "kvchat_tool_"  # a tool's parameters, as a definition of the calls' schema
-
-
-def _refers(schema) -> bool:
-    """Whether ``schema`` holds a local reference ("#..."), at any depth."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            return True
-        return any(_refers(value) for value in schema.values())
-    if isinstance(schema, list):
-        return any(_refers(value) for value in schema)
-    return False
-
-
-def _relocated(schema, root: str):
-    """``schema`` moved under ``root`` (a JSON pointer "#/..."): its local
-    references ("#", "#/$defs/X") made to point where it now is."""
-    if isinstance(schema, list):
-        return [_relocated(value, root) for value in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _relocated(value, root) for key, value in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = root + ref[1:]
-    return out
-
-
-def _resolved(prop: dict, schema: dict) -> dict:
-    """``prop``, or what its local reference into the arguments schema's
-    definitions ("#/$defs/X", as pydantic writes) stands for."""
-    for _ in range(32):  # a reference to a reference, not a cycle
-        ref = prop.get("$ref")
-        if not isinstance(ref, str) or not ref.startswith("#/"):
-            return prop
-        target = schema
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            target = target.get(part) if isinstance(target, dict) else None
-        if not isinstance(target, dict):
-            return prop
-        prop = target
-    return prop
 
 
 def _literals(schema, where: str):

@@ -28,6 +28,7 @@ from transformers.utils.chat_parsing import ResponseParser
 from .formats import ToolFormat
 from .json_arguments import dumps, not_json
 from .quoted import QuotedMarkup, escaped
+from .refs import with_refs_resolved
 
 logger = logging.getLogger("kvchat")
 
@@ -205,7 +206,8 @@ class ToolCallParser:
                 self._quoted = QuotedMarkup()
             elif calls.get("content") == "python-call-list":
                 self._quoted = QuotedMarkup("'\"", "{[(")
-        return ResponseParser(self._format.spec, prefix="", tools=self._tools)
+        # Values are cast by their parameter's type, read through a $ref.
+        return ResponseParser(self._format.spec, prefix="", tools=with_refs_resolved(self._tools))
 
     def _marker(self) -> tuple[int | None, int]:
         """(where a complete marker starts, or None; how much of the pending
