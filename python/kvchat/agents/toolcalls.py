@@ -163,7 +163,7 @@ class ToolCallParser:
         if g is None or g.separator is None:  # no grammar's shape, or one call a reply
             return None
         whole = self._reads(self._section_text)
-        if whole is not None and not self._call_begun(whole[0].content):
+        if whole is not None and not self._markup_begun(whole[0].content):
             return None
         end, text = g.call_close or "}", self._section_text
         at = len(text)
@@ -179,11 +179,13 @@ class ToolCallParser:
                 return read[1]
         return None
 
-    def _call_begun(self, content: str) -> bool:
-        """Whether ``content``, read after the calls, ends with the start of
-        a next call's markup (the reply cut there)."""
+    def _markup_begun(self, content: str) -> bool:
+        """Whether ``content``, read after the calls, is the start of a next
+        call's markup or of the section's closing marker (the reply cut there)."""
         g, tail = self._format.grammar, content.strip()
         opens = (g.separator.strip() + g.call_open).strip(), *self._format.markers
+        if tail and g.section_close.strip().startswith(tail):
+            return True
         return bool(tail) and any(m.startswith(tail) or tail.startswith(m) for m in opens if m)
 
     def _reads(self, section: str) -> tuple[ToolCallParser, list] | None:
