@@ -925,3 +925,20 @@ def test_a_cut_parallel_call_keeps_its_complete_items_through_the_responses_api(
     assert kinds[0] == ("function_call", "completed"), kinds
     assert all(kind == ("function_call", "incomplete") for kind in kinds[1:]), kinds
     json.loads(response.output[0].arguments)
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_closing_tag_in_an_xml_enum_is_refused_by_name(template_server):
+    """Qwen3.5's XML parameters are split at the first "</": an enum value
+    holding one cannot come back as written, so forcing a call of it is a 400
+    naming the tool and the value, and no session is touched."""
+    server = template_server
+    server.settled()
+    before = server.get("/v1/sessions").json()["data"]
+    tagged = function_tool("tag", "Tags.", {"s": {"enum": ["a</b>", "c"]}})
+    with pytest.raises(openai.BadRequestError) as error:
+        _create(server, "xml-tag", [SYSTEM], 8, tools=[tagged], tool_choice="required")
+    body = error.value.body
+    assert body["param"] == "tool_choice" and body["code"] == "invalid_value", body
+    assert "'tag'" in body["message"] and "'a</b>'" in body["message"], body
+    assert server.get("/v1/sessions").json()["data"] == before
