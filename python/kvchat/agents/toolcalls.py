@@ -6,7 +6,10 @@ transformers' ``ResponseParser`` reads the tool-call section, and what it
 holds is given out when the reply ends: a model ends its turn right after its
 last call, and a section read whole is either all calls or all text. Markup
 that does not parse (a call's JSON cut short, a marker in prose) is never an
-error: the section, from its marker on, is content as it came.
+error: the section, from its marker on, is content as it came. Except where
+the reply was cut short (``finish(cut=True)``): the calls complete before
+the one it was cut inside are calls, and that one is dropped. Markup inside
+a call's strings (``quoted.py``) does not close the call.
 
 A reply in channels (gpt-oss's harmony) is parsed from its first character,
 and its answer streams too: what its ``final`` (or preamble) channel says
@@ -167,7 +170,7 @@ class ToolCallParser:
             return None
         end, text = g.call_close or "}", self._section_text
         at = len(text)
-        for _ in range(64):  # the last few ends: a call is not that short
+        for _ in range(16):  # the last few ends (one inside a string does not read)
             at = text.rfind(end, 0, at)
             if at < 0:
                 return None
