@@ -237,3 +237,84 @@ def test_llm_cli_prompt_continue_and_schema(server, tmp_path):
     details = json.loads(turn2["token_details"] or "{}")
     cached = details.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     assert cached >= whole_turn, turn2
+
+
+# Issue 47: what clients send for a Python function has no additionalProperties,
+# and a parameter with a default is not required; under a forced call the grammar
+# let a random model write a key after "unit" whose name never closed.
+def get_weather(unit: Literal["celsius", "fahrenheit"], hourly: bool = False) -> str:
+    """The weather where the user is.
+
+    Args:
+        unit: Which unit.
+        hourly: Whether to give it hour by hour.
+    """
+    return "4 degrees and rain"
+
+
+def _langchain_model(server, **more):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        model="tiny",
+        base_url=f"{server.url}/v1",
+        api_key="sk-local",
+        temperature=0,
+        max_tokens=160,
+        **more,
+    )
+
+
+@pytest.mark.parametrize("responses", [False, True], ids=["chat", "responses"])
+def test_langchain_bind_tools_on_a_python_function_with_a_named_choice(server, responses):
+    """LangChain's bind_tools on a Python function (its schema as
+    convert_to_openai_tool writes it) with tool_choice naming it, through chat
+    completions and with use_responses_api: LangChain sees one call of it,
+    with the arguments the function takes."""
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    parameters = convert_to_openai_tool(get_weather)["function"]["parameters"]
+    assert "additionalProperties" not in parameters and parameters["required"] == ["unit"]
+    model = _langchain_model(server, use_responses_api=responses)
+    message = model.bind_tools([get_weather], tool_choice="get_weather").invoke("Do I need a coat?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather", message
+    assert call["args"]["unit"] in ("celsius", "fahrenheit")
+    assert set(call["args"]) <= {"unit", "hourly"}, call
+    assert get_weather.__name__ == call["name"] and get_weather(**call["args"])
+
+
+def test_smolagents_tool_calling_agent_with_an_optional_argument(server):
+    """smolagents' ToolCallingAgent on a tool with an optional (nullable)
+    argument: its schema has no additionalProperties and requires only
+    "unit", and each step's forced call ends and is a call smolagents runs."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.memory import ActionStep
+
+    calls = []
+
+    @tool
+    def weather(unit: Literal["celsius", "fahrenheit"], hourly: bool | None = None) -> str:
+        """The weather where the user is.
+
+        Args:
+            unit: Which unit.
+            hourly: Whether to give it hour by hour.
+        """
+        calls.append(unit)
+        return "4 degrees and rain"
+
+    model = OpenAIServerModel(
+        model_id="tiny",
+        api_base=f"{server.url}/v1",
+        api_key="sk-local",
+        temperature=0,
+        max_tokens=100,
+        prompt_cache_key="smolagents-optional",
+    )
+    agent = ToolCallingAgent(tools=[weather], model=model, max_steps=2)
+    agent.run("Do I need a coat?")
+    steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]
+    responses = [s.model_output_message.raw for s in steps if s.model_output_message]
+    assert responses and all(r.choices[0].finish_reason == "tool_calls" for r in responses)
+    assert calls and all(unit in ("celsius", "fahrenheit") for unit in calls)

@@ -21,6 +21,9 @@ import torch
 from transformers import LogitsProcessor
 
 from .formats import CallGrammar, ToolFormat
+from .refs import refers as _refers
+from .refs import relocated as _relocated
+from .refs import resolved as _resolved
 
 logger = logging.getLogger("kvchat.agents")
 
@@ -106,22 +109,31 @@ class Grammars:
                 "use tool_choice 'auto'",
             )
         rules = []
+        for tool in tools:
+            self._check_literals(fmt, tool)
         if g.name_in_json:
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {
-                        g.name_key: {"const": tool["function"]["name"]},
-                        g.arguments_key: _parameters(tool),
-                    },
-                    "required": [g.name_key, g.arguments_key],
-                    "additionalProperties": False,
-                }
-                for tool in tools
-            ]
-            rules.append(
-                f"call_json: %json {json.dumps({'anyOf': calls, 'x-guidance': _JSON_STYLE})}"
-            )
+            calls, definitions = [], {}
+            for i, tool in enumerate(tools):
+                arguments = _parameters(tool)
+                if _refers(arguments):
+                    # "#/..." in a tool's parameters means their root, not the wrapper's.
+                    definitions[f"{_TOOL}{i}"] = _relocated(arguments, f"#/$defs/{_TOOL}{i}")
+                    arguments = {"$ref": f"#/$defs/{_TOOL}{i}"}
+                calls.append(
+                    {
+                        "type": "object",
+                        "properties": {
+                            g.name_key: {"const": tool["function"]["name"]},
+                            g.arguments_key: arguments,
+                        },
+                        "required": [g.name_key, g.arguments_key],
+                        "additionalProperties": False,
+                    }
+                )
+            wrapper = {"anyOf": calls, "x-guidance": _JSON_STYLE}
+            if definitions:
+                wrapper["$defs"] = definitions
+            rules.append(f"call_json: %json {json.dumps(wrapper)}")
             call = self._seq(g.call_open, "call_json", g.call_close)
         else:
             alternatives = []
@@ -161,6 +173,35 @@ class Grammars:
             return "start: (" + section + ") | value\n" + "\n".join(rules) + "\n"
         return f"start: {section}\n" + "\n".join(rules) + "\n"
 
+    def _check_literals(self, fmt: ToolFormat, tool: dict) -> None:
+        """Refuses a tool whose schema gives a text (a property name, an enum
+        or const string) the grammar cannot write as text inside a call: one
+        that holds a special token's text, which llguidance writes as that
+        token (an end token ends the reply there); and in the XML formats,
+        one that holds "</", where the parser splits a call."""
+        name = tool["function"]["name"]
+        specials = self._specials()
+        for where, text in _literals(tool["function"].get("parameters"), "parameters"):
+            found = [s for s in specials if s in text]
+            closing = fmt.grammar.xml is not None and "</" in text
+            if found or closing:
+                why = f"the special token {found[0]!r}" if found else "'</'"
+                raise GrammarError(
+                    "tool_choice",
+                    f"tools: tool {name!r}, {where}: {text[:80]!r} holds {why}, which "
+                    f"cannot be written inside a call in this model's tool-call markup "
+                    f"({fmt.name})",
+                )
+
+    def _specials(self) -> list[str]:
+        """The texts the tokenizer writes as special tokens, longest first."""
+        # Markers a tokenizer added as special tokens (gpt-oss's "<|channel|>",
+        # LFM2's "<|tool_call_start|>") are not all in all_special_tokens.
+        added = getattr(self._tokenizer, "added_tokens_decoder", {}).values()
+        specials = set(getattr(self._tokenizer, "all_special_tokens", ()))
+        specials |= {t.content for t in added if getattr(t, "special", False)}
+        return sorted((s for s in specials if s), key=len, reverse=True)
+
     def _xml_arguments(self, g: CallGrammar, tool: dict, i: int, rules: list) -> str:
         """Lark for a tool's parameters as tagged values, in the schema's
         order, the required ones always. The parser reads each value back as
@@ -184,8 +225,10 @@ class Grammars:
                 )
             value, close, opened = f"value_{i}_{j}", value_close, key_close
             prop = prop if isinstance(prop, dict) else {}
-            choices = prop.get("enum", [prop["const"]] if "const" in prop else None)
-            types = _types(prop)
+            # What a value may be, read through a reference to the definitions.
+            shape = _resolved(prop, schema)
+            choices = shape.get("enum", [shape["const"]] if "const" in shape else None)
+            types = _types(shape)
             if choices and all(isinstance(c, str) for c in choices):
                 literals = (self._literal(c) or '""' for c in choices)
                 rules.append(f"{value}: " + " | ".join(literals))
@@ -226,7 +269,8 @@ class Grammars:
             _check_python_name(key, tool, "parameter")
             value = f"value_{i}_{j}"
             prop = prop if isinstance(prop, dict) else {}
-            rules.append(f"{value}: {self._python_value(prop, _definitions(schema))}")
+            shape = _resolved(prop, schema)
+            rules.append(f"{value}: {self._python_value(shape, _definitions(schema))}")
             pieces.append((f"{self._literal(key + '=')} {value}", key in required))
         if not pieces:
             return '""'
@@ -310,13 +354,7 @@ class Grammars:
         model writes), the rest as strings."""
         if not text:
             return ""
-        # Markers a tokenizer added as special tokens (gpt-oss's "<|channel|>",
-        # LFM2's "<|tool_call_start|>") are not all in all_special_tokens.
-        added = getattr(self._tokenizer, "added_tokens_decoder", {}).values()
-        specials = set(getattr(self._tokenizer, "all_special_tokens", ()))
-        specials |= {t.content for t in added if getattr(t, "special", False)}
-        specials = sorted(specials, key=len)
-        specials = [s for s in reversed(specials) if s and s in text]  # longest first
+        specials = [s for s in self._specials() if s in text]  # longest first
         if not specials:
             return json.dumps(text)
         pattern = "(" + "|".join(re.escape(s) for s in specials) + ")"
@@ -425,9 +463,81 @@ def _types(prop: dict) -> set[str]:
 
 
 def _parameters(tool: dict) -> dict:
-    """A tool's arguments schema (an object with anything, when it gives none)."""
+    """A tool's arguments schema (an object, when it gives none), strict: an
+    object that does not say ``additionalProperties`` has no other keys."""
     parameters = tool["function"].get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    parameters = parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    return _strict(parameters)
+
+
+# Subschemas that describe values, by how they hold them.
+_ONE = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
+_MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _strict(schema, branch: bool = False):
+    """``schema`` with ``additionalProperties: false`` on every object schema
+    that leaves it unsaid, at any depth, as xgrammar's default strict mode
+    reads it: under a grammar, a free key is a string a model may never
+    close. An explicit ``true`` (or a schema) keeps extra keys. The branches
+    of an ``allOf`` are left open, since each describes part of one object."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            out[key] = _strict(schema[key])
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            out[key] = [_strict(sub, key == "allOf") for sub in schema[key]]
+    for key in _NAMED:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _strict(sub) for name, sub in schema[key].items()}
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    objects = "object" in kinds or (not kinds and "properties" in schema)
+    if objects and not branch and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_TOOL = "kvchat_tool_"  # a tool's parameters, as a definition of the calls' schema
+
+
+def _literals(schema, where: str):
+    """(where, text) for every text a grammar writes as it is given in
+    ``schema``: property names, and the strings of ``enum`` and ``const``
+    values, at any depth."""
+    if isinstance(schema, list):
+        for k, value in enumerate(schema):
+            yield from _literals(value, f"{where}[{k}]")
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in ("enum", "const"):
+            for text in _strings(value):
+                yield f"{where}.{key}", text
+        elif key == "properties" and isinstance(value, dict):
+            for name, sub in value.items():
+                yield f"{where}.properties", name
+                yield from _literals(sub, f"{where}.properties[{name!r}]")
+        elif isinstance(value, (dict, list)):
+            yield from _literals(value, f"{where}.{key}")
+
+
+def _strings(value):
+    """Every string in a JSON value: its keys and strings, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
 
 
 class GrammarProcessor(LogitsProcessor):

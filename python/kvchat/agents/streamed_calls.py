@@ -41,6 +41,7 @@ import regex  # partial matching: whether a header is still being written
 
 from .formats import CallGrammar, ToolFormat
 from .json_arguments import ArgumentsScan, castable_keys, read_object
+from .refs import with_refs_resolved
 from .toolcalls import ToolCall, ToolCallParser
 
 logger = logging.getLogger("kvchat")
@@ -99,8 +100,11 @@ class CallStream:
         # None without tools: then any name is followed.
         self._tools_by_name = None
         if tools:
+            # Cast as the parser casts: by each parameter's type, read through a $ref.
             self._tools_by_name = {
-                t.get("function", t).get("name"): t for t in tools if isinstance(t, dict)
+                t.get("function", t).get("name"): t
+                for t in with_refs_resolved(tools)
+                if isinstance(t, dict)
             }
         self._max_calls = max_calls
         self._call_start = 0  # where the call being written starts

@@ -6,7 +6,10 @@ transformers' ``ResponseParser`` reads the tool-call section, and what it
 holds is given out when the reply ends: a model ends its turn right after its
 last call, and a section read whole is either all calls or all text. Markup
 that does not parse (a call's JSON cut short, a marker in prose) is never an
-error: the section, from its marker on, is content as it came.
+error: the section, from its marker on, is content as it came. Except where
+the reply was cut short (``finish(cut=True)``): the calls complete before
+the one it was cut inside are calls, and that one is dropped. Markup inside
+a call's strings (``quoted.py``) does not close the call.
 
 A reply in channels (gpt-oss's harmony) is parsed from its first character,
 and its answer streams too: what its ``final`` (or preamble) channel says
@@ -27,6 +30,8 @@ from transformers.utils.chat_parsing import ResponseParser
 
 from .formats import ToolFormat
 from .json_arguments import dumps, not_json
+from .quoted import QuotedMarkup, escaped
+from .refs import with_refs_resolved
 
 logger = logging.getLogger("kvchat")
 
@@ -74,6 +79,8 @@ class ToolCallParser:
         self._section_text = ""
         self._held: list = []  # what the section parsed so far, given out at the end
         self._streamed = False  # channels: some of the section's content is out already
+        self.cut = False  # a call the reply ended inside was dropped (finish's ``cut``)
+        self._quoted: QuotedMarkup | None = None  # set by _parser for JSON and Python calls
         self._in_section = not fmt.markers  # no literal marker: parsed from the start
         if self._in_section:
             self._section = self._parser()
@@ -103,11 +110,17 @@ class ToolCallParser:
         out, self._pending = self._pending[:hold], self._pending[hold:]
         return self._content(out)
 
-    def finish(self) -> list:
-        """The rest, once the reply has ended."""
+    def finish(self, cut: bool = False) -> list:
+        """The rest, once the reply has ended. ``cut``: the reply was cut
+        short (``max_tokens``, a stop string), so a call it ended inside is
+        dropped and the calls complete before it are still calls."""
         if self._failed or not self._in_section:
             out, self._pending = self._pending, ""
             return self._content(out)
+        if cut and not self._format.channels:
+            complete = self._complete_calls()
+            if complete is not None:
+                return complete
         try:
             if self._format.spec is None:
                 items = self._whole_json()
@@ -144,10 +157,62 @@ class ToolCallParser:
         return out
 
     # -------------------------------------------------------------- internals
+    def _complete_calls(self) -> list | None:
+        """The section's calls up to the last one written whole, when the
+        section does not read as calls to its end (a call there cut short):
+        read with the section closed after that call. None where it reads
+        as it is (a partial marker at the end aside), or no call is whole."""
+        g = self._format.grammar
+        if g is None or g.separator is None:  # no grammar's shape, or one call a reply
+            return None
+        whole = self._reads(self._section_text)
+        if whole is not None and not self._markup_begun(whole[0].content):
+            return None
+        end, text = g.call_close or "}", self._section_text
+        at = len(text)
+        for _ in range(16):  # the last few ends (one inside a string does not read)
+            at = text.rfind(end, 0, at)
+            if at < 0:
+                return None
+            read = self._reads(text[: at + len(end)] + g.section_close)
+            if read is not None and not read[0].content.strip():
+                self.cut, self._failed = True, True  # nothing more is read
+                self.calls = read[0].calls
+                self._pending = self._section_text = ""
+                return read[1]
+        return None
+
+    def _markup_begun(self, content: str) -> bool:
+        """Whether ``content``, read after the calls, is the start of a next
+        call's markup or of the section's closing marker (the reply cut there)."""
+        g, tail = self._format.grammar, content.strip()
+        opens = (g.separator.strip() + g.call_open).strip(), *self._format.markers
+        if tail and g.section_close.strip().startswith(tail):
+            return True
+        return bool(tail) and any(m.startswith(tail) or tail.startswith(m) for m in opens if m)
+
+    def _reads(self, section: str) -> tuple[ToolCallParser, list] | None:
+        """(a parser, the calls it read) for ``section`` read alone; None
+        where it reads no call."""
+        parser = ToolCallParser(self._format, self._tools, self._calls_allowed)
+        items = parser.feed(section)
+        items += parser.finish()
+        if not parser.calls:
+            return None
+        return parser, [i for i in items if isinstance(i, ToolCall)]
+
     def _parser(self) -> ResponseParser | None:
         if self._format.spec is None:
             return None
-        return ResponseParser(self._format.spec, prefix="", tools=self._tools)
+        # Markup inside a JSON (or Python) string does not close the call.
+        calls = self._format.spec["fields"].get("tool_calls", {})
+        if not self._format.channels and not calls.get("content_args"):
+            if calls.get("content") == "json":
+                self._quoted = QuotedMarkup()
+            elif calls.get("content") == "python-call-list":
+                self._quoted = QuotedMarkup("'\"", "{[(")
+        # Values are cast by their parameter's type, read through a $ref.
+        return ResponseParser(self._format.spec, prefix="", tools=with_refs_resolved(self._tools))
 
     def _marker(self) -> tuple[int | None, int]:
         """(where a complete marker starts, or None; how much of the pending
@@ -172,6 +237,8 @@ class ToolCallParser:
         self._section_text += text
         if self._format.spec is None:
             return []  # one JSON object: read whole at the end
+        if self._quoted is not None:
+            text = self._quoted.feed(text)
         try:
             self._read(self._section.feed(text))
         except (ValueError, TypeError, KeyError, RecursionError) as error:
@@ -213,6 +280,10 @@ class ToolCallParser:
                 if held or self._streamed:
                     self._held.append("\n\n")
             if event["type"] == "region_chunk" and event["field"] in ("content", "final"):
+                quoted = self._quoted
+                if quoted is not None and quoted.rewritten and escaped(event["text"]):
+                    # A string outside the calls: not text to give out rewritten.
+                    raise ValueError("a string outside the calls holds markup")
                 self._held.append(event["text"])
             elif event["type"] == "region_close" and event["field"] == "tool_calls":
                 value = event["value"]

@@ -206,6 +206,8 @@ def parse_chat_request(body) -> ChatRequest:
     if not isinstance(parallel, bool):
         message = f"parallel_tool_calls must be a boolean, got {reprlib.repr(parallel)}"
         raise bad_request("parallel_tool_calls", message)
+    # A named function is called once: the grammar allows one call, the reply keeps one.
+    parallel = parallel and tool_name is None
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs", "chat_template_kwargs must be an object")

@@ -112,7 +112,7 @@ class Reply:
                 # A section that did not parse reads as "": nothing more to follow.
                 self._followed = max(self._followed, len(section))
             if final:
-                items += self._settled(self._parser.finish())
+                items += self._settled(self._parser.finish(cut=self._cut()))
         if not self.chat.parallel_tool_calls:  # one call at most: the first
             kept: list = []
             for item in items:
@@ -126,6 +126,12 @@ class Reply:
             elif isinstance(item, Content):
                 self.content += item.text
         return items
+
+    def _cut(self) -> bool:
+        """Whether the reply was cut short: by a stop string, or at max_tokens."""
+        report = getattr(self.stream, "report", None)  # a plain iterator in tests
+        hit_limit = report is not None and report.generated_tokens >= self.max_tokens
+        return self._trim.stopped or hit_limit
 
     def _settled(self, ended: list) -> list:
         """The section read whole, each followed call with the ids and
@@ -152,7 +158,8 @@ class Reply:
         return self.stream.report
 
     def finish_reason(self, stop_ids: set[int]) -> str:
-        if self.calls:
+        # Calls before one the reply was cut inside are calls, and the reply was cut.
+        if self.calls and not (self._parser is not None and self._parser.cut):
             return "tool_calls"
         report = self.stream.report
         if self._trim.stopped or report is None:

@@ -269,6 +269,10 @@ README_ROWS = {
         "test_session_id_that_is_not_unicode_text"
     ],
     "a size argument of 2**63": ["test_sizes_beyond_64_bits_name_the_argument"],
+    "a tool schema a tool-call grammar cannot write": [
+        "test_grammar.py::test_a_text_holding_a_special_token_is_refused_by_name",
+        "test_grammar.py::test_an_xml_markup_refuses_a_text_with_a_closing_tag",
+    ],
     "a turn that raises inside `generate`": [
         "test_generate_args.py::test_a_turn_that_fails_in_generate_leaves_no_half_state",
         "test_budget_accounting.py::test_cancelled_turns_pin_nothing",

@@ -570,11 +570,12 @@ def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
         assert not _accepts(grammars, anything, written.format(f'{{"a": {value}}}')), value
     with pytest.raises(GrammarError, match="nsatisfiable"):  # a constant it cannot read
         grammars.processor(grammars.tool_calls(LFM2, _one({"s": {"const": 2**60}})), "x")
-    # A parameter that refers to the arguments schema's $defs (as pydantic writes).
+    # A parameter that refers to the arguments schema's $defs (as pydantic
+    # writes): written as what it refers to is (a boolean as True or False).
     referring = _one({"s": {"$ref": "#/$defs/P"}})
     referring[0]["function"]["parameters"]["$defs"] = {"P": {"type": "boolean"}}
     grammar = grammars.tool_calls(LFM2, referring, parallel=False)
-    assert _accepts(grammars, grammar, written.format("true"))
+    assert _accepts(grammars, grammar, written.format("True"))
     assert not _accepts(grammars, grammar, written.format("1"))
     with pytest.raises(GrammarError, match="'1st'") as error:
         grammars.tool_calls(LFM2, _one({"1st": {"type": "integer"}}))
@@ -583,3 +584,201 @@ def test_python_call_values_and_names_the_parser_could_not_read_are_handled():
     renamed[0]["function"]["name"] = "2fast"
     with pytest.raises(GrammarError, match="'2fast'"):
         grammars.tool_calls(LFM2, renamed)
+
+
+# ------------------------------------------------- forced calls that end (issue 47)
+# As LangChain's bind_tools on a Python function and smolagents write
+# parameters: no additionalProperties, and a key with a default not required.
+LOOSE = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"description": "Which unit.", "enum": ["c", "f"]},
+                "hourly": {"type": "boolean"},
+                "where": {
+                    "type": "object",
+                    "properties": {"coast": {"type": "boolean"}},
+                    "required": ["coast"],
+                },
+            },
+            "required": ["unit"],
+        },
+    },
+}
+# pydantic's nested model: the parameters refer to their own $defs.
+PLACE = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}, "zone": {"$ref": "#/$defs/Zone"}},
+            "required": ["place", "zone"],
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {"coast": {"type": "boolean"}, "zone": {"$ref": "#/$defs/Zone"}},
+                    "required": ["coast", "zone"],
+                },
+                "Zone": {"enum": ["north", "south"], "type": "string"},
+            },
+        },
+    },
+}
+
+
+def _walked_calls(fmt, tools, seeds=8, limit=2000):
+    grammars = tiny_grammars()
+    grammar = grammars.tool_calls(fmt, tools, parallel=False)
+    out = []
+    for seed in range(seeds):
+        text = walk(grammars, grammar, seed, limit=limit)
+        parser = ToolCallParser(fmt, tools)
+        parser.feed(text)
+        parser.finish()
+        assert parser.content.strip() == "" and len(parser.calls) == 1, text
+        out.append((text, json.loads(parser.calls[0].arguments)))
+    return out
+
+
+@pytest.mark.parametrize("fmt", CONSTRAINABLE, ids=lambda f: f.name)
+def test_parameters_that_leave_additional_properties_unsaid_allow_no_other_key(fmt):
+    """Unsaid additionalProperties means no other key (xgrammar's strict
+    default), at every depth: every walk ends within its limit and writes
+    only the declared keys (a free key's name was a string that a random
+    walk never closed)."""
+    keys = set(LOOSE["function"]["parameters"]["properties"])
+    for text, arguments in _walked_calls(fmt, [LOOSE]):
+        assert "unit" in arguments and set(arguments) <= keys, text
+        assert set(arguments.get("where", {"coast": 1})) == {"coast"}, text
+
+
+def test_an_explicit_true_keeps_other_keys():
+    grammars = tiny_grammars()
+    tools = _one({"a": {"type": "boolean"}})
+    open_ = json.loads(json.dumps(tools))
+    open_[0]["function"]["parameters"]["additionalProperties"] = True
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": true, "b": 1}}\n</tool_call>'
+    assert not _accepts(grammars, grammars.tool_calls(HERMES, tools, parallel=False), call)
+    assert _accepts(grammars, grammars.tool_calls(HERMES, open_, parallel=False), call)
+
+
+@pytest.mark.parametrize("fmt", CONSTRAINABLE, ids=lambda f: f.name)
+def test_parameters_that_refer_to_their_defs_are_constrained_on_every_markup(fmt):
+    """$ref into the parameters' own $defs (pydantic's nested models), on the
+    JSON markups (where the parameters sit inside the calls' schema), the XML
+    ones and LFM2's Python calls: every walk is a call whose values are what
+    the definitions allow."""
+    for text, arguments in _walked_calls(fmt, [PLACE]):
+        assert set(arguments) == {"place", "zone"}, text
+        assert arguments["zone"] in ("north", "south"), text
+        place = arguments["place"]
+        assert set(place) == {"coast", "zone"} and place["zone"] in ("north", "south"), text
+        assert isinstance(place["coast"], bool), text
+
+
+MARKED = _one({"x</tool_call>y": {"enum": ["a</tool_call>b", "[TOOL_CALLS]<|tool_call_end|>"]}})
+JSON_MARKUPS = [f for f in CONSTRAINABLE if f.grammar.xml is None and f is not HARMONY]
+
+
+@pytest.mark.parametrize("fmt", JSON_MARKUPS, ids=lambda f: f.name)
+def test_markup_inside_a_calls_strings_is_read_as_the_strings_it_is(fmt):
+    """An enum value and a key that hold closing markup (Hermes', Mistral's,
+    LFM2's): the parser reads the JSON (or Python) strings as strings, so
+    the call is read whole with those texts (it was cut at the marker and
+    came back as text)."""
+    key = "s" if fmt is LFM2 else "x</tool_call>y"  # LFM2's keys are Python names
+    tools = _one({key: MARKED[0]["function"]["parameters"]["properties"]["x</tool_call>y"]})
+    for text, arguments in _walked_calls(fmt, tools, seeds=4):
+        assert set(arguments) == {key}, text
+        assert arguments[key] in ("a</tool_call>b", "[TOOL_CALLS]<|tool_call_end|>"), text
+
+
+@pytest.mark.parametrize("fmt", CONSTRAINABLE, ids=lambda f: f.name)
+def test_a_text_holding_a_special_token_is_refused_by_name(fmt):
+    """llguidance writes a special token's text as that token, so an enum
+    value or key holding the end token would end the reply inside the call:
+    refused, naming the tool, the place and the text."""
+    grammars = tiny_grammars()
+    for props, where in (
+        ({"s": {"enum": ["a<|im_end|>"]}}, "enum"),
+        ({"k<|im_end|>": {"type": "boolean"}}, "properties"),
+        ({"s": {"type": "object", "properties": {"n": {"const": "<|im_end|>"}}}}, "const"),
+    ):
+        with pytest.raises(GrammarError, match=r"'f'.*" + where + r".*<\|im_end\|>") as error:
+            grammars.tool_calls(fmt, _one(props), parallel=False)
+        assert error.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    "fmt", [QWEN_XML, GLM, MINIMAX, SEED_OSS, HY3, DEEPSEEK_V32], ids=lambda f: f.name
+)
+def test_an_xml_markup_refuses_a_text_with_a_closing_tag(fmt):
+    """The XML parsers split a call at the first "</": an enum value holding
+    one cannot be carried, and is refused by name rather than written."""
+    with pytest.raises(GrammarError, match=r"'f'.*enum.*'a</b'") as error:
+        tiny_grammars().tool_calls(fmt, _one({"s": {"enum": ["a</b", "c"]}}), parallel=False)
+    assert error.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("fmt", CONSTRAINABLE, ids=lambda f: f.name)
+def test_parallel_calls_may_end_after_any_complete_call(fmt):
+    """With parallel calls, the end token is allowed right after each
+    complete call: one call's text (the section closed after it), and two
+    calls' text, each end the reply under the parallel grammar."""
+    grammars = tiny_grammars()
+    parallel = grammars.tool_calls(fmt, TOOLS, parallel=True)
+    one = walk(grammars, grammars.tool_calls(fmt, TOOLS, parallel=False), 0, limit=4000)
+    assert _accepts(grammars, parallel, one), one
+    g = fmt.grammar
+    if g.separator is None:
+        return
+    # Two calls: the first's text, the separator, and the second's call text.
+    body = one[len(g.section_open) : len(one) - len(g.section_close)]
+    two = g.section_open + body + g.separator + body + g.section_close
+    assert _accepts(grammars, parallel, two), two
+
+
+@pytest.mark.parametrize(
+    "family, template", [("llama", None), ("lfm2", None), ("lfm2", "LFM2.5-8B-A1B")]
+)
+def test_forced_calls_of_loose_and_referring_tools_are_plain_generates(family, template):
+    """A forced turn on the tiny float64 model, for the no-additionalProperties
+    tool and the $defs tool: token for token plain generate with the same
+    grammar, on an attention model and the LFM2 hybrid (Hermes' JSON calls,
+    and LFM2.5's Python ones), and read back as a call that ends."""
+    from helpers import SYSTEM, model_for, reference_turn
+    from kvchat import SessionManager
+    from kvchat.agents import detect
+    from kvchat.prompting import end_ids
+    from llama_cpp_models import template_text
+
+    model = model_for(family)
+    tokenizer = tiny_tokenizer(template_text(template)) if template else tiny_tokenizer()
+    fmt = detect(tokenizer)
+    grammars = Grammars(
+        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+    )
+    manager = SessionManager(model, tokenizer)
+    for i, tools in enumerate(([LOOSE], [PLACE], [LOOSE, PLACE])):
+        grammar = grammars.tool_calls(fmt, tools, parallel=False)
+        messages = [SYSTEM, {"role": "user", "content": "The weather in Paris?"}]
+        processor = grammars.processor(grammar, "tool_choice")
+        manager.chat(
+            f"s{i}", messages, max_new_tokens=160, tools=tools, logits_processor=[processor]
+        )
+        report = manager.last_turn(f"s{i}")
+        fresh = grammars.processor(grammar, "tool_choice")
+        expected = reference_turn(
+            model, tokenizer, messages, 160, tools=tools, logits_processor=[fresh]
+        )[2]
+        assert report.output_ids == expected
+        text = tokenizer.decode(list(report.output_ids), skip_special_tokens=False)
+        assert text.endswith(tokenizer.eos_token), text
+        parser = ToolCallParser(fmt, tools)
+        parser.feed(text.split(tokenizer.eos_token)[0])
+        parser.finish()
+        assert len(parser.calls) == 1, text

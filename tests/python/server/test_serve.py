@@ -594,6 +594,9 @@ def test_every_readme_bad_request_row_is_covered():
         "a tool kvchat cannot call": (
             "test_serve_agents.py::test_bad_tools_are_refused_through_the_sdk_and_touch_no_session"
         ),
+        "a forced call (or `\"auto\"` beside": (
+            "test_serve_agents.py::test_a_special_token_in_an_enum_or_key_is_refused_by_name"
+        ),
         "`/v1/completions`:": (
             "test_serve_completions.py::test_bad_completions_get_openai_errors_and_touch_nothing"
         ),

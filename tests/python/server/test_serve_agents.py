@@ -921,3 +921,273 @@ def test_a_streamed_response_whose_grammar_is_refused_ends_with_an_error_event(s
     assert not any(e["type"] == "response.completed" for e in events)
     rid = events[0]["response"]["id"]
     assert server.get(f"/v1/responses/{rid}").status_code == 404
+
+
+# ------------------------------------------------- forced calls that end (issue 47)
+# Parameters as LangChain's convert_to_openai_tool (a Python function) and
+# smolagents write them: no additionalProperties, descriptions, and a key with
+# a default not required. Before, the tiny llama wrote an extra key after
+# "unit" whose name never closed, until max_tokens.
+LOOSE = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather where the user is.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"description": "Which unit.", "enum": ["celsius", "fahrenheit"]},
+                "hourly": {"description": "Hour by hour.", "type": "boolean"},
+            },
+            "required": ["unit"],
+        },
+    },
+}
+# A pydantic model nested in another: its parameters refer to their $defs.
+PLACE = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "description": "The forecast for a place.",
+        "parameters": {
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}, "days": {"enum": [1, 3]}},
+            "required": ["place", "days"],
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {
+                        "zone": {"enum": ["north", "south"]},
+                        "coast": {"type": "boolean"},
+                    },
+                    "required": ["zone", "coast"],
+                }
+            },
+        },
+    },
+}
+
+
+def _exact(server, key, messages, tools, max_tokens, parallel, or_json=None):
+    """The session's last reply is plain generate's under the grammar the
+    request gets (the named tools, parallel or one call, or the JSON)."""
+    family, tokenizer = family_of(server), tiny_tokenizer()
+    grammars = _grammars(family)
+    grammar = grammars.tool_calls(detect(tokenizer), tools, parallel, or_json=or_json)
+    processor = grammars.processor(grammar, "tool_choice")
+    expected = reference_turn(
+        reference_model(family),
+        tokenizer,
+        messages,
+        max_tokens,
+        tools=tools,
+        logits_processor=[processor],
+        suppress_tokens=None,
+    )[2]
+    assert _last_output(server, key) == expected
+
+
+def _arguments_allowed(tool: dict, arguments: dict) -> None:
+    """The arguments have the tool's keys only, each of an allowed value."""
+    parameters = tool["function"]["parameters"]
+    assert set(parameters["required"]) <= set(arguments) <= set(parameters["properties"])
+    if tool is PLACE:
+        assert set(arguments["place"]) == {"zone", "coast"}, arguments
+        assert arguments["place"]["zone"] in ("north", "south") and arguments["days"] in (1, 3)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_named_call_is_one_call_that_ends_on_the_hybrid_too(server, stream):
+    """A named tool_choice with parallel_tool_calls left at its default: one
+    call, which ends (on the LFM2 hybrid it repeated itself until max_tokens
+    and came back as text), plain generate's under a one-call grammar."""
+    key = f"named-one-{stream}"
+    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
+    kwargs = dict(
+        model=server.model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=_named("get_weather"),
+        max_tokens=CALL_TOKENS,
+        temperature=0,
+        prompt_cache_key=key,
+    )
+    message, finish, _ = _complete(server.client(), stream, **kwargs)
+    assert finish == "tool_calls" and message["content"] is None, message
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    _exact(server, key, messages, [WEATHER], CALL_TOKENS, parallel=False)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_parameters_without_additional_properties_give_a_call_that_ends(server, choice):
+    """Parameters that leave additionalProperties unsaid (LangChain's
+    bind_tools on a Python function, smolagents): no other key may be
+    written, so the call ends and is read as a call with the tool's keys."""
+    key = f"loose-{choice}"
+    messages = [SYSTEM, {"role": "user", "content": "Weather?"}]
+    tool_choice = "required" if choice == "required" else _named("get_weather")
+    response = _create(
+        server, key, messages, CALL_TOKENS, tools=[LOOSE], tool_choice=tool_choice,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    choice_ = response.choices[0]
+    assert choice_.finish_reason == "tool_calls", choice_
+    (call,) = choice_.message.tool_calls
+    _arguments_allowed(LOOSE, json.loads(call.function.arguments))
+    _exact(server, key, messages, [LOOSE], CALL_TOKENS, parallel=False)
+
+
+@pytest.mark.parametrize("how", ["required", "named", "auto-json_object"])
+def test_a_tool_whose_parameters_refer_to_their_defs_is_constrained(server, how):
+    """pydantic's nested model ({"$ref": "#/$defs/Place"}): under "required",
+    a named function and "auto" beside json_object (the Agents SDK with an
+    output_type) the grammar resolves it (it was a 400, "Pointer
+    '/$defs/Place' does not exist"), and a call has the nested keys."""
+    key = f"defs-{how}"
+    messages = [SYSTEM, {"role": "user", "content": "Forecast?"}]
+    extra: dict = dict(tools=[PLACE], parallel_tool_calls=False)
+    or_json = None
+    if how == "required":
+        extra["tool_choice"] = "required"
+    elif how == "named":
+        extra["tool_choice"] = _named("forecast")
+    else:
+        extra["response_format"] = {"type": "json_object"}
+        or_json = {"type": "object"}
+    response = _create(server, key, messages, CALL_TOKENS, **extra)
+    choice = response.choices[0]
+    if how != "auto-json_object" or choice.message.tool_calls:
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls"
+        _arguments_allowed(PLACE, json.loads(call.function.arguments))
+    else:
+        assert choice.message.content.startswith("{")
+    _exact(server, key, messages, [PLACE], CALL_TOKENS, parallel=False, or_json=or_json)
+
+
+def test_markup_in_an_enum_and_a_key_stays_inside_the_call(server):
+    """An enum value and a property name holding the template's closing
+    marker: the forced call is read as JSON, not cut at the marker inside a
+    string, and comes back as a call with those texts."""
+    marked = function_tool(
+        "mark",
+        "Markup inside.",
+        {"x</tool_call>y": {"enum": ["a</tool_call>b", "<tool_call>"]}, "on": {"type": "boolean"}},
+    )
+    key = "markup-enum"
+    messages = [SYSTEM, {"role": "user", "content": "Mark it."}]
+    response = _create(server, key, messages, CALL_TOKENS, tools=[marked], tool_choice="required",
+                       parallel_tool_calls=False)  # fmt: skip
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"x</tool_call>y", "on"}, arguments
+    assert arguments["x</tool_call>y"] in ("a</tool_call>b", "<tool_call>")
+    _exact(server, key, messages, [marked], CALL_TOKENS, parallel=False)
+
+
+def test_a_special_token_in_an_enum_or_key_is_refused_by_name(server):
+    """A text holding a special token (the end token <|im_end|>), which
+    llguidance writes as that token so the reply would end mid-string: a 400
+    naming the tool and where, and no session touched."""
+    server.settled()
+    before = server.get("/v1/sessions").json()["data"]
+    in_enum = function_tool("ends", "Ends.", {"s": {"enum": ["a<|im_end|>"]}})
+    in_key = function_tool("ends", "Ends.", {"k<|im_end|>": {"type": "boolean"}})
+    for tool, where in ((in_enum, "enum"), (in_key, "properties")):
+        for tool_choice in ("required", _named("ends")):
+            with pytest.raises(openai.BadRequestError) as error:
+                _create(server, "special", [SYSTEM], 8, tools=[tool], tool_choice=tool_choice)
+            body = error.value.body
+            assert body["param"] == "tool_choice" and body["code"] == "invalid_value", body
+            assert "'ends'" in body["message"] and where in body["message"], body
+            assert "<|im_end|>" in body["message"], body
+    assert server.get("/v1/sessions").json()["data"] == before
+
+
+def _parallel_cut(server, key: str) -> tuple[list, int]:
+    """A forced reply with parallel calls, cut by max_tokens inside its
+    second call: (the messages, the cut)."""
+    tokenizer = tiny_tokenizer()
+    messages = [SYSTEM, {"role": "user", "content": "Weather and time?"}]
+    _create(server, f"{key}-uncut", messages, 3 * CALL_TOKENS, tools=TOOLS,
+            tool_choice="required")  # fmt: skip
+    ids = _last_output(server, f"{key}-uncut")
+    texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    first = next((k for k, t in enumerate(texts) if t.count("</tool_call>") == 1), None)
+    second = next((k for k, t in enumerate(texts) if t.count("<tool_call>") == 2), None)
+    assert first is not None and second is not None, texts[-1]  # the model wrote two calls
+    return messages, second + 3
+
+
+# The tiny LFM2 adds calls until max_tokens; the tiny llama writes one.
+@pytest.mark.parametrize("server", ["lfm2"], indirect=True)
+def test_a_cut_parallel_call_keeps_its_complete_calls(server):
+    """max_tokens cuts the second of parallel forced calls: the first,
+    complete, comes back in tool_calls (answered whole and streamed), never
+    as content, finish_reason length; the cut one is dropped (streamed, its
+    start is out already and its arguments are no JSON)."""
+    messages, cut = _parallel_cut(server, "cut-parallel")
+    extra = dict(tools=TOOLS, tool_choice="required")
+    whole = _create(server, "cut-parallel-whole", messages, cut, **extra).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None, whole
+    (call,) = whole.message.tool_calls
+    json.loads(call.function.arguments)
+    kwargs = dict(model=server.model, messages=messages, max_tokens=cut, temperature=0,
+                  prompt_cache_key="cut-parallel-stream", **extra)  # fmt: skip
+    message, finish, _ = _complete(server.client(), True, **kwargs)
+    assert finish == "length" and message["content"] is None, message
+    first, *rest = message["tool_calls"]
+    assert first["function"] == call.function.model_dump()
+    assert len(rest) <= 1  # the cut call's start, when it was out
+    for cut_call in rest:
+        with pytest.raises(ValueError):
+            json.loads(cut_call["function"]["arguments"])
+
+
+# The tiny LFM2 adds calls until max_tokens; the tiny llama writes one.
+@pytest.mark.parametrize("server", ["lfm2"], indirect=True)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_cut_parallel_call_keeps_its_complete_items_through_the_responses_api(server, stream):
+    """The same through POST /v1/responses: the complete call is a completed
+    function_call item, the cut one (streamed, given out as it was written)
+    incomplete, and the response incomplete (max_output_tokens)."""
+    messages, cut = _parallel_cut(server, f"cut-responses-{stream}")
+    request = dict(
+        model=server.model,
+        input=messages,
+        tools=[{"type": "function", **t["function"]} for t in TOOLS],
+        tool_choice="required",
+        max_output_tokens=cut,
+        temperature=0,
+        store=False,
+    )
+    if stream:
+        events = list(server.client().responses.create(**request, stream=True))
+        response = events[-1].response
+    else:
+        response = server.client().responses.create(**request)
+    assert response.status == "incomplete", response
+    kinds = [(item.type, item.status) for item in response.output]
+    assert kinds[0] == ("function_call", "completed"), kinds
+    assert all(kind == ("function_call", "incomplete") for kind in kinds[1:]), kinds
+    json.loads(response.output[0].arguments)
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_closing_tag_in_an_xml_enum_is_refused_by_name(template_server):
+    """Qwen3.5's XML parameters are split at the first "</": an enum value
+    holding one cannot come back as written, so forcing a call of it is a 400
+    naming the tool and the value, and no session is touched."""
+    server = template_server
+    server.settled()
+    before = server.get("/v1/sessions").json()["data"]
+    tagged = function_tool("tag", "Tags.", {"s": {"enum": ["a</b>", "c"]}})
+    with pytest.raises(openai.BadRequestError) as error:
+        _create(server, "xml-tag", [SYSTEM], 8, tools=[tagged], tool_choice="required")
+    body = error.value.body
+    assert body["param"] == "tool_choice" and body["code"] == "invalid_value", body
+    assert "'tag'" in body["message"] and "'a</b>'" in body["message"], body
+    assert server.get("/v1/sessions").json()["data"] == before
