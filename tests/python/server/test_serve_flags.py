@@ -73,3 +73,30 @@ def test_stored_response_bounds_reach_the_app(monkeypatch, flags, per_key, nbyte
 def test_bad_stored_response_bounds_are_refused_by_name(flags):
     with pytest.raises(ValueError, match=flags[0]):
         cli.build_app(_args(*flags))
+
+
+def test_the_start_up_line_names_the_options_and_masks_the_store_password(monkeypatch, caplog):
+    """Logged once the model is loaded (build_app): the id, the address, dtype,
+    device and options; a --store URL never with its password."""
+    args = _args(
+        "--store", "redis://user:s3cret@127.0.0.1:1/0", "--max-cache-bytes", "1GiB",
+        "--max-sessions", "3", "--compile", "--api-key", "k1", "--port", "9001",
+    )  # fmt: skip
+    built = []
+    real = cli.SessionManager
+
+    def keep(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(cli, "SessionManager", keep)
+    with caplog.at_level("INFO", logger="kvchat.serve"):
+        cli.build_app(args)
+    built[0].tier.close(timeout=5)  # its writer thread: nothing listens on port 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving")]
+    assert lines == [
+        "serving model 'tiny:lfm2' at http://127.0.0.1:9001/v1 (float32 on cpu): "
+        "max sessions 3, cache bytes 1GiB, store redis://***@127.0.0.1:1/0, settle on, "
+        "compile on, 1 API key(s)"
+    ]
+    assert "s3cret" not in caplog.text
