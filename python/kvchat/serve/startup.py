@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from .preflight import is_tiny
 
-if TYPE_CHECKING:  # the app's module imports FastAPI, which --help does not need
+if TYPE_CHECKING:  # hints only: the manager and the app need not load for model_id
     from ..manager import SessionManager
     from .app import ServeConfig
 
