@@ -288,6 +288,10 @@ def tiny_model(
     """A tiny causal LM with random weights drawn from ``seed``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from .quiet_imports import import_model_classes
+
+    import_model_classes()  # without torchao's import-time warnings
+
     config = tiny_config(family, size, tokenizer, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
