@@ -38,6 +38,8 @@ from .tiers import SessionFileError, SharedTier, StoreUnavailable, Tier  # noqa:
 from .tiers.redis import RedisTier  # noqa: E402
 
 UnknownSessionError = _C.UnknownSessionError
+# A KeyError's str() is the repr of its key; this one's is a sentence, shown as it is.
+UnknownSessionError.__str__ = Exception.__str__
 SessionBusy = _C.SessionBusy
 
 logging.getLogger("kvchat").addHandler(logging.NullHandler())

@@ -6,6 +6,7 @@ call shares (a session id, a path, a bool)."""
 from __future__ import annotations
 
 import os
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,39 @@ def check_path(path) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"path must be a non-empty str or os.PathLike, got {path!r}")
     return Path(path)
+
+
+def check_model(model) -> None:
+    """A transformers decoder-only LM: kvchat keeps one cache per conversation
+    that the next prompt extends, which an encoder-decoder model has no place for."""
+    if not (hasattr(model, "generate") and hasattr(model, "config")):
+        raise TypeError(
+            f"model must be a transformers causal LM with generate() and config, "
+            f"got {type(model).__name__}"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"model must be a decoder-only causal LM (AutoModelForCausalLM), got "
+            f"{type(model).__name__}, an encoder-decoder model: kvchat reuses the cache of a "
+            f"prompt that each turn extends, which an encoder-decoder model does not keep"
+        )
+
+
+# What kvchat calls on a tokenizer (a wrapper that forwards these will do).
+_TOKENIZER_NEEDS = ("eos_token_id", "decode", "apply_chat_template")
+
+
+def check_tokenizer(tokenizer) -> None:
+    """None, or something that tokenizes as a transformers tokenizer does."""
+    if tokenizer is None:
+        return
+    missing = [name for name in _TOKENIZER_NEEDS if not hasattr(tokenizer, name)]
+    if missing or not callable(tokenizer):
+        raise TypeError(
+            f"tokenizer must be the model's transformers tokenizer "
+            f"(AutoTokenizer.from_pretrained(...)) or None, got "
+            f"{type(tokenizer).__name__} {reprlib.repr(tokenizer)}"
+        )
 
 
 def _one_of(value, name: str, choices) -> str:

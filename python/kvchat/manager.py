@@ -10,7 +10,14 @@ import torch
 from transformers import CompileConfig
 
 from . import _C
-from .arguments import ManagerOptions, check_session_id, choose_tier, reload_reason
+from .arguments import (
+    ManagerOptions,
+    check_model,
+    check_session_id,
+    check_tokenizer,
+    choose_tier,
+    reload_reason,
+)
 from .bridge import CacheBridge
 from .compiled import CompiledDecode
 from .fingerprint import model_fingerprint
@@ -110,11 +117,8 @@ class SessionManager(SessionAdmin):
             ``StaticCache``, on any device. False (default): eagerly, in
             kvchat's growable buffers. See docs/compiled-decode.md.
         """
-        if not (hasattr(model, "generate") and hasattr(model, "config")):
-            raise TypeError(
-                f"model must be a transformers causal LM with generate() and config, "
-                f"got {type(model).__name__}"
-            )
+        check_model(model)
+        check_tokenizer(tokenizer)
         options = ManagerOptions.check(
             max_sessions=max_sessions,
             max_cache_bytes=max_cache_bytes,

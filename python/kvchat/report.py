@@ -6,6 +6,27 @@ from dataclasses import asdict, dataclass, field
 
 from . import _C
 
+# The core names a dtype as c10 does ("Float"); users know torch's names.
+_TORCH_NAMES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Short": "int16",
+    "Int": "int32",
+    "Long": "int64",
+}
+
+
+def torch_dtype_name(core_name: str) -> str | None:
+    """torch's name for a dtype without its ``torch.`` prefix ("float32",
+    "bfloat16"; ``getattr(torch, name)`` is the dtype), from the core's c10
+    name ("Float", "BFloat16"); None for an empty one (nothing cached)."""
+    if not core_name:
+        return None
+    return _TORCH_NAMES.get(core_name, core_name.lower())  # BFloat16, Float8_e4m3fn, Bool
+
 
 @dataclass(frozen=True)
 class TurnReport:
@@ -144,7 +165,7 @@ class SessionInfo:
     nbytes: int  # layer states and checkpoints, shared storage counted once
     checkpoints: int
     checkpoint_bytes: int
-    dtype: str | None
+    dtype: str | None  # torch's name: "float32", "bfloat16"
     device: str | None
     system_prompt: str | None
     messages: int  # history length, system prompt excluded
@@ -160,7 +181,7 @@ class SessionInfo:
             session_id=session.id,
             resident=session.resident,
             **_read(info, _CACHE_INFO),
-            dtype=info.dtype or None,
+            dtype=torch_dtype_name(info.dtype),
             device=info.device or None,
             system_prompt=system,
             messages=len(messages) - (system is not None),

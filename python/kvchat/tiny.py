@@ -1,7 +1,7 @@
 """Embedded tiny models and tokenizer for demos and tests.
 
 No model hub is needed: the tokenizer is a small byte-level BPE shipped with
-the package (regenerate it with ``python -m kvchat.tiny``), and models are built
+the package (``python -m kvchat.tiny PATH`` trains it anew), and models are built
 from configs with random weights and a fixed seed.
 """
 
@@ -288,6 +288,10 @@ def tiny_model(
     """A tiny causal LM with random weights drawn from ``seed``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from .quiet_imports import import_model_classes
+
+    import_model_classes()  # without torchao's import-time warnings
+
     config = tiny_config(family, size, tokenizer, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -298,13 +302,34 @@ def tiny_model(
     return model
 
 
-def _write_tokenizer() -> Path:
-    path = Path(__file__).parent / "data" / TOKENIZER_FILE
-    path.parent.mkdir(exist_ok=True)
+def write_tokenizer(path: str | Path) -> Path:
+    """Trains the tiny tokenizer anew and writes it to ``path`` (the file the
+    package ships is ``python/kvchat/data/tiny_tokenizer.json`` in a checkout)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(train_tiny_tokenizer().to_str())
     path.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")), "utf-8")
     return path
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvchat.tiny",
+        description="Train the embedded tiny tokenizer anew and write it to PATH (never into "
+        "the installed package; to regenerate the shipped one, give "
+        f"python/kvchat/data/{TOKENIZER_FILE} in a checkout).",
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        default=TOKENIZER_FILE,
+        help=f"where to write it (default: ./{TOKENIZER_FILE})",
+    )
+    args = parser.parse_args(argv)
+    print(f"wrote {write_tokenizer(args.path)}")
+
+
 if __name__ == "__main__":
-    print(f"wrote {_write_tokenizer()}")
+    main()

@@ -34,6 +34,18 @@ _MAX_PROBED_TEMPLATES = 256
 _CACHE_ARGUMENTS = ("past_key_values", "cache_params", "cache")
 
 
+def vocabulary_size(model) -> int:
+    """How many token ids the model's input embedding holds (the config's
+    ``vocab_size`` for a model that exposes no embedding)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    if isinstance(embeddings, torch.nn.Embedding):
+        return embeddings.num_embeddings
+    return model.config.get_text_config().vocab_size
+
+
 class RequestBuilder:
     """Builds one manager's turn requests (its model, tokenizer and context)."""
 
@@ -178,8 +190,7 @@ class RequestBuilder:
         ends = end_ids(self._tokenizer, generation_config, kwargs.get("eos_token_id"))
         return ReplyStream(self._tokenizer, kwargs, skip_special_tokens, ends)
 
-    @staticmethod
-    def check_ids(input_ids, session_id: str, generate_kwargs: dict, method: str) -> None:
+    def check_ids(self, input_ids, session_id: str, generate_kwargs: dict, method: str) -> None:
         check_session_id(session_id)
         for name in _CACHE_ARGUMENTS:
             if name in generate_kwargs:
@@ -193,3 +204,11 @@ class RequestBuilder:
             )
         if input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        # Checked here: the embedding's own IndexError names neither the id nor the table.
+        vocab = vocabulary_size(self._model)
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab):
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)][0].item()
+            raise ValueError(
+                f"input_ids holds token id {bad}, outside the model's vocabulary of {vocab} "
+                f"(ids 0 to {vocab - 1}); tokenize with the model's own tokenizer"
+            )

@@ -36,6 +36,7 @@ logger = logging.getLogger("kvchat.serve")
 @dataclass
 class ServeConfig:
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # other ids a request may send for the model
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 2**20
     max_pending: int = 64  # requests generating or waiting at once; more get 429

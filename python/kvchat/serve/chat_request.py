@@ -227,8 +227,9 @@ def parse_chat_request(body) -> ChatRequest:
     include_usage = bool((options or {}).get("include_usage", False))
 
     max_tokens = _integer(body, "max_completion_tokens", 1)
+    max_tokens_field = "max_completion_tokens"  # the field errors about it name
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
+        max_tokens, max_tokens_field = _integer(body, "max_tokens", 1), "max_tokens"
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -288,4 +289,5 @@ def parse_chat_request(body) -> ChatRequest:
         tool_name=tool_name,
         parallel_tool_calls=parallel,
         json_schema=json_schema,
+        extra={"max_tokens_field": max_tokens_field},
     )

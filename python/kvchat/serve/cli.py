@@ -14,11 +14,14 @@ import torch
 from ..manager import SessionManager
 from ..pretrained import load_pretrained
 from ..prompting import check_template_kwargs
+from ..quiet_imports import import_model_classes
 from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from ..units import parse_bytes
 from .chat_template import chat_template, template_kwargs
+from .preflight import preflight
+from .startup import model_id, startup_line
 
-_MAX_TTL = 10 * 365 * 24 * 3600.0
+logger = logging.getLogger("kvchat.serve")
 
 _DTYPES = {
     "auto": None,
@@ -57,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the weights' dtype (auto: the checkpoint's; float32 for a .gguf or tiny)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--served-model-name", help="the model id clients send (default: MODEL)")
+    parser.add_argument(
+        "--served-model-name",
+        help="the model id clients send (default: a .gguf file's name without .gguf, a "
+        "folder's name, or tiny[:FAMILY])",
+    )
     parser.add_argument(
         "--chat-template",
         metavar="FILE",
@@ -183,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def load_model(spec: str, dtype: torch.dtype | None, device: str):
     """(model, tokenizer) for a checkpoint directory, a GGUF file or ``tiny[:family]``."""
+    import_model_classes()  # without the warnings of the optional packages it imports
     if spec == "tiny" or spec.startswith("tiny:"):
         family = spec.partition(":")[2] or "llama"
         if family not in FAMILIES:
@@ -193,24 +201,12 @@ def load_model(spec: str, dtype: torch.dtype | None, device: str):
         # generated, as a trained model's do (and the cache is reused as it would be).
         model.generation_config.suppress_tokens = words_only(tokenizer, model.config.vocab_size)
         return model.to(device), tokenizer
-    path = Path(spec)
-    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
-        raise SystemExit(
-            f"kvchat serve: MODEL {spec!r} is neither a checkpoint directory, a .gguf file "
-            "nor tiny[:FAMILY]"
-        )
-    return load_pretrained(path, dtype, device)
+    return load_pretrained(Path(spec), dtype, device)  # preflight checked the path
 
 
 def build_app(args: argparse.Namespace):
     from . import ServeConfig, create_app
 
-    # NaN fails this too; Redis takes a life in whole milliseconds below 2**63.
-    if not 0 <= args.session_ttl <= _MAX_TTL:
-        raise ValueError(
-            f"--session-ttl must be 0 (never) to {_MAX_TTL:.0f} seconds (ten years), got "
-            f"{args.session_ttl}"
-        )
     if args.responses_per_key < 1:
         raise ValueError(f"--responses-per-key must be at least 1, got {args.responses_per_key}")
     response_bytes = parse_bytes(args.response_bytes_per_key, "--response-bytes-per-key")
@@ -230,8 +226,6 @@ def build_app(args: argparse.Namespace):
     if args.store is not None:
         from ..tiers.redis import RedisTier
 
-        if args.spill_dir is not None:
-            raise ValueError("give --store or --spill-dir, not both")
         tier = RedisTier(
             args.store, write=args.store_write, ttl=args.store_ttl, timeout=args.store_timeout
         )
@@ -251,7 +245,9 @@ def build_app(args: argparse.Namespace):
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     config = ServeConfig(
-        model_name=args.served_model_name or args.model,
+        model_name=args.served_model_name or model_id(args.model),
+        # The path as given was the id before: clients that send it still reach the model.
+        model_aliases=() if args.served_model_name else (args.model,),
         api_keys=tuple(keys),
         max_body_bytes=parse_bytes(args.max_body_bytes, "max_body_bytes"),
         max_pending=args.max_pending,
@@ -262,7 +258,19 @@ def build_app(args: argparse.Namespace):
         response_bytes_per_key=response_bytes,
         chat_template_kwargs=args.chat_template_kwargs or {},
     )
-    return create_app(manager, config)
+    app = create_app(manager, config)
+    logger.info("%s", startup_line(args, manager, config))
+    return app
+
+
+def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What comes before the model loads: the checks that need no model (a bad
+    flag exits here, naming it)."""
+    try:
+        preflight(args)
+    except ValueError as error:
+        parser.error(str(error))
+    logger.info("loading MODEL %r on %s", args.model, args.device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    start(parser, args)
     import uvicorn
 
     try:

@@ -85,10 +85,12 @@ class ResponsesRequest:
         if session_key is not None and "prompt_cache_key" not in fields and "user" not in fields:
             fields["prompt_cache_key"] = session_key
         try:
-            return parse_chat_request({**fields, "messages": messages})
+            chat = parse_chat_request({**fields, "messages": messages})
         except APIError as error:
             error.param = responses_param(error.param)
             raise
+        chat.extra["max_tokens_field"] = "max_output_tokens"
+        return chat
 
 
 def responses_param(param: str | None) -> str | None:

@@ -203,7 +203,8 @@ class TurnRunner:
             return await run_in_threadpool(begin)
         except ContextLengthError as error:
             param = "prompt" if chat.prompt is not None else "messages"
-            raise APIError(400, str(error), param=param, code="context_length_exceeded") from None
+            message = _context_message(str(error), chat, max_tokens)
+            raise APIError(400, message, param=param, code="context_length_exceeded") from None
         except ValueError as error:
             message = str(error)
             param = _argument(message, "prompt" if chat.prompt is not None else "messages")
@@ -304,6 +305,18 @@ def _vocab_size(model) -> int:
     """The width of the model's logits (can exceed the tokenizer's vocabulary)."""
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
+def _context_message(message: str, chat: ChatRequest, max_tokens: int) -> str:
+    """The library's context-length message in the request's terms: its field
+    (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) where the
+    library says ``max_new_tokens``, and what to do."""
+    field = chat.extra.get("max_tokens_field", "max_tokens")
+    message = re.sub(r"\bmax_new_tokens\b", field, message)
+    if chat.max_tokens is None:
+        message += f" (the request sent no {field}: --default-max-tokens {max_tokens} applies)"
+    what = "a shorter prompt" if chat.prompt is not None else "fewer or shorter messages"
+    return f"{message}; send {what} or a smaller {field}"
 
 
 def _argument(message: str, default: str | None = None) -> str | None:

@@ -155,6 +155,64 @@ def test_not_a_model(tokenizer):
         SessionManager("gpt2", tokenizer)
 
 
+@pytest.mark.parametrize("tokenizer", ["tok", 3, object()], ids=["str", "int", "object"])
+def test_a_tokenizer_that_is_not_one_is_a_type_error_naming_it(llama, tokenizer):
+    # Was AttributeError: 'str' object has no attribute 'eos_token_id'.
+    with pytest.raises(TypeError) as raised:
+        SessionManager(llama, tokenizer)
+    message = str(raised.value)
+    assert message.startswith("tokenizer must be the model's transformers tokenizer")
+    assert f"got {type(tokenizer).__name__} " in message and "AutoTokenizer" in message
+    if isinstance(tokenizer, str):
+        assert "'tok'" in message
+
+
+def test_an_encoder_decoder_model_is_refused_naming_its_class(tokenizer):
+    """T5 has generate() and a config, but no cache a next prompt extends: a
+    TypeError naming the class at construction, not transformers' "You must
+    specify exactly one of input_ids or inputs_embeds" from the layout probe."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"model must be a decoder-only causal LM \(AutoModelForCausalLM\), "
+        r"got T5ForConditionalGeneration, an encoder-decoder model",
+    ):
+        SessionManager(T5ForConditionalGeneration(config), tokenizer)
+
+
+@pytest.mark.parametrize("bad", [10**6, 668, -1])
+def test_an_id_outside_the_vocabulary_names_the_id_and_the_vocabulary(mgr, llama, bad):
+    """Refused before any session is created or changed (was IndexError:
+    index out of range in self, from the embedding)."""
+    vocab = llama.get_input_embeddings().num_embeddings
+    assert vocab == 668
+    mgr.generate(torch.tensor([[1, 2, 3]]), session_id="g", max_new_tokens=2)
+    before = (mgr.info("g"), mgr.cached_ids("g"))
+    for session in ("g", "new"):
+        with pytest.raises(
+            ValueError,
+            match=rf"input_ids holds token id {bad}, outside the model's vocabulary of {vocab} "
+            rf"\(ids 0 to {vocab - 1}\)",
+        ):
+            mgr.generate(torch.tensor([[1, bad, 2]]), session_id=session, max_new_tokens=2)
+        with pytest.raises(ValueError, match=f"input_ids holds token id {bad}"):
+            mgr.stream_generate(torch.tensor([[bad]]), session_id=session, max_new_tokens=2)
+    assert mgr.sessions() == ["g"]
+    assert (mgr.info("g"), mgr.cached_ids("g")) == before
+
+
+def test_an_unknown_session_prints_its_message_without_extra_quotes(mgr):
+    with pytest.raises(UnknownSessionError) as raised:
+        mgr.info("ghost")
+    assert str(raised.value) == "session_id 'ghost' is not a known session"
+    assert isinstance(raised.value, KeyError)  # still caught as one
+
+
 def test_core_tensor_checks_name_the_argument():
     ok = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="keys must be"):
@@ -216,6 +274,7 @@ README_ROWS = {
     "`store` not a `redis://` URL": ["test_redis_tier.py::test_store_argument_errors"],
     "unknown `session_id`": [
         "test_unknown_session_id",
+        "test_an_unknown_session_prints_its_message_without_extra_quotes",
         "test_settling.py::test_settle_names_bad_arguments",
     ],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
@@ -284,6 +343,16 @@ README_ROWS = {
     ],
     "a grammar llguidance refuses later": [
         "test_grammar.py::test_a_grammar_refused_while_decoding_ends_the_reply_as_plain_generate_does"
+    ],
+    "`tokenizer` that is not a tokenizer": [
+        "test_a_tokenizer_that_is_not_one_is_a_type_error_naming_it"
+    ],
+    "`model` that is not a decoder-only causal LM": [
+        "test_not_a_model",
+        "test_an_encoder_decoder_model_is_refused_naming_its_class",
+    ],
+    "`input_ids` holding an id outside": [
+        "test_an_id_outside_the_vocabulary_names_the_id_and_the_vocabulary"
     ],
     "core: KV tensors": ["test_core_tensor_checks_name_the_argument"],
     "core: a crop": ["test_core_positions_out_of_range"],
@@ -397,6 +466,6 @@ def test_a_refused_argument_starts_no_store_thread(llama, tokenizer, bad):
         SessionManager(llama, tokenizer, store="redis://127.0.0.1:1/0", **bad)
     assert not store_threads() - before
     # Nor does a tokenizer kvchat cannot read (its parts are built before the tier).
-    with pytest.raises(AttributeError):
+    with pytest.raises(TypeError, match="tokenizer must be"):
         SessionManager(llama, object(), store="redis://127.0.0.1:1/0")
     assert not store_threads() - before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from helpers import MAX_NEW, SYSTEM, reference_turn, user_message
 from kvchat import LayerKind, ModelLayout, SessionBusy, SessionManager
 
@@ -16,7 +17,9 @@ def test_info_stats_clear_remove(llama, tokenizer):
     info = mgr.info("a")
     assert info.resident and info.cached_tokens > 0 and info.nbytes > 0
     assert info.system_prompt == SYSTEM["content"] and info.messages == 2
-    assert info.dtype == "Double" and info.device == "cpu"
+    # torch's name, not the core's c10 one ("Double"): getattr(torch, name) is the dtype.
+    assert info.dtype == "float64" and getattr(torch, info.dtype) is llama.dtype
+    assert info.device == "cpu"
     stats = mgr.stats()
     assert stats.requests == 1 and stats.resident_bytes == info.nbytes
     mgr.clear("a")

@@ -349,7 +349,13 @@ SERVE_ERROR_CASES = {
     ],
     "an unknown `model`": [({"json": _chat_body(model="gpt-9")}, 404, "model_not_found", "model")],
     "prompt + `max_tokens` over": [
-        ({"json": _chat_body(max_tokens=10**6)}, 400, "context_length_exceeded", "messages")
+        ({"json": _chat_body(max_tokens=10**6)}, 400, "context_length_exceeded", "messages"),
+        (
+            {"json": _chat_body(max_completion_tokens=10**6)},
+            400,
+            "context_length_exceeded",
+            "messages",
+        ),
     ],
     "a missing or wrong API key": [
         ({"json": _chat_body(), "key": None}, 401, "invalid_api_key", None),
@@ -509,8 +515,13 @@ def test_bad_requests_get_openai_errors_and_touch_nothing(row, llama_server):
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["code"], error["param"]) == (code, param), error
         assert error["message"]
-    if row == "prompt + `max_tokens` over":
-        assert "max_context_length=4096" in error["message"] and "1000000" in error["message"]
+        if row == "prompt + `max_tokens` over":  # named as the request named it
+            # max_completion_tokens, OpenAI's newer name, wins over max_tokens (4 here).
+            names = ("max_completion_tokens", "max_tokens")
+            field = next(name for name in names if name in request["json"])
+            assert f"plus {field}=1000000 exceeds max_context_length=4096" in error["message"]
+            assert error["message"].endswith(f"send fewer or shorter messages or a smaller {field}")
+            assert "max_new_tokens" not in error["message"]
     # The server is up, and no session was created or changed.
     assert llama_server.get("/health").status_code == 200
     assert llama_server.session("witness") == witness
@@ -594,7 +605,7 @@ def test_every_readme_bad_request_row_is_covered():
         "a tool kvchat cannot call": (
             "test_serve_agents.py::test_bad_tools_are_refused_through_the_sdk_and_touch_no_session"
         ),
-        "a forced call (or `\"auto\"` beside": (
+        'a forced call (or `"auto"` beside': (
             "test_serve_agents.py::test_a_special_token_in_an_enum_or_key_is_refused_by_name"
         ),
         "`/v1/completions`:": (

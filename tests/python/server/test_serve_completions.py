@@ -145,6 +145,15 @@ def test_a_stop_string_cuts_the_completion_and_one_that_never_occurs_does_not(se
     assert never.choices[0].text == expected and never.choices[0].finish_reason == "length"
 
 
+def test_a_max_tokens_over_the_context_is_named_as_sent(server):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 10**6}
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "max_tokens (1000000) exceed max_context_length (4096)" in message, message
+    assert "max_new_tokens" not in message and message.endswith("or a smaller max_tokens")
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 from kvchat.serve import cli
+from kvchat.serve.preflight import preflight
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -80,4 +81,31 @@ def test_a_session_ttl_no_store_can_keep_is_refused_by_name(ttl):
     # inf crashed a --store server at start, 1e16 failed every stored response
     # (Redis takes lives in ms below 2**63), and nan was taken silently.
     with pytest.raises(ValueError, match="--session-ttl"):
-        cli.build_app(_args("--session-ttl", ttl))
+        preflight(_args("--session-ttl", ttl))
+
+
+def test_the_start_up_line_names_the_options_and_masks_the_store_password(monkeypatch, caplog):
+    """Logged once the model is loaded (build_app): the id, the address, dtype,
+    device and options; a --store URL never with its password."""
+    args = _args(
+        "--store", "redis://user:s3cret@127.0.0.1:1/0", "--max-cache-bytes", "1GiB",
+        "--max-sessions", "3", "--compile", "--api-key", "k1", "--port", "9001",
+    )  # fmt: skip
+    built = []
+    real = cli.SessionManager
+
+    def keep(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(cli, "SessionManager", keep)
+    with caplog.at_level("INFO", logger="kvchat.serve"):
+        cli.build_app(args)
+    built[0].tier.close(timeout=5)  # its writer thread: nothing listens on port 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving")]
+    assert lines == [
+        "serving model 'tiny:lfm2' at http://127.0.0.1:9001/v1 (float32 on cpu): "
+        "max sessions 3, cache bytes 1GiB, store redis://***@127.0.0.1:1/0, settle on, "
+        "compile on, 1 API key(s)"
+    ]
+    assert "s3cret" not in caplog.text

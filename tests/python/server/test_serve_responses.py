@@ -378,6 +378,17 @@ def test_bad_responses_requests_get_openai_errors_and_touch_nothing(server, extr
     assert server.get("/v1/sessions").json()["data"] == before
 
 
+def test_a_max_output_tokens_over_the_context_is_named_as_sent(server):
+    response = server.post(
+        "/v1/responses", json={"model": server.model, "input": "x", "max_output_tokens": 10**6}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded", error
+    assert "plus max_output_tokens=1000000 exceeds" in error["message"], error
+    assert "max_new_tokens" not in error["message"] and "max_tokens=" not in error["message"]
+
+
 def test_the_agents_sdk_runner_completes_a_tool_loop(server):
     """The OpenAI Agents SDK's default Runner (the Responses API): the model
     must call the tool first (tool_choice "required"), the SDK runs it and

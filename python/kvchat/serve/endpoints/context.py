@@ -83,7 +83,7 @@ class AppContext:
             ) from None
 
     def check_model(self, model: str) -> None:
-        if model != self.config.model_name:
+        if model != self.config.model_name and model not in self.config.model_aliases:
             raise APIError(
                 404,
                 f"the model {model!r} does not exist; this server serves "
