@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
+import reprlib
 import socket
 from pathlib import Path
 
@@ -30,8 +32,24 @@ def preflight(args: argparse.Namespace) -> None:
         )
     if args.store is not None and args.spill_dir is not None:
         raise ValueError("give --store or --spill-dir, not both")
+    for key in args.api_key or ():
+        check_api_key(key, "--api-key")
+    for key in os.environ.get("KVCHAT_API_KEYS", "").split(","):
+        if key.strip():
+            check_api_key(key.strip(), "KVCHAT_API_KEYS")
     check_address(args.host, args.port)
     check_device(args.device)
+
+
+def check_api_key(key: str, where: str) -> None:
+    """A client sends its key in the Authorization header, which carries
+    printable ASCII: a key with anything else was accepted, and no client
+    could ever log in with it."""
+    if not key or not all(33 <= ord(c) <= 126 for c in key):
+        raise ValueError(
+            f"{where} {reprlib.repr(key)}: a key is sent in an HTTP header, so it must be "
+            "printable ASCII with no spaces"
+        )
 
 
 def is_tiny(spec: str) -> bool:

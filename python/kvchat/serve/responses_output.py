@@ -114,6 +114,7 @@ class Output:
         # Calls given out as they were written: [item id, index, start, arguments].
         self._started: list[list] = []
         self._ended = 0  # of them, how many are done
+        self.announced = False  # the client got response.created (set by the stream)
 
     def event(self, kind: str, **fields) -> dict:
         out = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -137,15 +138,17 @@ class Output:
                 events += self._cut_calls() + self._write(item.text)
         return events
 
-    def close(self, any_call: bool) -> list[dict]:
-        """The open message's end (an empty reply is one empty message)."""
+    def close(self, any_call: bool, cut: bool = False) -> list[dict]:
+        """The open message's end (an empty reply is one empty message);
+        ``cut``: the reply was cut short, so that message is "incomplete", as
+        OpenAI marks it."""
         events: list[dict] = self._cut_calls()
         if not any_call and self._message is None and not self.items:
             events += self._open_message()
         if self._blank and self._message is not None:
             events += self._delta(self._blank)
         self._blank = ""
-        return events + self._close_message()
+        return events + self._close_message("incomplete" if cut else "completed")
 
     def _write(self, text: str) -> list[dict]:
         text, self._blank = self._blank + text, ""
@@ -183,11 +186,11 @@ class Output:
             )
         ]
 
-    def _close_message(self) -> list[dict]:
+    def _close_message(self, status: str = "completed") -> list[dict]:
         if self._message is None:
             return []
         item_id, index, text = self._message["id"], len(self.items), self._text
-        done = message_item(item_id, text)
+        done = message_item(item_id, text, status)
         self.items.append(done)
         self._message = None
         where = {"item_id": item_id, "output_index": index, "content_index": 0}

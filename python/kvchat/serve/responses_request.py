@@ -12,6 +12,7 @@ from __future__ import annotations
 import reprlib
 from dataclasses import dataclass
 
+from ..prompting import check_json
 from .chat_request import ChatRequest, check_fields, parse_chat_request
 from .constraints import check_tool
 from .errors import APIError, bad_request
@@ -182,6 +183,10 @@ def _check_metadata(metadata) -> None:
                 "metadata keys are at most 64 characters and values strings of at most 512, "
                 f"got {reprlib.repr(key)}: {reprlib.repr(value)}",
             )
+    try:  # stored with the response as UTF-8: a lone surrogate cannot be
+        check_json(metadata, "metadata")
+    except ValueError as error:
+        raise bad_request("metadata", str(error)) from None
 
 
 def chat_tools(tools) -> list[dict]:

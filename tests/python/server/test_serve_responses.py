@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import socket
 import time
 
 import agents
@@ -378,6 +379,18 @@ def test_bad_responses_requests_get_openai_errors_and_touch_nothing(server, extr
     assert server.get("/v1/sessions").json()["data"] == before
 
 
+def test_metadata_that_is_not_valid_unicode_is_a_400(server):
+    """A lone surrogate (sent as JSON's escape) in metadata cannot be stored
+    as UTF-8: it was a 500, and a streamed request broke mid-stream."""
+    for metadata in ({"k": "\ud800"}, {"\ud800": "v"}):
+        for stream in (False, True):
+            body = {"model": server.model, "input": "x", "metadata": metadata, "stream": stream}
+            headers = {"Content-Type": "application/json"}
+            response = server.post("/v1/responses", content=json.dumps(body), headers=headers)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == "metadata"
+
+
 def test_a_max_output_tokens_over_the_context_is_named_as_sent(server):
     response = server.post(
         "/v1/responses", json={"model": server.model, "input": "x", "max_output_tokens": 10**6}
@@ -613,7 +626,7 @@ def test_a_stream_whose_client_left_is_stored_incomplete_and_continues(bounded):
     assert stored.status == "incomplete"
     assert stored.incomplete_details.reason == "client_disconnected"
     (message,) = stored.output
-    assert message.type == "message" and message.status == "completed"
+    assert message.type == "message" and message.status == "incomplete"  # cut, as OpenAI marks it
     text = message.content[0].text
     assert text.startswith("".join(deltas))  # what the client got, and what followed
     assert 3 <= stored.usage.output_tokens < 2000
@@ -634,6 +647,43 @@ def test_a_stream_whose_client_left_is_stored_incomplete_and_continues(bounded):
     assert details.cached_tokens >= 0.9 * more.usage.input_tokens, details
 
 
+def _requests_answered(server) -> float:
+    match = re.search(
+        r'^kvchat_requests_total\{status="200"\} (\S+)$', server.get("/metrics").text, re.M
+    )
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_stream_whose_client_left_before_its_id_is_not_stored(bounded):
+    """A client that leaves while its turn prefills never gets the id of
+    ``response.created``, so nothing is stored: such records were stored as
+    incomplete, each evicting one of the key's own (found by an attack)."""
+    records = _metric(bounded, "kvchat_stored_responses")
+    answered = _requests_answered(bounded)
+    body = json.dumps(
+        {
+            "model": bounded.model,
+            "input": "the " * 1500,  # a prefill long enough to leave during
+            "max_output_tokens": 4,
+            "stream": True,
+            "prompt_cache_key": "never-announced",
+        }
+    ).encode()
+    host, port = bounded.url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/responses HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY_B}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head.encode() + body)
+    deadline = time.monotonic() + 60
+    while _requests_answered(bounded) == answered:  # its turn is finished
+        assert time.monotonic() < deadline, "the turn never finished"
+        time.sleep(0.05)
+    time.sleep(1)  # the abandoned turn's response would be stored just after
+    assert _metric(bounded, "kvchat_stored_responses") == records
+
+
 def test_a_shared_tier_that_keeps_no_responses_is_refused():
     """A SharedTier with no ``responses`` nor ``routes`` would leave stored
     responses and routes on one replica while its sessions are shared:
@@ -648,3 +698,11 @@ def test_a_shared_tier_that_keeps_no_responses_is_refused():
     manager = SessionManager(model_for("llama"), tiny_tokenizer(), tier=Elsewhere())
     with pytest.raises(ValueError, match="shared tier Elsewhere keeps no stored responses"):
         create_app(manager, ServeConfig(model_name="tiny"))
+
+
+def test_an_unknown_id_gets_a_short_404(server):
+    """A 404 names the id it did not find, shortened: a 20 kB id was echoed whole."""
+    for path in ("/v1/responses/", "/v1/sessions/"):
+        response = server.get(path + "r" * 20_000)
+        assert response.status_code == 404, response.text
+        assert len(response.content) < 1000

@@ -69,7 +69,15 @@ def _cases(tmp_path, busy_port):
         "not a device": (["tiny", "--device", "gpu"], "--device 'gpu' is not a torch device"),
         "negative --session-ttl": (
             ["tiny", "--session-ttl", "-1"],
-            "--session-ttl must be >= 0 seconds",
+            "--session-ttl must be 0 (never) to 315360000 seconds (ten years), got -1.0",
+        ),
+        "endless --session-ttl": (  # crashed a --store server at start
+            ["tiny", "--session-ttl", "inf"],
+            "--session-ttl must be 0 (never) to 315360000 seconds (ten years), got inf",
+        ),
+        "--api-key not ASCII": (  # was accepted, and no client could ever send it
+            ["tiny", "--api-key", "ключ"],
+            "--api-key 'ключ': a key is sent in an HTTP header, so it must be printable ASCII",
         ),
         "--store and --spill-dir": (
             ["tiny", "--store", "redis://127.0.0.1:1/0", "--spill-dir", str(tmp_path)],
@@ -96,7 +104,9 @@ CASES = [
     "unknown host",
     "not a device",
     "negative --session-ttl",
+    "endless --session-ttl",
     "--store and --spill-dir",
+    "--api-key not ASCII",
     "--device cuda without CUDA",
 ]
 
@@ -174,7 +184,12 @@ START_ROWS = {
     "`--port` out of range": ["port out of range"],
     "`--port` in use": ["port in use", "unknown host"],
     "`--device` torch does not have": ["not a device", "--device cuda without CUDA"],
-    "`--session-ttl` below 0": ["negative --session-ttl", "--store and --spill-dir"],
+    "`--session-ttl` below 0": [
+        "negative --session-ttl",
+        "endless --session-ttl",
+        "--store and --spill-dir",
+    ],
+    "an `--api-key`": ["--api-key not ASCII"],
 }
 
 

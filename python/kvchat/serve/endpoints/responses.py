@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
@@ -31,7 +32,9 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         except StoreUnavailable as error:
             raise APIError(503, str(error), param=param, code="store_unavailable") from None
         if record is None:
-            raise APIError(404, f"no response {rid!r}", param=param, code="response_not_found")
+            raise APIError(
+                404, f"no response {reprlib.repr(rid)}", param=param, code="response_not_found"
+            )
         return record
 
     @app.post("/v1/responses")
@@ -57,17 +60,19 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             output = Output()
             # Answered whole: a call is given out once read, never as it was written.
             output.feed([i for i in items if not isinstance(i, (CallStart, CallArguments))])
-            output.close(bool(turn.calls))
+            output.close(bool(turn.calls), cut=ending(ctx, turn)[0] == "incomplete")
             return await run_in_threadpool(keep_response, ctx, turn, req, rid, created, ns, output)
 
         sent = Output()  # a streamed response's items, as they are sent
 
         def keep_abandoned() -> None:
             """The client left mid-stream: its response is stored all the same,
-            unless its grammar was refused (such a reply is no one's)."""
-            if turns.grammar_error(turn) is not None:
+            unless it never got the response's id (it left before
+            response.created) or its grammar was refused (no one's reply)."""
+            if not sent.announced or turns.grammar_error(turn) is not None:
                 return
-            sent.close(bool(turn.calls))  # the open message, and any call cut short, end
+            # The open message, and any call cut short, end.
+            sent.close(bool(turn.calls), cut=ending(ctx, turn, left=True)[0] == "incomplete")
             keep_response(ctx, turn, req, rid, created, ns, sent, left=True)
 
         if req.stream:
@@ -94,9 +99,22 @@ def register(app: FastAPI, ctx: AppContext) -> None:
             raise APIError(503, str(error), param="response_id", code="store_unavailable") from None
         if not deleted:
             raise APIError(
-                404, f"no response {response_id!r}", param="response_id", code="response_not_found"
+                404,
+                f"no response {reprlib.repr(response_id)}",
+                param="response_id",
+                code="response_not_found",
             )
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+def ending(ctx: AppContext, turn: Reply, left: bool = False) -> tuple[str, str]:
+    """A finished turn's response status and, if "incomplete", why: its
+    client left before the reply ended (``left``), or max_output_tokens."""
+    if left and not turn.ended:
+        return "incomplete", "client_disconnected"
+    if turn.report is not None and turn.finish_reason(ctx.turns.stop_ids) == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", "max_output_tokens"
 
 
 def keep_response(
@@ -113,11 +131,7 @@ def keep_response(
     not); ``store`` reads false in it if it was not. ``left``: its client
     left mid-stream; unless the reply had ended, it is incomplete, with the
     output written so far."""
-    status, reason = "completed", "max_output_tokens"
-    if left and not turn.ended:
-        status, reason = "incomplete", "client_disconnected"
-    elif turn.report is not None and turn.finish_reason(ctx.turns.stop_ids) == "length":
-        status = "incomplete"
+    status, reason = ending(ctx, turn, left)
     body = response(req, rid, created, status, output.items, turn.report, reason)
     if req.store and turn.report is not None:
         conversation = [*turn.chat.messages, turn.message()]
@@ -154,7 +168,11 @@ async def response_events(
         start = response(req, rid, created, "in_progress", [], None)
         yield _event(output.event("response.created", response=start))
         yield _event(output.event("response.in_progress", response=start))
+        # A send to a client already gone returns at once, so whether it got
+        # the id is known only at the first wait: a client that left while
+        # its turn prefilled is stopped there, its response never announced.
         while (events := await run_in_threadpool(read)) is not DONE:
+            output.announced = True
             for event in events:
                 yield _event(event)
         finished = True
@@ -170,7 +188,7 @@ async def response_events(
             refused = turns.grammar_error(turn)
             if refused is not None:
                 return refused, None
-            closing = output.close(bool(turn.calls))
+            closing = output.close(bool(turn.calls), cut=ending(ctx, turn)[0] == "incomplete")
             return closing, keep_response(ctx, turn, req, rid, created, ns, output)
 
         ended = await run_in_threadpool(end)

@@ -4,6 +4,7 @@ last turn) and deleted, here and in the shared store."""
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
@@ -99,4 +100,6 @@ def register(app: FastAPI, ctx: AppContext) -> None:
 
 
 def _no_session(session_id: str) -> APIError:
-    return APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+    return APIError(
+        404, f"no session {reprlib.repr(session_id)}", param="session_id", code="session_not_found"
+    )
