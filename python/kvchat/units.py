@@ -36,3 +36,12 @@ def parse_bytes(value: int | str | None, name: str = "max_cache_bytes") -> int |
     if not 0 < count < 2**63:  # the core counts bytes in signed 64 bits
         raise ValueError(f"{name} must be positive and below 2**63 bytes, got {value!r}")
     return count
+
+
+def format_bytes(count: int) -> str:
+    """``count`` as the largest binary unit it is a whole number of ("64MiB"),
+    else in bytes: what a flag such as --response-bytes-per-key reads back."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size and count % size == 0:
+            return f"{count // size}{unit}"
+    return f"{count} bytes"

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..manager import SessionManager
+from ..units import format_bytes
 from .endpoints import chat, completions, responses, server, sessions
 from .endpoints.context import AppContext
 from .errors import APIError, api_error_handler
@@ -62,10 +63,10 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
     )
     store = server_store(manager.tier, limits)
     logger.info(
-        "kvchat serve: stored responses kept in %s, each API key's newest %d and %d bytes",
+        "stored responses kept in %s: each API key's newest %d, at most %s",
         "this replica's memory" if store.routes is None else f"the shared store ({store.where})",
         limits.per_key,
-        limits.bytes_per_key,
+        format_bytes(limits.bytes_per_key),
     )
     router = SessionRouter(manager, store.routes)
     metrics = Metrics(manager)

@@ -183,7 +183,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     server.add_argument("--max-body-bytes", default="8MiB", help="larger bodies get 413")
     server.add_argument(
-        "--log-level", default="info", help="debug, info, warning, error (kvchat and uvicorn)"
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error"),
+        help="kvchat's logger and uvicorn's",
     )
     return parser
 

@@ -17,6 +17,7 @@ import torch
 
 from ..pretrained import check_checkpoint
 from ..tiny import FAMILIES
+from ..units import parse_bytes
 
 _MAX_TTL = 10 * 365 * 24 * 3600.0  # seconds
 
@@ -32,6 +33,9 @@ def preflight(args: argparse.Namespace) -> None:
         )
     if args.store is not None and args.spill_dir is not None:
         raise ValueError("give --store or --spill-dir, not both")
+    if args.max_sessions < 1:
+        raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")
+    parse_bytes(args.max_cache_bytes, "--max-cache-bytes")  # names the flag and the value
     for key in args.api_key or ():
         check_api_key(key, "--api-key")
     for key in os.environ.get("KVCHAT_API_KEYS", "").split(","):

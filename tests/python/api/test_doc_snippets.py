@@ -16,6 +16,7 @@ import sys
 import types
 
 import pytest
+from helpers import ROOT
 from kvchat import SessionManager
 from kvchat.serve.process import ServerProcess, redis_server
 from snippets import PAGES, REDIS_URL, SERVER_URL, Block, blocks
@@ -106,3 +107,32 @@ def _close_managers(module: types.ModuleType) -> None:
 def test_a_block_marked_skip_says_why(block):
     assert block.detail, f"{block.where}: a skip needs its reason in parentheses"
     pytest.skip(f"{block.where}: {block.detail}")
+
+
+# What a fence may be tagged: code the tests run or check, or output shown as it is.
+KNOWN_LANGUAGES = {"python", "bash", "text", ""}
+
+
+def test_every_block_is_one_the_tests_know():
+    """A block tagged ``py``, ``sh`` or ``console``, or a fence indented so
+    the block reader misses it, would never be run or checked: the docs use
+    only the languages the tests read."""
+    for page in PAGES:
+        for block in blocks(page):
+            assert block.lang in KNOWN_LANGUAGES, (
+                f"{block.where}: a ```{block.lang} block; the snippet tests run python, "
+                "check bash, and show text (or an untagged block) as it is"
+            )
+        text = (ROOT / page).read_text("utf-8")
+        indented = [n for n, line in enumerate(text.splitlines(), 1) if line.startswith(" ")]
+        fences = [n for n in indented if text.splitlines()[n - 1].lstrip().startswith("```")]
+        assert not fences, f"{page}: indented fences at lines {fences} are not read"
+
+
+def test_an_untagged_block_is_not_python():
+    """Output shown as it is must not be code left untagged (it would not run)."""
+    for page in PAGES:
+        for block in blocks(page):
+            if block.lang == "":
+                code = block.code.lstrip()
+                assert not code.startswith(("from ", "import ", "def ", "mgr.")), block.where

@@ -75,6 +75,18 @@ def _cases(tmp_path, busy_port):
             ["tiny", "--session-ttl", "inf"],
             "--session-ttl must be 0 (never) to 315360000 seconds (ten years), got inf",
         ),
+        "--max-sessions 0": (  # was refused only after the model loaded
+            ["tiny", "--max-sessions", "0"],
+            "--max-sessions must be at least 1, got 0",
+        ),
+        "--max-cache-bytes not a size": (
+            ["tiny", "--max-cache-bytes", "lots"],
+            "--max-cache-bytes",
+        ),
+        "--log-level not a level": (  # was a ValueError traceback
+            ["tiny", "--log-level", "loud"],
+            "argument --log-level: invalid choice: 'loud'",
+        ),
         "--api-key not ASCII": (  # was accepted, and no client could ever send it
             ["tiny", "--api-key", "ключ"],
             "--api-key 'ключ': a key is sent in an HTTP header, so it must be printable ASCII",
@@ -107,6 +119,9 @@ CASES = [
     "endless --session-ttl",
     "--store and --spill-dir",
     "--api-key not ASCII",
+    "--max-sessions 0",
+    "--max-cache-bytes not a size",
+    "--log-level not a level",
     "--device cuda without CUDA",
 ]
 
@@ -190,6 +205,11 @@ START_ROWS = {
         "--store and --spill-dir",
     ],
     "an `--api-key`": ["--api-key not ASCII"],
+    "`--max-sessions` below 1": [
+        "--max-sessions 0",
+        "--max-cache-bytes not a size",
+        "--log-level not a level",
+    ],
 }
 
 

@@ -18,3 +18,10 @@ def test_an_expired_response_is_not_deleted_twice():
     assert not responses.delete("key-a", "r1")
     assert responses.get("key-a", "r1") is None
     assert responses.totals() == (1, 2)
+
+
+def test_the_start_up_log_says_the_byte_bound_as_the_flag_does():
+    from kvchat.units import format_bytes, parse_bytes
+
+    for text in ("64MiB", "12KiB", "1GiB", "1000 bytes"):
+        assert format_bytes(parse_bytes(text.replace(" bytes", ""))) == text
