@@ -507,8 +507,8 @@ _TOOL = "kvchat_tool_"  # a tool's parameters, as a definition of the calls' sch
 
 def _literals(schema, where: str):
     """(where, text) for every text a grammar writes as it is given in
-    ``schema``: property names, and the strings of ``enum`` and ``const``
-    values, at any depth."""
+    ``schema``: property names (``properties`` and ``required``), and the
+    strings of ``enum`` and ``const`` values, at any depth."""
     if isinstance(schema, list):
         for k, value in enumerate(schema):
             yield from _literals(value, f"{where}[{k}]")
@@ -523,6 +523,9 @@ def _literals(schema, where: str):
             for name, sub in value.items():
                 yield f"{where}.properties", name
                 yield from _literals(sub, f"{where}.properties[{name!r}]")
+        elif key == "required" and isinstance(value, list):
+            # A required key no property names is still written as it is given.
+            yield from ((f"{where}.required", n) for n in value if isinstance(n, str))
         elif isinstance(value, (dict, list)):
             yield from _literals(value, f"{where}.{key}")
 

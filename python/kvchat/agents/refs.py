@@ -5,6 +5,10 @@ a value by its parameter's type)."""
 
 from __future__ import annotations
 
+# Keywords whose values are data, never schemas: a "$ref" inside one is a
+# value the tool declares (a const object holding "$ref"), not a reference.
+_DATA = frozenset({"const", "enum", "default", "examples"})
+
 
 def refers(schema) -> bool:
     """Whether ``schema`` holds a local reference ("#..."), at any depth."""
@@ -12,7 +16,7 @@ def refers(schema) -> bool:
         ref = schema.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             return True
-        return any(refers(value) for value in schema.values())
+        return any(refers(value) for key, value in schema.items() if key not in _DATA)
     if isinstance(schema, list):
         return any(refers(value) for value in schema)
     return False
@@ -25,7 +29,7 @@ def relocated(schema, root: str):
         return [relocated(value, root) for value in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: relocated(value, root) for key, value in schema.items()}
+    out = {key: value if key in _DATA else relocated(value, root) for key, value in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = root + ref[1:]

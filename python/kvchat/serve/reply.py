@@ -158,15 +158,21 @@ class Reply:
         return self.stream.report
 
     def finish_reason(self, stop_ids: set[int]) -> str:
-        # Calls before one the reply was cut inside are calls, and the reply was cut.
-        if self.calls and not (self._parser is not None and self._parser.cut):
-            return "tool_calls"
         report = self.stream.report
+        hit_limit = (
+            report is not None
+            and report.generated_tokens >= self.max_tokens
+            and not (report.output_ids and report.output_ids[-1] in stop_ids)
+        )
+        # Calls before one the reply was cut inside are calls, and the reply
+        # was cut; so it was when max_tokens ended it after a complete call,
+        # before the model ended it (it might have written more calls).
+        cut = hit_limit or (self._parser is not None and self._parser.cut)
+        if self.calls and not cut:
+            return "tool_calls"
         if self._trim.stopped or report is None:
             return "stop"
-        hit_limit = report.generated_tokens >= self.max_tokens
-        ended = bool(report.output_ids) and report.output_ids[-1] in stop_ids
-        return "length" if hit_limit and not ended else "stop"
+        return "length" if hit_limit else "stop"
 
 
 def tool_format(chat, fmt: ToolFormat | None) -> ToolFormat | None:

@@ -330,6 +330,7 @@ README_ROWS = {
     "a size argument of 2**63": ["test_sizes_beyond_64_bits_name_the_argument"],
     "a tool schema a tool-call grammar cannot write": [
         "test_grammar.py::test_a_text_holding_a_special_token_is_refused_by_name",
+        "test_grammar.py::test_a_required_key_holding_a_special_token_is_refused_too",
         "test_grammar.py::test_an_xml_markup_refuses_a_text_with_a_closing_tag",
     ],
     "a turn that raises inside `generate`": [

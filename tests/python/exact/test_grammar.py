@@ -713,6 +713,31 @@ def test_a_text_holding_a_special_token_is_refused_by_name(fmt):
         assert error.value.param == "tool_choice"
 
 
+def test_a_required_key_holding_a_special_token_is_refused_too():
+    """A key only ``required`` names (under additionalProperties) is written
+    as it is given too: it passed the check and the reply ended inside it."""
+    parameters = {"properties": {}, "required": ["<|im_end|>"], "additionalProperties": True}
+    tool = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(GrammarError, match=r"'f'.*required.*<\|im_end\|>") as error:
+        tiny_grammars().tool_calls(HERMES, tool, parallel=False)
+    assert error.value.param == "tool_choice"
+
+
+def test_a_ref_inside_a_const_value_is_data_and_written_as_declared():
+    """A const object that holds "$ref" is a value, not a reference: moving the
+    parameters under the grammar's $defs rewrote it, so the call's arguments
+    were not the declared constant."""
+    value = {"$ref": "#/keep/me"}
+    grammars = tiny_grammars()
+    grammar = grammars.tool_calls(HERMES, _one({"v": {"const": value}}), parallel=False)
+    text = walk(grammars, grammar, 0, limit=4000)
+    parser = ToolCallParser(HERMES, _one({"v": {"const": value}}))
+    parser.feed(text)
+    parser.finish()
+    (call,) = parser.calls
+    assert json.loads(call.arguments) == {"v": value}
+
+
 @pytest.mark.parametrize(
     "fmt", [QWEN_XML, GLM, MINIMAX, SEED_OSS, HY3, DEEPSEEK_V32], ids=lambda f: f.name
 )

@@ -5,6 +5,7 @@ a gpt-oss reply streamed in token-sized pieces. No model runs here."""
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 from kvchat.agents import Content, ToolCall
@@ -141,3 +142,30 @@ def test_content_written_before_a_call_in_the_same_piece_goes_out_first():
         (call,) = [i for i in items if isinstance(i, ToolCall)]
         assert "".join(i.text for i in items if isinstance(i, CallArguments)) == call.arguments
         assert [i.id for i in items if isinstance(i, CallStart)] == [call.id]
+
+
+class _Reported:
+    """A turn's stream that has ended, with its report."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise StopIteration
+
+
+def test_a_reply_max_tokens_ends_after_complete_calls_finishes_for_length():
+    """Complete calls the model did not end its reply after (max_tokens came
+    first: it might have written more) finish for "length", as a cut inside a
+    call does; the same calls ended by the model finish for "tool_calls"."""
+    call = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>\n'
+    text = call.format("Paris") + call.format("Rome")
+    for last, reason in ((3, "length"), (7, "tool_calls")):
+        report = types.SimpleNamespace(generated_tokens=30, output_ids=[1, 2, last])
+        reply = Reply(_Reported(report), text, _chat(tools=[TOOL]), 30, "s", "ns", HERMES)
+        reply.collect_items()
+        assert [c.arguments for c in reply.calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+        assert reply.finish_reason({7}) == reason
