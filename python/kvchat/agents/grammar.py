@@ -169,6 +169,7 @@ class Grammars:
             calls = f"call ({self._seq(g.separator, 'call')})*"
         section = self._seq(g.section_open, calls, g.section_close)
         if or_json is not None:
+            self._check_json_literals(or_json)
             rules.append(f"value: %json {json.dumps({**or_json, 'x-guidance': _JSON_STYLE})}")
             return "start: (" + section + ") | value\n" + "\n".join(rules) + "\n"
         return f"start: {section}\n" + "\n".join(rules) + "\n"
@@ -191,6 +192,21 @@ class Grammars:
                     f"tools: tool {name!r}, {where}: {text[:80]!r} holds {why}, which "
                     f"cannot be written inside a call in this model's tool-call markup "
                     f"({fmt.name})",
+                )
+
+    def _check_json_literals(self, schema) -> None:
+        """Refuses a response_format whose schema gives a text holding a
+        special token's text: llguidance writes it as that token, so an end
+        token ends the reply inside the JSON (beside tools it came back as
+        broken JSON; alone, as llguidance's own cryptic refusal)."""
+        specials = self._specials()
+        for where, text in _literals(schema, "schema"):
+            found = [s for s in specials if s in text]
+            if found:
+                raise GrammarError(
+                    "response_format",
+                    f"response_format: {where}: {text[:80]!r} holds the special token "
+                    f"{found[0]!r}, which cannot be written inside the JSON",
                 )
 
     def _specials(self) -> list[str]:
@@ -318,6 +334,7 @@ class Grammars:
         return f"[lazy]: /{text}{pattern}/", close[close.index(tag) + len(tag) :]
 
     def json_schema(self, schema: dict) -> str:
+        self._check_json_literals(schema)
         schema = dict(schema)
         schema.setdefault("x-guidance", _JSON_STYLE)
         return f"start: value\nvalue: %json {json.dumps(schema)}\n"

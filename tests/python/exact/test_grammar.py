@@ -723,6 +723,19 @@ def test_a_required_key_holding_a_special_token_is_refused_too():
     assert error.value.param == "tool_choice"
 
 
+def test_a_response_format_holding_a_special_token_is_refused_by_name():
+    """Beside tools ("auto" and a JSON response_format) such a const came back
+    as broken JSON; alone, as llguidance's cryptic refusal."""
+    grammars = tiny_grammars()
+    for schema in ({"const": "<|im_end|>"}, {"type": "object", "properties": {"a<|im_end|>": {}}}):
+        with pytest.raises(GrammarError, match=r"response_format.*<\|im_end\|>") as error:
+            grammars.json_schema(schema)
+        assert error.value.param == "response_format"
+        with pytest.raises(GrammarError, match=r"<\|im_end\|>") as error:
+            grammars.tool_calls(HERMES, TOOLS, parallel=False, or_json=schema)
+        assert error.value.param == "response_format"
+
+
 def test_a_ref_inside_a_const_value_is_data_and_written_as_declared():
     """A const object that holds "$ref" is a value, not a reference: moving the
     parameters under the grammar's $defs rewrote it, so the call's arguments
