@@ -24,6 +24,7 @@ from .formats import CallGrammar, ToolFormat
 from .refs import refers as _refers
 from .refs import relocated as _relocated
 from .refs import resolved as _resolved
+from .unclosed import unclosed
 
 logger = logging.getLogger("kvchat.agents")
 
@@ -237,8 +238,16 @@ class Grammars:
                 if types == {"boolean"} and g.python_scalars:
                     rules.append(f'{value}: "True" | "False"')
                 else:
-                    value_schema = {**prop, **_definitions(schema), "x-guidance": _JSON_STYLE}
-                    schema_text = json.dumps(value_schema)
+                    try:  # the parser splits the call at a "</" in the JSON
+                        value_schema = unclosed({**prop, **_definitions(schema)})
+                    except ValueError as e:
+                        raise GrammarError(
+                            "tool_choice",
+                            f"tools: parameter {key!r} of {tool['function']['name']!r}: {e} "
+                            "cannot be kept free of '</' in this model's XML tool-call "
+                            "markup, where '</' ends the call",
+                        ) from None
+                    schema_text = json.dumps({**value_schema, "x-guidance": _JSON_STYLE})
                     rules.append(f"{value}: %json {schema_text}")
             elif choices:  # text the parser would not cast back to these values
                 raise GrammarError(

@@ -782,3 +782,70 @@ def test_forced_calls_of_loose_and_referring_tools_are_plain_generates(family, t
         parser.feed(text.split(tokenizer.eos_token)[0])
         parser.finish()
         assert len(parser.calls) == 1, text
+
+
+# JSON-valued XML parameters (an object, an array) whose strings a model may
+# fill with anything: the template's closing tag included.
+NESTED = _one(
+    {
+        "o": {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string", "maxLength": 16},  # a random walk ends it
+                "t": {"type": ["string", "null"], "maxLength": 16},
+            },
+            "required": ["s"],
+        },
+        "l": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 2},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "fmt", [QWEN_XML, GLM, MINIMAX, SEED_OSS, HY3, DEEPSEEK_V32], ids=lambda f: f.name
+)
+def test_an_xml_json_value_never_holds_a_closing_tag(fmt):
+    """The XML parsers split a call at the first "</", also inside a
+    parameter written as JSON: walks that write "</tool_call>" (and the
+    format's own closing tags) wherever the grammar allows it always read
+    back as one call, whose strings hold no "</" (they came back as text)."""
+    grammars = tiny_grammars()
+    grammar = grammars.tool_calls(fmt, NESTED, parallel=False)
+    for seed in range(6):
+        text = walk(grammars, grammar, seed, limit=3000, close="</tool_call>")
+        parser = ToolCallParser(fmt, NESTED)
+        parser.feed(text)
+        parser.finish()
+        assert parser.content.strip() == "" and len(parser.calls) == 1, text
+        arguments = json.loads(parser.calls[0].arguments)
+        assert isinstance(arguments["o"]["s"], str) and "</" not in json.dumps(arguments), text
+
+
+def test_free_keys_and_values_in_an_xml_json_value_hold_no_closing_tag():
+    """Keys an object leaves free (a dict parameter, additionalProperties
+    true or a schema, or any value) and strings with their own pattern get
+    no "</" either; what cannot be so kept (patternProperties) is refused by
+    name, not written unreadable."""
+    grammars = tiny_grammars()
+    written = (
+        "<tool_call>\n<function=f>\n<parameter=d>\n{}\n</parameter>\n</function>\n</tool_call>"
+    )
+    for schema in (
+        {"type": "object", "additionalProperties": True},
+        {"type": "object", "additionalProperties": {"type": "string"}},
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        {"type": "array", "items": {"type": "string", "pattern": "^a"}},
+    ):
+        grammar = grammars.tool_calls(QWEN_XML, _one({"d": schema}), parallel=False)
+        if schema["type"] == "array":
+            assert _accepts(grammars, grammar, written.format('["a<b"]'))
+            assert not _accepts(grammars, grammar, written.format('["b"]'))
+            assert not _accepts(grammars, grammar, written.format('["a</tool_call>"]'))
+            continue
+        assert _accepts(grammars, grammar, written.format('{"a": "x<y"}')), schema
+        assert not _accepts(grammars, grammar, written.format('{"a</tool_call>": "x"}')), schema
+        assert not _accepts(grammars, grammar, written.format('{"a": "x</tool_call>"}')), schema
+    with pytest.raises(GrammarError, match=r"'d' of 'f'.*patternProperties") as error:
+        pattern = {"type": "object", "patternProperties": {"^x": {"type": "string"}}}
+        grammars.tool_calls(QWEN_XML, _one({"d": pattern}), parallel=False)
+    assert error.value.param == "tool_choice"
