@@ -849,3 +849,44 @@ def test_free_keys_and_values_in_an_xml_json_value_hold_no_closing_tag():
         pattern = {"type": "object", "patternProperties": {"^x": {"type": "string"}}}
         grammars.tool_calls(QWEN_XML, _one({"d": pattern}), parallel=False)
     assert error.value.param == "tool_choice"
+
+
+# "a, and either b or c": branches that add properties to their parent's.
+EITHER = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "anyOf": [
+        {"properties": {"b": {"type": "string", "maxLength": 8}}, "required": ["b"]},
+        {"properties": {"c": {"type": "string", "maxLength": 8}}, "required": ["c"]},
+    ],
+}
+
+
+@pytest.mark.parametrize("branches", ["anyOf", "oneOf"])
+def test_branches_that_add_properties_keep_their_parents_and_no_other(branches):
+    """An object with properties of its own and anyOf/oneOf branches that
+    add more describes one object: strict closing keeps the parent's keys in
+    each branch and the branches' keys in the parent (each branch was closed
+    on its own keys, so no object met both: a 400 "Unsatisfiable schema"),
+    and still no key that none names."""
+    schema = json.loads(json.dumps(EITHER).replace('"anyOf"', json.dumps(branches)))
+    grammars = tiny_grammars()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    grammar = grammars.tool_calls(HERMES, tools, parallel=False)
+    for arguments, allowed in (
+        ({"a": 1, "b": "x"}, True),
+        ({"a": 1, "c": "y"}, True),
+        ({"a": 1}, False),
+        ({"a": 1, "b": "x", "z": 1}, False),
+        ({"z": 1, "a": 1, "b": "x"}, False),
+    ):
+        call = json.dumps({"name": "f", "arguments": arguments})
+        assert _accepts(grammars, grammar, f"<tool_call>\n{call}\n</tool_call>") == allowed, call
+    # In the XML formats an untyped branch reads as "may be a string" (the
+    # value is then text), so there the branches say they are objects.
+    typed = {**schema, branches: [{**b, "type": "object"} for b in schema[branches]]}
+    for fmt, walked in ((HERMES, tools), (QWEN_XML, _one({"o": typed}))):
+        for text, arguments in _walked_calls(fmt, walked, seeds=6):
+            value = arguments if fmt is HERMES else arguments["o"]
+            assert set(value) in ({"a", "b"}, {"a", "c"}), text
