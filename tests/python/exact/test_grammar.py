@@ -890,3 +890,22 @@ def test_branches_that_add_properties_keep_their_parents_and_no_other(branches):
         for text, arguments in _walked_calls(fmt, walked, seeds=6):
             value = arguments if fmt is HERMES else arguments["o"]
             assert set(value) in ({"a", "b"}, {"a", "c"}), text
+
+
+@pytest.mark.parametrize("fmt", [HERMES, QWEN_XML], ids=lambda f: f.name)
+def test_an_untyped_object_parameter_is_empty_unless_it_says_true(fmt):
+    """A Python dict parameter ({"type": "object"}, no properties) can only
+    be {} under a grammar, as docs/agents.md says; with
+    additionalProperties true it takes keys."""
+    grammars = tiny_grammars()
+    closed = _one({"d": {"type": "object"}})
+    open_ = _one({"d": {"type": "object", "additionalProperties": True}})
+    if fmt is HERMES:
+        text = '<tool_call>\n{{"name": "f", "arguments": {{"d": {}}}}}\n</tool_call>'
+    else:
+        text = "<tool_call>\n<function=f>\n<parameter=d>\n{}\n</parameter>\n</function>\n"
+        text += "</tool_call>"
+    for tools, keyed in ((closed, False), (open_, True)):
+        grammar = grammars.tool_calls(fmt, tools, parallel=False)
+        assert _accepts(grammars, grammar, text.format("{}"))
+        assert _accepts(grammars, grammar, text.format('{"k": 1}')) == keyed
