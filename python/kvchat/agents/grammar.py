@@ -24,6 +24,7 @@ from .formats import CallGrammar, ToolFormat
 from .refs import refers as _refers
 from .refs import relocated as _relocated
 from .refs import resolved as _resolved
+from .unclosed import unclosed
 
 logger = logging.getLogger("kvchat.agents")
 
@@ -253,8 +254,16 @@ class Grammars:
                 if types == {"boolean"} and g.python_scalars:
                     rules.append(f'{value}: "True" | "False"')
                 else:
-                    value_schema = {**prop, **_definitions(schema), "x-guidance": _JSON_STYLE}
-                    schema_text = json.dumps(value_schema)
+                    try:  # the parser splits the call at a "</" in the JSON
+                        value_schema = unclosed({**prop, **_definitions(schema)})
+                    except ValueError as e:
+                        raise GrammarError(
+                            "tool_choice",
+                            f"tools: parameter {key!r} of {tool['function']['name']!r}: {e} "
+                            "cannot be kept free of '</' in this model's XML tool-call "
+                            "markup, where '</' ends the call",
+                        ) from None
+                    schema_text = json.dumps({**value_schema, "x-guidance": _JSON_STYLE})
                     rules.append(f"{value}: %json {schema_text}")
             elif choices:  # text the parser would not cast back to these values
                 raise GrammarError(
@@ -493,21 +502,28 @@ _MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _strict(schema, branch: bool = False):
+def _strict(schema, branch: bool = False, inherited: tuple = ()):
     """``schema`` with ``additionalProperties: false`` on every object schema
     that leaves it unsaid, at any depth, as xgrammar's default strict mode
     reads it: under a grammar, a free key is a string a model may never
     close. An explicit ``true`` (or a schema) keeps extra keys. The branches
-    of an ``allOf`` are left open, since each describes part of one object."""
+    of an ``allOf`` are left open, since each describes part of one object.
+
+    An object and its ``anyOf`` / ``oneOf`` branches describe one object
+    ("a, and b or c"), but llguidance closes each on its own keys: so a
+    closed branch also allows the keys its parent names (``inherited``), and
+    a closed parent those its branches name."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    own = tuple(_names(schema))
     for key in _ONE:
         if isinstance(schema.get(key), dict):
             out[key] = _strict(schema[key])
     for key in _MANY:
         if isinstance(schema.get(key), list):
-            out[key] = [_strict(sub, key == "allOf") for sub in schema[key]]
+            named = inherited + own if key in ("anyOf", "oneOf") else ()
+            out[key] = [_strict(sub, key == "allOf", named) for sub in schema[key]]
     for key in _NAMED:
         if isinstance(schema.get(key), dict):
             out[key] = {name: _strict(sub) for name, sub in schema[key].items()}
@@ -516,7 +532,24 @@ def _strict(schema, branch: bool = False):
     objects = "object" in kinds or (not kinds and "properties" in schema)
     if objects and not branch and "additionalProperties" not in schema:
         out["additionalProperties"] = False
+        # The keys the parent and the branches name, allowed here (any value:
+        # where they are named, they are constrained).
+        branches = [b for key in ("anyOf", "oneOf", "allOf") for b in _list(schema.get(key))]
+        before = {name: {} for name in inherited if name not in own}
+        after = {n: {} for b in branches for n in _names(b) if n not in own and n not in before}
+        if before or after:  # in the order the parent, then the branch, names them
+            out["properties"] = {**before, **(out.get("properties") or {}), **after}
     return out
+
+
+def _names(schema) -> list:
+    """The property names an object schema declares (none if it is not one)."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return list(properties) if isinstance(properties, dict) else []
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 _TOOL = "kvchat_tool_"  # a tool's parameters, as a definition of the calls' schema

@@ -820,3 +820,130 @@ def test_forced_calls_of_loose_and_referring_tools_are_plain_generates(family, t
         parser.feed(text.split(tokenizer.eos_token)[0])
         parser.finish()
         assert len(parser.calls) == 1, text
+
+
+# JSON-valued XML parameters (an object, an array) whose strings a model may
+# fill with anything: the template's closing tag included.
+NESTED = _one(
+    {
+        "o": {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string", "maxLength": 16},  # a random walk ends it
+                "t": {"type": ["string", "null"], "maxLength": 16},
+            },
+            "required": ["s"],
+        },
+        "l": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 2},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "fmt", [QWEN_XML, GLM, MINIMAX, SEED_OSS, HY3, DEEPSEEK_V32], ids=lambda f: f.name
+)
+def test_an_xml_json_value_never_holds_a_closing_tag(fmt):
+    """The XML parsers split a call at the first "</", also inside a
+    parameter written as JSON: walks that write "</tool_call>" (and the
+    format's own closing tags) wherever the grammar allows it always read
+    back as one call, whose strings hold no "</" (they came back as text)."""
+    grammars = tiny_grammars()
+    grammar = grammars.tool_calls(fmt, NESTED, parallel=False)
+    for seed in range(6):
+        text = walk(grammars, grammar, seed, limit=3000, close="</tool_call>")
+        parser = ToolCallParser(fmt, NESTED)
+        parser.feed(text)
+        parser.finish()
+        assert parser.content.strip() == "" and len(parser.calls) == 1, text
+        arguments = json.loads(parser.calls[0].arguments)
+        assert isinstance(arguments["o"]["s"], str) and "</" not in json.dumps(arguments), text
+
+
+def test_free_keys_and_values_in_an_xml_json_value_hold_no_closing_tag():
+    """Keys an object leaves free (a dict parameter, additionalProperties
+    true or a schema, or any value) and strings with their own pattern get
+    no "</" either; what cannot be so kept (patternProperties) is refused by
+    name, not written unreadable."""
+    grammars = tiny_grammars()
+    written = (
+        "<tool_call>\n<function=f>\n<parameter=d>\n{}\n</parameter>\n</function>\n</tool_call>"
+    )
+    for schema in (
+        {"type": "object", "additionalProperties": True},
+        {"type": "object", "additionalProperties": {"type": "string"}},
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        {"type": "array", "items": {"type": "string", "pattern": "^a"}},
+    ):
+        grammar = grammars.tool_calls(QWEN_XML, _one({"d": schema}), parallel=False)
+        if schema["type"] == "array":
+            assert _accepts(grammars, grammar, written.format('["a<b"]'))
+            assert not _accepts(grammars, grammar, written.format('["b"]'))
+            assert not _accepts(grammars, grammar, written.format('["a</tool_call>"]'))
+            continue
+        assert _accepts(grammars, grammar, written.format('{"a": "x<y"}')), schema
+        assert not _accepts(grammars, grammar, written.format('{"a</tool_call>": "x"}')), schema
+        assert not _accepts(grammars, grammar, written.format('{"a": "x</tool_call>"}')), schema
+    with pytest.raises(GrammarError, match=r"'d' of 'f'.*patternProperties") as error:
+        pattern = {"type": "object", "patternProperties": {"^x": {"type": "string"}}}
+        grammars.tool_calls(QWEN_XML, _one({"d": pattern}), parallel=False)
+    assert error.value.param == "tool_choice"
+
+
+# "a, and either b or c": branches that add properties to their parent's.
+EITHER = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "anyOf": [
+        {"properties": {"b": {"type": "string", "maxLength": 8}}, "required": ["b"]},
+        {"properties": {"c": {"type": "string", "maxLength": 8}}, "required": ["c"]},
+    ],
+}
+
+
+@pytest.mark.parametrize("branches", ["anyOf", "oneOf"])
+def test_branches_that_add_properties_keep_their_parents_and_no_other(branches):
+    """An object with properties of its own and anyOf/oneOf branches that
+    add more describes one object: strict closing keeps the parent's keys in
+    each branch and the branches' keys in the parent (each branch was closed
+    on its own keys, so no object met both: a 400 "Unsatisfiable schema"),
+    and still no key that none names."""
+    schema = json.loads(json.dumps(EITHER).replace('"anyOf"', json.dumps(branches)))
+    grammars = tiny_grammars()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    grammar = grammars.tool_calls(HERMES, tools, parallel=False)
+    for arguments, allowed in (
+        ({"a": 1, "b": "x"}, True),
+        ({"a": 1, "c": "y"}, True),
+        ({"a": 1}, False),
+        ({"a": 1, "b": "x", "z": 1}, False),
+        ({"z": 1, "a": 1, "b": "x"}, False),
+    ):
+        call = json.dumps({"name": "f", "arguments": arguments})
+        assert _accepts(grammars, grammar, f"<tool_call>\n{call}\n</tool_call>") == allowed, call
+    # In the XML formats an untyped branch reads as "may be a string" (the
+    # value is then text), so there the branches say they are objects.
+    typed = {**schema, branches: [{**b, "type": "object"} for b in schema[branches]]}
+    for fmt, walked in ((HERMES, tools), (QWEN_XML, _one({"o": typed}))):
+        for text, arguments in _walked_calls(fmt, walked, seeds=6):
+            value = arguments if fmt is HERMES else arguments["o"]
+            assert set(value) in ({"a", "b"}, {"a", "c"}), text
+
+
+@pytest.mark.parametrize("fmt", [HERMES, QWEN_XML], ids=lambda f: f.name)
+def test_an_untyped_object_parameter_is_empty_unless_it_says_true(fmt):
+    """A Python dict parameter ({"type": "object"}, no properties) can only
+    be {} under a grammar, as docs/agents.md says; with
+    additionalProperties true it takes keys."""
+    grammars = tiny_grammars()
+    closed = _one({"d": {"type": "object"}})
+    open_ = _one({"d": {"type": "object", "additionalProperties": True}})
+    if fmt is HERMES:
+        text = '<tool_call>\n{{"name": "f", "arguments": {{"d": {}}}}}\n</tool_call>'
+    else:
+        text = "<tool_call>\n<function=f>\n<parameter=d>\n{}\n</parameter>\n</function>\n"
+        text += "</tool_call>"
+    for tools, keyed in ((closed, False), (open_, True)):
+        grammar = grammars.tool_calls(fmt, tools, parallel=False)
+        assert _accepts(grammars, grammar, text.format("{}"))
+        assert _accepts(grammars, grammar, text.format('{"k": 1}')) == keyed

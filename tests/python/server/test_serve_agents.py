@@ -1191,3 +1191,41 @@ def test_a_closing_tag_in_an_xml_enum_is_refused_by_name(template_server):
     assert body["param"] == "tool_choice" and body["code"] == "invalid_value", body
     assert "'tag'" in body["message"] and "'a</b>'" in body["message"], body
     assert server.get("/v1/sessions").json()["data"] == before
+
+
+@pytest.mark.parametrize("template_server", [QWEN_XML_TEMPLATE], ids=["qwen-xml"], indirect=True)
+def test_a_closing_tag_cannot_end_a_forced_xml_call_inside_its_json(template_server):
+    """Qwen3.5 writes an object parameter as compact JSON inside its XML tags,
+    and the parser splits a call at the first "</": a string in that JSON
+    that could be "</tool_call>" (a pattern offers it, so the random model
+    takes it where allowed) is kept from it, and the forced call comes back
+    as a call (it came back as text), plain generate's under the grammar."""
+    server = template_server
+    tagged = {"type": "string", "pattern": "^(</tool_call>|ok)$"}
+    keys = "abc"
+    note = function_tool(
+        "note",
+        "Notes.",
+        {"o": {"type": "object", "properties": dict.fromkeys(keys, tagged), "required": [*keys]}},
+    )
+    key = "xml-json-tag"
+    messages = [SYSTEM, {"role": "user", "content": "Note it."}]
+    response = _create(server, key, messages, CALL_TOKENS, tools=[note], tool_choice="required",
+                       parallel_tool_calls=False)  # fmt: skip
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert json.loads(call.function.arguments) == {"o": dict.fromkeys(keys, "ok")}
+    tokenizer = _template_tokenizer(server.template)
+    grammars = _grammars(server.family, tokenizer)
+    grammar = grammars.tool_calls(detect(tokenizer), [note], parallel=False)
+    expected = reference_turn(
+        reference_model(server.family),
+        tokenizer,
+        messages,
+        CALL_TOKENS,
+        tools=[note],
+        logits_processor=[grammars.processor(grammar, "tool_choice")],
+        suppress_tokens=None,
+    )[2]
+    assert _last_output(server, key) == expected
