@@ -14,7 +14,6 @@ import torch
 from grammar_walks import TOOLS, tiny_grammars, walk
 from kvchat.agents import ToolCall, ToolCallParser
 from kvchat.agents.formats import (
-    APERTUS,
     APRIEL,
     COHERE,
     DEEPSEEK_R1,
@@ -72,7 +71,6 @@ CONSTRAINABLE = [
     DEEPSEEK_R1,
     GIGACHAT,
     MINIMAX_M1,
-    APERTUS,
     MINICPM,
     GIGACHAT_3,
 ]

@@ -37,14 +37,8 @@ APERTUS = ToolFormat(
         "json",
         CALL,
     ),
-    # As the template renders a call sent back (arguments tojson).
-    grammar=CallGrammar(
-        '{"',
-        "}",
-        separator=", ",
-        section_open=_APERTUS[0] + "[",
-        section_close="]" + _APERTUS[1],
-        name_in_json=False,
-        name_close='": ',
-    ),
+    # Not constrained: the parser splits calls at "}, {", which arguments
+    # holding a list of objects (or a string with it) hold too, so a forced
+    # call could come back as text. A forced call is refused by name.
+    grammar=None,
 )
