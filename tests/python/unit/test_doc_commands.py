@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 from helpers import ROOT
 from kvchat import demo
-from kvchat.serve import cli
+from kvchat.serve import cli, preflight
 from packaging.requirements import Requirement
 from snippets import PAGES, all_blocks
 
@@ -82,7 +82,12 @@ def check_line(words: list[str]) -> None:
             f"no such Makefile target in {words}"
         )
     elif words[:2] == ["kvchat", "serve"]:
-        parsed(MAINS["kvchat serve"], words[2:])
+        args = parsed(MAINS["kvchat serve"], words[2:])
+        if args is not None and preflight.is_tiny(args.model):  # tiny:nonesuch parses
+            try:
+                preflight.check_model_spec(args.model)
+            except ValueError as error:
+                raise AssertionError(f"{words}: {error}") from None
     elif program in ("python", "python3") and words[1] == "-m":
         assert words[2] in MAINS, f"no check for python -m {words[2]}"
         parsed(MAINS[words[2]], words[3:])
@@ -135,6 +140,7 @@ def test_every_command_in_the_text_parses_or_exists(page):
         ("kvchat serve tiny --prot 8000", "does not parse"),
         ("kvchat serve tiny --dtype float8", "does not parse"),
         ("python -m kvchat.demo --family nonesuch", "does not parse"),
+        ("kvchat serve tiny:nonesuch", "unknown tiny family"),
         ("make no-such-target", "no such Makefile target"),
         ('pip install "kvchat[serve]"', "kvchat is on no index"),
         ('pip install --no-build-isolation ".[sever]"', "no extra"),
