@@ -30,7 +30,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 help:
 	@echo "make demo   - build and replay a chat on SmolLM2-135M-Instruct: plain generate vs kvchat"
 	@echo "make test   - build and run the GoogleTest and pytest suites"
-	@echo "make test-fast - the ~1,000 pytest tests with no server, no redis-server, not slow (a minute or two on 2 idle cores)"
+	@echo "make test-fast - the ~1,370 pytest tests with no server, no redis-server, not slow (about two minutes on 2 idle cores)"
 	@echo "make test-clients - LangChain, LiteLLM, pydantic-ai, smolagents and the llm CLI against kvchat serve (own venv)"
 	@echo "make lint   - ruff and clang-format checks"
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
@@ -100,9 +100,9 @@ test-clients: build $(CLIENTS_VENV)/.complete
 	$(CLIENTS_VENV)/bin/python -m pytest tests/clients -q
 
 # The tests that start no server and no redis-server and are not marked slow
-# (pyproject.toml lists the markers): what to run while editing, about 1,000
-# tests on two pytest-xdist workers of one thread each, a minute or two on two
-# idle cores (much longer on busy ones).
+# (pyproject.toml lists the markers): what to run while editing, about 1,370
+# tests on two pytest-xdist workers of one thread each, about two minutes on two
+# idle cores (much longer on busy ones; README.md gives the runs).
 test-fast: build $(BUILD)/llama-cpp/.complete
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests/python -m "not slow and not server and not store" -q -n 2
 
