@@ -119,13 +119,26 @@ def test_pydantic_ai_structured_output_through_its_output_tool(server):
     assert request.parts[0].tool_name == "final_result"  # pydantic-ai's output tool
 
 
+def _smolagents_model(server, cache_key: str):
+    from smolagents import OpenAIServerModel
+
+    return OpenAIServerModel(
+        model_id="tiny",
+        api_base=f"{server.url}/v1",
+        api_key="sk-local",
+        temperature=0,
+        max_tokens=100,
+        prompt_cache_key=cache_key,
+    )
+
+
 def test_smolagents_tool_calling_agent_calls_its_tool_and_reuses(server):
     """smolagents' ToolCallingAgent sends tool_choice "required" with its tools
     and its own final_answer tool; the grammar makes the model call one. It
     writes each call back as text ("Calling tools: ..."), not as the reply it
     got, so the conversation is named by prompt_cache_key (smolagents passes
     the model's extra kwargs through to the API)."""
-    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents import ToolCallingAgent, tool
     from smolagents.memory import ActionStep
     from smolagents.utils import AgentMaxStepsError
 
@@ -141,14 +154,7 @@ def test_smolagents_tool_calling_agent_calls_its_tool_and_reuses(server):
         calls.append(hourly)
         return "4 degrees and rain"
 
-    model = OpenAIServerModel(
-        model_id="tiny",
-        api_base=f"{server.url}/v1",
-        api_key="sk-local",
-        temperature=0,
-        max_tokens=100,
-        prompt_cache_key="smolagents-loop",
-    )
+    model = _smolagents_model(server, "smolagents-loop")
     agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2)
     answer = agent.run("Do I need a coat?")  # raises if a request fails
     assert isinstance(answer, str)
@@ -288,7 +294,7 @@ def test_smolagents_tool_calling_agent_with_an_optional_argument(server):
     """smolagents' ToolCallingAgent on a tool with an optional (nullable)
     argument: its schema has no additionalProperties and requires only
     "unit", and each step's forced call ends and is a call smolagents runs."""
-    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents import ToolCallingAgent, tool
     from smolagents.memory import ActionStep
 
     calls = []
@@ -304,14 +310,7 @@ def test_smolagents_tool_calling_agent_with_an_optional_argument(server):
         calls.append(unit)
         return "4 degrees and rain"
 
-    model = OpenAIServerModel(
-        model_id="tiny",
-        api_base=f"{server.url}/v1",
-        api_key="sk-local",
-        temperature=0,
-        max_tokens=100,
-        prompt_cache_key="smolagents-optional",
-    )
+    model = _smolagents_model(server, "smolagents-optional")
     agent = ToolCallingAgent(tools=[weather], model=model, max_steps=2)
     agent.run("Do I need a coat?")
     steps = [s for s in agent.memory.steps if isinstance(s, ActionStep)]
