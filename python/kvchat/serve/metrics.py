@@ -89,22 +89,16 @@ class _ManagerCollector:
         stats = self._mgr.stats()
         for name, text, field, kind in STATS_METRICS:
             yield _FAMILIES[kind](name, text, value=getattr(stats, field))
-        misses = CounterMetricFamily(
+        yield _by_reason(
             "kvchat_store_misses",
             "Stored snapshots not used, by reason (absent, chunk_missing, checksum, ...)",
-            labels=["reason"],
+            stats.store_miss_reasons,
         )
-        for reason, count in sorted(stats.store_miss_reasons.items()):
-            misses.add_metric([reason], count)
-        yield misses
-        plain = CounterMetricFamily(
+        yield _by_reason(
             "kvchat_plain_turns",
             "Turns run as plain generate, by reason (generate_args, autocast, ...)",
-            labels=["reason"],
+            stats.plain_turn_reasons,
         )
-        for reason, count in sorted(stats.plain_turn_reasons.items()):
-            plain.add_metric([reason], count)
-        yield plain
         yield CounterMetricFamily(
             "kvchat_settle_seconds", "Time settles spent prefilling", value=stats.settle_ms / 1e3
         )
@@ -200,3 +194,11 @@ class Metrics:
         self.tokens["prefilled"].inc(report.prefilled_tokens)
         self.tokens["generated"].inc(report.generated_tokens)
         self.ttft.observe(report.prefill_ms / 1e3)
+
+
+def _by_reason(name: str, text: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter with one sample per reason."""
+    family = CounterMetricFamily(name, text, labels=["reason"])
+    for reason, count in sorted(counts.items()):
+        family.add_metric([reason], count)
+    return family
