@@ -20,6 +20,7 @@ from .arguments import (
 )
 from .bridge import CacheBridge
 from .compiled import CompiledDecode
+from .engine import Engine
 from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill
 from .prompting import turn_markers
@@ -164,8 +165,11 @@ class SessionManager(SessionAdmin):
             compile, self._bridge.static_problem, getattr(model, "generation_config", None)
         )
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
+        # Every forward of this model, from any thread, runs on the engine's.
+        self._engine = Engine(model, self._bridge)
         self._settler = Settler(
-            self._core, self._bridge, self._prefill, model.device, self._flush_evicted
+            self._core, self._bridge, self._prefill, model.device, self._engine,
+            self._flush_evicted,
         )
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
         self._tier.bind(self._fingerprint, self._bridge.layout, model.device)
@@ -182,6 +186,7 @@ class SessionManager(SessionAdmin):
             settler=self._settler,
             reload_reason=reload_reason(self._tier),  # read once, after bind()
             compiled=self._compiled,
+            engine=self._engine,
             flush_evicted=self._flush_evicted,
             match=self._match,
             wait=self._wait,
@@ -259,7 +264,9 @@ class SessionManager(SessionAdmin):
                 "running plain generate",
                 input_ids.shape[0],
             )
-            return self._model.generate(input_ids, **generate_kwargs)
+            return self._engine.run(
+                lambda: self._model.generate(input_ids, **generate_kwargs), why="a batch"
+            )
         request = self._requests.generate(input_ids, session_id, generate_kwargs)
         return self._turns.run(request).output
 

@@ -145,6 +145,19 @@ class ManagerStats:
     # autocast, forward_refuses_cache (a forward compiled with fullgraph).
     plain_turns: int = 0
     plain_turn_reasons: dict[str, int] = field(default_factory=dict)
+    # The engine (docs/ARCHITECTURE.md): batched decode steps, how full they
+    # were, and how long turns waited for their first forward.
+    decode_steps: int = 0
+    mean_batch_rows: float = 0.0  # rows per decode step, on average
+    max_batch_rows: int = 0
+    batch_rows: int = 0  # rows decoding now
+    prefilling: int = 0  # turns prefilling now
+    queued: int = 0  # turns waiting for a row (max_batch_size reached)
+    queue_wait_ms: float = 0.0  # total, from submitting a turn to its first forward
+    prefill_chunks: int = 0
+    jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
+    idle_jobs: int = 0  # settle chunks run while nothing decoded
+    batch_bytes: int = 0  # the decode batch's buffers now
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

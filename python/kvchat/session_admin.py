@@ -45,6 +45,7 @@ class SessionAdmin:
             **self._settler.counters(),
             **self._compiled.counters(self._bridge.static_pool),
             **self._turns.counters(),
+            **self._engine.counters(),
         )
 
     def info(self, session_id: str) -> SessionInfo:
@@ -175,6 +176,7 @@ class SessionAdmin:
         tier has queued and stops its writer. The manager should not be used
         afterwards."""
         self._settler.close()
+        self._engine.close()
         self._tier.close()
 
     # ------------------------------------------------------------ persistence

@@ -78,10 +78,11 @@ class Settler:
     session's settle and counts toward "a turn is running", any other call
     only waits out the settle's short leased sections."""
 
-    def __init__(self, core, bridge, prefill, device, flush_evicted=lambda: None):
+    def __init__(self, core, bridge, prefill, device, engine, flush_evicted=lambda: None):
         """``flush_evicted``: called after each lease the settle thread takes,
         whose release may have evicted sessions (to hand them to the tier)."""
         self._core, self._bridge, self._prefill, self._device = core, bridge, prefill, device
+        self._engine = engine  # runs the forwards, when no turn's row decodes or prefills
         self._flush_evicted = flush_evicted
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}  # waiting, oldest first
@@ -315,11 +316,9 @@ class Settler:
         checkpoints, done, end = [], plan.kept_tokens, plan.target_tokens
         while done < end and not job.stop:
             stop = min([end, done + self._chunk, *(p for p in positions if p > done)])
-            began = time.perf_counter()
-            self._prefill.forward(ids, cache, done, stop)
-            if ids.device.type == "cuda":  # time the work, not its launch
-                torch.cuda.synchronize(ids.device)
-            self._adapt(stop - done, time.perf_counter() - began)
+            self._adapt(stop - done, self._engine.when_idle(_timed_forward(
+                self._prefill, ids, cache, done, stop
+            )))
             done = stop
             if done in positions:
                 checkpoints.append(_C.Checkpoint(done, self._bridge.snapshot(cache, done)))
@@ -389,3 +388,16 @@ def _matches(prompt: torch.Tensor, predicted: tuple[int, bytes]) -> bool:
 def _starts_with(ids: torch.Tensor, prefix: torch.Tensor) -> bool:
     n = prefix.numel()
     return ids.numel() >= n and _C.common_prefix_length(ids[:n], prefix) == n
+
+
+def _timed_forward(prefill, ids, cache, begin: int, end: int):
+    """A settle chunk's forward, to run on the engine's thread; returns its seconds."""
+
+    def forward() -> float:
+        began = time.perf_counter()
+        prefill.forward(ids, cache, begin, end)
+        if ids.device.type == "cuda":  # time the work, not its launch
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter() - began
+
+    return forward

@@ -11,7 +11,6 @@ its next turn at once.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .detokenize import IncrementalText
+from .engine.threads import with_callers_autocast
 
 _END = object()  # queued once, after the last piece
 
@@ -91,7 +91,7 @@ class ReplyStream(Iterator[str]):
         # reaches __del__ while generation is still running.
         self._worker = threading.Thread(
             target=_work,
-            args=(_with_callers_autocast(run), self._streamer, self._failure, self._result),
+            args=(with_callers_autocast(run), self._streamer, self._failure, self._result),
             name=name,
             daemon=True,
         )
@@ -138,29 +138,3 @@ def _work(run, streamer, failure: list, result: list) -> None:
     except BaseException as error:  # re-raised in the consumer's thread
         failure.append(error)
         streamer.end()
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-
-
-def _with_callers_autocast(run: Callable[[], object]) -> Callable[[], object]:
-    """``run`` under the autocast that is on in this (the caller's) thread.
-    Autocast is per thread, so without this a streamed turn would run without
-    it in the worker, unlike the same turn through ``chat``."""
-    on = []
-    for device in _AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(device):
-                on.append((device, torch.get_autocast_dtype(device)))
-        except (RuntimeError, TypeError):  # a device type this torch does not know
-            continue
-    if not on:
-        return run
-
-    def under_autocast():
-        with contextlib.ExitStack() as stack:
-            for device, dtype in on:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            return run()
-
-    return under_autocast

@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo import exc as dynamo_errors
+from transformers import StaticCache
 
 from . import _C
 from .arguments import ContextLengthError
 from .bridge.windows import WindowCheckpoints
 from .conversation import SendBack, as_dicts, core_messages
+from .engine import decoding_method
 from .generate_args import GenerateArgs
 from .prediction import predicted_prefix
 from .prefill import FeedOnlyTail, PromptEndSnapshot
@@ -116,6 +118,7 @@ class Turns:
         settler,
         reload_reason: _C.ReuseReason,
         compiled,
+        engine,
         flush_evicted,
         match: str,
         wait: bool,
@@ -129,6 +132,7 @@ class Turns:
         self._model, self._tokenizer, self._core = model, tokenizer, core
         self._bridge, self._prefill, self._tier = bridge, prefill, tier
         self._settler, self._compiled, self._flush_evicted = settler, compiled, flush_evicted
+        self._engine = engine  # runs every forward (engine/)
         self._reload_reason = reload_reason
         self._match, self._wait, self._settles = match, wait, settles
         self._max_context = max_context
@@ -302,7 +306,9 @@ class Turns:
         runs on from there."""
         model_input = prompt.unsqueeze(0).to(self._model.device)
         if plan.plain:
-            output = self._model.generate(model_input, **kwargs)
+            output = self._engine.run(
+                lambda: self._model.generate(model_input, **kwargs), why="plain generate"
+            )
             run = ModelRun(output, _sequences(output)[0].to("cpu", torch.long).contiguous())
         else:
             run = self._cached_run(plan, model_input, kwargs, request.args.max_new_tokens, timer)
@@ -334,7 +340,13 @@ class Turns:
             kwargs = dict(kwargs, streamer=_PromptHeld(kwargs["streamer"]))
         try:
             try:
-                run = self._run_on(cache, plan, model_input, kwargs)
+                if pooled:  # compiling and capturing happen on the engine's thread
+                    run = self._engine.run(
+                        lambda: self._run_on(cache, plan, model_input, kwargs),
+                        why="compiled decode",
+                    )
+                else:
+                    run = self._run_on(cache, plan, model_input, kwargs)
             except _DYNAMO_ERRORS as error:
                 if timer.first_at is None:
                     # Before the first token: not kvchat's compiled decode
@@ -377,7 +389,9 @@ class Turns:
         if positions and bridge.checkpoints_from_windows and not _chunked(self._model, kwargs):
             windows = bridge.window_checkpoints(cache, start, prompt_tokens, positions)
         elif positions:
-            checkpoints = self._prefill.run(model_input, cache, start, positions)
+            checkpoints = self._engine.run(
+                lambda: self._prefill.run(model_input, cache, start, positions)
+            )
             start = positions[-1]
         at_end = None
         if plan.snapshot_prompt_end:
@@ -387,6 +401,18 @@ class Turns:
         # must be fed only those it lacks; one that can, generate slices.
         held = 0 if bridge.knows_length else start
         argument = bridge.cache_argument
+        if not isinstance(cache, StaticCache):  # decoded by the engine, batched
+            kwargs = dict(
+                kwargs,
+                custom_generate=decoding_method(
+                    self._engine,
+                    cache_argument=argument,
+                    streamer=kwargs.get("streamer"),
+                    held=start,
+                    chunked=not isinstance(windows, WindowCheckpoints),
+                    generator=None,
+                ),
+            )
         with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held), windows:
             output = self._model.generate(model_input, **{argument: cache}, **kwargs)
         if isinstance(windows, WindowCheckpoints):

@@ -1,0 +1,8 @@
+"""The engine: one thread runs every forward of a manager's model, decoding
+every active conversation in one batched step (see ``loop``, ``batch``,
+``row`` and docs/ARCHITECTURE.md)."""
+
+from .loop import Engine
+from .row import DecodeRow, decoding_method
+
+__all__ = ["DecodeRow", "Engine", "decoding_method"]

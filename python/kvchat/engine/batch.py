@@ -1,0 +1,349 @@
+"""The decode batch: every active conversation's cache, merged so that one
+forward decodes a token for each.
+
+Layout (mlx-lm's ``BatchKVCache``, measured against a paged pool in
+docs/ARCHITECTURE.md): each attention layer is one ``[rows, heads, columns,
+dim]`` buffer in which every conversation's tokens end at the same column
+``hi``; a shorter one is padded on the left with zeros that the attention mask
+hides. A decode step writes one column for every row, so nothing already in
+the buffer moves. Recurrent, conv and DeltaNet states are ``[rows, ...]``
+buffers that the model updates in place.
+
+- A conversation **joins** by copying its cache into a free row once (only
+  when it is longer than every other does the batch grow its columns leftward,
+  zeroing the new padding).
+- It **leaves** by handing its session's cache only the tokens decoded since
+  it joined (``layer.update``: an append), and copying its states back; the
+  last row moves into its place, so the rows stay ``[0, rows)``.
+- Columns run out rarely: the buffers are then rebuilt with headroom
+  (amortized, like a growing array).
+
+Positions are each row's own token count, and the padded coordinates (what
+the model's cache reports as its length) are shared: exactly what ``generate``
+does for a left-padded batch, so every family's own mask code applies.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+_HEADROOM = 128  # columns added past the longest row when the buffers are (re)built
+
+
+class _Geometry:
+    """What every batched layer shares: rows in use, and columns [lo, hi)."""
+
+    __slots__ = ("rows", "lo", "hi")
+
+    def __init__(self):
+        self.rows = self.lo = self.hi = 0
+
+
+class _PaddedAttention:
+    """Mixed in before a transformers attention layer class: its keys and
+    values live in the batch's padded buffers (see the module docstring)."""
+
+    _geo: _Geometry
+    kbuf: torch.Tensor
+    vbuf: torch.Tensor
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        geo, n = self._geo, key_states.shape[-2]
+        kv_length, _ = self.get_mask_sizes(n)
+        end = geo.hi + n
+        self.kbuf[: geo.rows, :, geo.hi : end] = key_states
+        self.vbuf[: geo.rows, :, geo.hi : end] = value_states
+        keys = self.kbuf[: geo.rows, :, end - kv_length : end]
+        values = self.vbuf[: geo.rows, :, end - kv_length : end]
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self._geo.hi - self._geo.lo
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # As DynamicLayer / DynamicSlidingWindowLayer size them, over the padded length.
+        padded = self._geo.hi - self._geo.lo
+        if not self.is_sliding:
+            return padded + query_length, 0
+        window = self.sliding_window
+        if padded >= window:
+            return window - 1 + query_length, padded - window + 1
+        return padded + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a decode batch is never cropped")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("rows leave a decode batch through DecodeBatch.leave")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("rows join a decode batch through DecodeBatch.join")
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _batched_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Batched{cls.__name__}", (_PaddedAttention, cls), {})
+    return _CLASSES[cls]
+
+
+def unsupported_layer(cache) -> str | None:
+    """Why a conversation with this cache cannot join a decode batch, or None."""
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicIndexedLayer):
+            return f"layer {index} keeps indexer keys ({type(layer).__name__})"
+        if isinstance(layer, DummyLayer):
+            continue
+        if not isinstance(layer, (DynamicLayer, LinearAttentionCacheLayerMixin)):
+            return f"layer {index} is a {type(layer).__name__}"
+        if isinstance(layer, DynamicLayer) and type(layer).__name__.startswith("Quant"):
+            return f"layer {index} is quantized ({type(layer).__name__})"
+    return None
+
+
+def _attention(layer) -> bool:
+    return isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
+
+
+def _slots(layer) -> list[tuple[str, int]]:
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return []
+    slots = []
+    for i in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[i]:
+            slots.append(("conv", i))
+        if layer.is_recurrent_states_initialized[i]:
+            slots.append(("recurrent", i))
+    return slots
+
+
+class DecodeBatch:
+    """The rows decoding together and their merged cache (module docstring).
+    Used by the engine's thread alone."""
+
+    def __init__(self, new_cache, cache_argument: str, takes_mask: bool, takes_positions: bool):
+        """``new_cache()``: an empty cache of the model's layer classes."""
+        self._new_cache = new_cache
+        self._argument = cache_argument
+        self._takes_mask, self._takes_positions = takes_mask, takes_positions
+        self.rows: list = []  # DecodeRow, by slot
+        self._cache = None
+        self._geo = _Geometry()
+
+    # ------------------------------------------------------------ layout
+    def _allocate(self, template, row_capacity: int, columns: int) -> None:
+        """Empty buffers shaped after ``template`` (a row's cache)."""
+        cache = self._new_cache()
+        self._attention, self._recurrent = [], []  # (layer index) / (layer index, kind, idx)
+        for index, (layer, source) in enumerate(zip(cache.layers, template.layers, strict=True)):
+            if _attention(source):
+                keys, values = source.keys, source.values
+                batched = object.__new__(_batched_class(type(layer)))
+                batched.__dict__.update(layer.__dict__)
+                cache.layers[index] = layer = batched
+                layer._geo = self._geo
+                layer.kbuf = keys.new_zeros((row_capacity, keys.shape[1], columns, keys.shape[3]))
+                layer.vbuf = values.new_zeros(
+                    (row_capacity, values.shape[1], columns, values.shape[3])
+                )
+                layer.is_initialized = True
+                layer.device = keys.device
+                if hasattr(layer, "sliding_window") and not hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length = 0
+                self._attention.append(index)
+            for kind, i in _slots(source):
+                state = getattr(source, f"{kind}_states")[i]
+                buffer = state.new_zeros((row_capacity, *state.shape[1:]))
+                layer_states = getattr(layer, f"{kind}_states")
+                layer_states[i] = buffer
+                getattr(layer, f"is_{kind}_states_initialized")[i] = True
+                layer.has_previous_state[i] = True
+                if kind == "conv":
+                    layer.conv_kernel_size[i] = state.shape[-1]
+                layer.device, layer.dtype = state.device, state.dtype
+                self._recurrent.append((index, kind, i, buffer))
+        device = template.layers[self._attention[0]].keys.device if self._attention else None
+        if device is None:
+            device = self._recurrent[0][3].device
+        self._cache = cache
+        self._columns, self._row_capacity = columns, row_capacity
+        self._mask = torch.zeros((row_capacity, columns), dtype=torch.long, device=device)
+        self._positions = torch.zeros(row_capacity, dtype=torch.long, device=device)
+        self._tokens = torch.zeros(row_capacity, dtype=torch.long, device=device)
+
+    def _buffers(self):
+        """Every per-row buffer whose dim 1.. are columns-free (recurrent) or
+        hold columns at dim 2 (attention), with its column dim (None: none)."""
+        for index in self._attention:
+            layer = self._cache.layers[index]
+            yield layer.kbuf, 2
+            yield layer.vbuf, 2
+        for _, _, _, buffer in self._recurrent:
+            yield buffer, None
+        yield self._mask, 1
+        yield self._positions, None
+        yield self._tokens, None
+
+    def _rebuild(self, row_capacity: int, padded: int) -> None:
+        """New buffers of ``row_capacity`` rows and room for ``padded`` columns
+        plus headroom, the rows copied in ending at the new ``hi``."""
+        geo, old = self._geo, list(self._buffers())
+        columns = padded + max(_HEADROOM, padded // 2)
+        used = geo.hi - geo.lo
+        # The recurrent buffers are replaced in place in their layers below.
+        replaced = []
+        for buffer, column_dim in old:
+            shape = list(buffer.shape)
+            shape[0] = row_capacity
+            if column_dim is not None:
+                shape[column_dim] = columns
+            new = buffer.new_zeros(shape)
+            rows = geo.rows
+            if column_dim is None:
+                new[:rows] = buffer[:rows]
+            elif column_dim == 1:
+                new[:rows, padded - used : padded] = buffer[:rows, geo.lo : geo.hi]
+            else:
+                new[:rows, :, padded - used : padded] = buffer[:rows, :, geo.lo : geo.hi]
+            replaced.append(new)
+        it = iter(replaced)
+        for index in self._attention:
+            layer = self._cache.layers[index]
+            layer.kbuf, layer.vbuf = next(it), next(it)
+        recurrent = []
+        for index, kind, i, _ in self._recurrent:
+            buffer = next(it)
+            getattr(self._cache.layers[index], f"{kind}_states")[i] = buffer
+            recurrent.append((index, kind, i, buffer))
+        self._recurrent = recurrent
+        self._mask, self._positions, self._tokens = next(it), next(it), next(it)
+        self._columns, self._row_capacity = columns, row_capacity
+        geo.lo, geo.hi = padded - used, padded
+        self._link()
+
+    def _link(self) -> None:
+        """Points the layers' recurrent states at the rows in use."""
+        rows = self._geo.rows
+        for index, kind, i, buffer in self._recurrent:
+            getattr(self._cache.layers[index], f"{kind}_states")[i] = buffer[:rows]
+
+    # ------------------------------------------------------------ rows
+    def join(self, row) -> None:
+        """Copies ``row.cache`` (which holds ``row.length`` tokens) into a free row."""
+        length, cache = row.length, row.cache
+        geo = self._geo
+        if self._cache is None:
+            self._allocate(cache, 1, length + max(_HEADROOM, length // 2))
+            geo.rows, geo.lo, geo.hi = 0, length, length
+        full = geo.rows == self._row_capacity
+        if full or length > geo.hi:  # rows or left columns run out: rebuilt, rarely
+            capacity = 2 * self._row_capacity if full else self._row_capacity
+            self._rebuild(capacity, max(length, geo.hi - geo.lo))
+        if geo.hi - length < geo.lo:  # longer than every row: pad the others further
+            new_lo = geo.hi - length
+            for buffer, column_dim in self._buffers():
+                if column_dim == 2:
+                    buffer[: geo.rows, :, new_lo : geo.lo] = 0
+                elif column_dim == 1:
+                    buffer[: geo.rows, new_lo : geo.lo] = 0
+            geo.lo = new_lo
+        slot, start = geo.rows, geo.hi - length
+        for index in self._attention:
+            layer, source = self._cache.layers[index], cache.layers[index]
+            n = source.keys.shape[-2]
+            for buffer, part in ((layer.kbuf, source.keys), (layer.vbuf, source.values)):
+                buffer[slot, :, geo.lo : geo.hi - n] = 0
+                buffer[slot, :, geo.hi - n : geo.hi] = part[0]
+        for index, kind, i, buffer in self._recurrent:
+            buffer[slot] = getattr(cache.layers[index], f"{kind}_states")[i][0]
+        self._mask[slot, geo.lo : start] = 0
+        self._mask[slot, start : geo.hi] = 1
+        self._positions[slot] = length
+        self._tokens[slot] = row.ids[0, -1]
+        row.slot, row.joined_at = slot, geo.hi
+        self.rows.append(row)
+        geo.rows += 1
+        self._link()
+
+    def leave(self, row, write_back: bool = True) -> None:
+        """Takes ``row`` out; with ``write_back``, its session's cache gets the
+        tokens decoded since it joined and its recurrent states."""
+        geo, slot = self._geo, row.slot
+        decoded = geo.hi - row.joined_at
+        if write_back:
+            cache = row.cache
+            for index in self._attention:
+                layer = self._cache.layers[index]
+                if decoded:
+                    keys = layer.kbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi].contiguous()
+                    values = layer.vbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi].contiguous()
+                    cache.layers[index].update(keys, values)
+            for index, kind, i, buffer in self._recurrent:
+                getattr(cache.layers[index], f"{kind}_states")[i].copy_(buffer[slot : slot + 1])
+        last = geo.rows - 1
+        if slot != last:  # the last row moves into the hole
+            moved = self.rows[last]
+            for buffer, column_dim in self._buffers():
+                if column_dim == 2:
+                    buffer[slot, :, geo.lo : geo.hi] = buffer[last, :, geo.lo : geo.hi]
+                elif column_dim == 1:
+                    buffer[slot, geo.lo : geo.hi] = buffer[last, geo.lo : geo.hi]
+                else:
+                    buffer[slot] = buffer[last]
+            self.rows[slot] = moved
+            moved.slot = slot
+        self.rows.pop()
+        row.slot = None
+        geo.rows -= 1
+        if not self.rows:  # nothing decodes: the memory goes back
+            self._cache = None
+            self._attention, self._recurrent = [], []
+            self._mask = self._positions = self._tokens = None
+            return
+        # The padding every row now has on its left is dropped from the mask.
+        geo.lo = max(geo.lo, geo.hi - max(r.length for r in self.rows))
+        self._link()
+
+    def set_token(self, row, token: torch.Tensor) -> None:
+        self._tokens[row.slot] = token.reshape(())
+
+    # ------------------------------------------------------------ the step
+    def step(self, model, extra: dict) -> torch.Tensor:
+        """One forward over every row's last token; the float32 logits ``[rows, vocab]``."""
+        geo = self._geo
+        if geo.hi == self._columns:
+            self._rebuild(self._row_capacity, geo.hi - geo.lo)
+        rows = geo.rows
+        self._mask[:rows, geo.hi] = 1
+        kwargs = {self._argument: self._cache, "use_cache": True, **extra}
+        if self._takes_mask:
+            kwargs["attention_mask"] = self._mask[:rows, geo.lo : geo.hi + 1]
+        if self._takes_positions:
+            kwargs["position_ids"] = self._positions[:rows, None]
+        outputs = model(input_ids=self._tokens[:rows, None], return_dict=True, **kwargs)
+        geo.hi += 1
+        self._positions[:rows] += 1
+        for row in self.rows:
+            row.length += 1
+        # A model that assigns its states rather than copying into them
+        # leaves the batch's buffers behind: copied back, so none is lost.
+        for index, kind, i, buffer in self._recurrent:
+            states = getattr(self._cache.layers[index], f"{kind}_states")
+            if states[i].data_ptr() != buffer.data_ptr():
+                buffer[:rows].copy_(states[i])
+                states[i] = buffer[:rows]
+        return outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        if self._cache is None:
+            return 0
+        return sum(buffer.numel() * buffer.element_size() for buffer, _ in self._buffers())

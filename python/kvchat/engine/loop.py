@@ -1,0 +1,291 @@
+"""The engine: one thread that runs every forward of a manager's model.
+
+Callers (``chat``, ``stream_chat`` and ``generate`` on any thread, the
+server's turns, the settler) submit work and wait; the engine's thread loops:
+
+1. a job that must run alone (``run``: plain generate, a compiled turn, a
+   checkpoint's prefill), between steps;
+2. one batched decode step over every row (``DecodeBatch.step``), then each
+   row's pick, stream and stop;
+3. one prefill chunk of the oldest row still prefilling (at most
+   ``max_step_tokens`` tokens), whose first token then joins the batch at
+   the next step; so a long prompt never stops the others' streams for
+   longer than a chunk, and a long reply never delays a new turn's first
+   token by more than a step;
+4. when no row decodes or prefills: idle work (``when_idle``: settling).
+
+Every forward, every CUDA graph capture and every launch happens on this one
+thread, so nothing can invalidate a capture. The thread ends when the
+manager closes or is dropped (it holds the state, never the ``Engine``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import inspect
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .batch import DecodeBatch, unsupported_layer
+from .threads import with_callers_autocast
+
+logger = logging.getLogger("kvchat")
+
+DEFAULT_MAX_BATCH = 16
+DEFAULT_MAX_STEP_TOKENS = 256
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as error:  # re-raised on the caller's thread
+            self.error = error
+        finally:
+            self.done.set()
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _Loop:
+    """The engine's state and its thread's loop (module docstring)."""
+
+    def __init__(self, model, bridge, max_batch: int, max_step_tokens: int):
+        self.model = model
+        self.bridge = bridge
+        self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
+        parameters = inspect.signature(model.forward).parameters
+        self.batch = DecodeBatch(
+            bridge.new_cache,
+            bridge.cache_argument,
+            takes_mask="attention_mask" in parameters,
+            takes_positions="position_ids" in parameters,
+        )
+        self.step_extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        self.cond = threading.Condition()
+        self.incoming: collections.deque = collections.deque()  # rows not yet prefilling
+        self.prefilling: collections.deque = collections.deque()
+        self.jobs: collections.deque = collections.deque()  # run alone, first come first
+        self.idle: collections.deque = collections.deque()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        self.counters = collections.Counter()
+        self.queue_wait_s = 0.0
+        self.max_rows = 0
+
+    # ------------------------------------------------------------ callers
+    def submit(self, queue: collections.deque, item) -> None:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("this SessionManager is closed")
+            queue.append(item)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.work, name="kvchat-engine", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    # ------------------------------------------------------------ the thread
+    def work(self) -> None:
+        with torch.no_grad():
+            while True:
+                with self.cond:
+                    while not self._has_work() and not self.closed:
+                        self.cond.wait()
+                    if self.closed:
+                        self._fail_all(RuntimeError("this SessionManager was closed mid-turn"))
+                        self.thread = None
+                        return
+                    while self.incoming and self._room():
+                        self.prefilling.append(self.incoming.popleft())
+                    job = self.jobs.popleft() if self.jobs else None
+                    idle = None
+                    if job is None and not (self.batch.rows or self.prefilling) and self.idle:
+                        idle = self.idle.popleft()
+                if job is not None:
+                    self.counters["jobs_run_alone"] += 1
+                    job.run()
+                    continue
+                if idle is not None:
+                    self.counters["idle_jobs"] += 1
+                    idle.run()
+                    continue
+                if self.batch.rows:
+                    self._step()
+                if self.prefilling:
+                    self._prefill_chunk(self.prefilling[0])
+
+    def _has_work(self) -> bool:
+        return bool(self.jobs or self.batch.rows or self.prefilling or self.idle or
+                    (self.incoming and self._room()))
+
+    def _room(self) -> bool:
+        return len(self.batch.rows) + len(self.prefilling) < self.max_batch
+
+    def _fail_all(self, error: BaseException) -> None:
+        for row in [*self.batch.rows, *self.prefilling, *self.incoming]:
+            row.finish(error)
+        self.incoming.clear()
+        self.prefilling.clear()
+        for job in [*self.jobs, *self.idle]:
+            job.error = error
+            job.done.set()
+        self.jobs.clear()
+        self.idle.clear()
+
+    def _step(self) -> None:
+        batch = self.batch
+        try:
+            logits = batch.step(self.model, self.step_extra)
+        except BaseException as error:  # the forward failed: every row in it fails
+            for row in list(batch.rows):
+                batch.leave(row, write_back=False)
+                row.finish(error)
+            return
+        self.counters["decode_steps"] += 1
+        self.counters["decode_rows"] += len(batch.rows)
+        self.max_rows = max(self.max_rows, len(batch.rows))
+        for slot, row in enumerate(list(batch.rows)):
+            try:
+                finished = row.pick(logits[slot : slot + 1])
+            except BaseException as error:  # the row's processor or streamer
+                batch.leave(row, write_back=False)
+                row.finish(error)
+                continue
+            if finished:
+                batch.leave(row)
+                row.finish()
+            else:
+                batch.set_token(row, row.ids[0, -1])
+
+    def _prefill_chunk(self, row) -> None:
+        if row.started is None:
+            row.started = time.perf_counter()
+            self.queue_wait_s += row.started - row.submitted
+        end = row.prompt_tokens
+        if row.chunked:
+            end = min(end, row.prefilled + self.max_step_tokens)
+        try:
+            kwargs = self.bridge.forward_arguments(row.cache, row.prefilled, end, row.ids.device)
+            outputs = self.model(
+                input_ids=row.ids[:, row.prefilled : end], use_cache=True, return_dict=True,
+                **kwargs, **self.step_extra,
+            )
+            self.counters["prefill_chunks"] += 1
+            row.prefilled = row.length = end
+            if end < row.prompt_tokens:
+                return
+            self.prefilling.popleft()
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+            del outputs
+            if row.pick(logits):
+                row.finish()
+            else:
+                self.batch.join(row)
+        except BaseException as error:
+            if row in self.prefilling:
+                self.prefilling.remove(row)
+            if row.slot is not None:
+                self.batch.leave(row, write_back=False)
+            row.finish(error)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # a thread inside the model at interpreter exit aborts it
+    for loop in list(_LIVE):
+        loop.close()
+
+
+class Engine:
+    """Runs every forward of one manager's model on one thread (module docstring)."""
+
+    def __init__(self, model, bridge, max_batch: int = DEFAULT_MAX_BATCH,
+                 max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS):
+        self._loop = _Loop(model, bridge, max_batch, max_step_tokens)
+        _LIVE.add(self._loop)
+
+    def __del__(self):
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            with loop.cond:
+                loop.closed = True
+                loop.cond.notify_all()
+
+    @property
+    def on_engine_thread(self) -> bool:
+        return threading.current_thread() is self._loop.thread
+
+    def cannot_batch(self, cache) -> str | None:
+        return unsupported_layer(cache)
+
+    def decode(self, row) -> torch.Tensor:
+        """Prefills and decodes ``row`` beside the others; its ids once finished."""
+        self._loop.submit(self._loop.incoming, row)
+        return row.wait()
+
+    def run(self, fn: Callable[[], object], why: str = ""):
+        """``fn()`` on the engine's thread, alone, between steps (under the
+        caller's autocast); inline when called there already."""
+        if self.on_engine_thread:
+            return fn()
+        if why:
+            logger.debug("kvchat: a turn runs alone on the engine (%s)", why)
+        job = _Job(with_callers_autocast(fn))
+        self._loop.submit(self._loop.jobs, job)
+        return job.wait()
+
+    def when_idle(self, fn: Callable[[], object]):
+        """``fn()`` on the engine's thread once no row decodes or prefills."""
+        if self.on_engine_thread:
+            return fn()
+        job = _Job(fn)
+        self._loop.submit(self._loop.idle, job)
+        return job.wait()
+
+    def close(self) -> None:
+        self._loop.close()
+        _LIVE.discard(self._loop)
+
+    def counters(self) -> dict:
+        loop = self._loop
+        with loop.cond:
+            steps = loop.counters["decode_steps"]
+            return {
+                "decode_steps": steps,
+                "mean_batch_rows": loop.counters["decode_rows"] / steps if steps else 0.0,
+                "max_batch_rows": loop.max_rows,
+                "batch_rows": len(loop.batch.rows),
+                "prefilling": len(loop.prefilling),
+                "queued": len(loop.incoming),
+                "queue_wait_ms": loop.queue_wait_s * 1e3,
+                "prefill_chunks": loop.counters["prefill_chunks"],
+                "jobs_run_alone": loop.counters["jobs_run_alone"],
+                "idle_jobs": loop.counters["idle_jobs"],
+                "batch_bytes": loop.batch.nbytes(),
+            }

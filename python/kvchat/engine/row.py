@@ -1,0 +1,119 @@
+"""One conversation's reply as the engine decodes it: a row of the batch.
+
+A turn still calls ``model.generate``, which checks the arguments and builds
+the logits processors and stopping criteria exactly as it does for plain
+generation. Its decoding loop is kvchat's (``custom_generate``): it hands
+them, with the turn's cache, to the engine as a ``DecodeRow`` and waits.
+The engine prefills what the cache lacks, then decodes the row beside every
+other, and each step does for each row what generate's ``_sample`` does for
+a batch of one: the row's processors on its own logits, its own sampling
+(with its own ``torch.Generator`` when the request gave a seed), its
+streamer, its stopping criteria. So a row's tokens are what plain
+``generate`` gives, alone or batched.
+
+What this loop does not carry (the scores or a returned cache asked for, a
+padded attention mask, extra model inputs) runs generate's own ``_sample``
+on the engine's thread, between steps (``Engine.run``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from transformers.generation.utils import GenerationMixin
+
+# What generate passes its decoding loop that this loop understands.
+_KNOWN = {"attention_mask", "position_ids", "logits_to_keep", "use_cache"}
+
+
+class DecodeRow:
+    """The state of one conversation's decoding (engine thread only, once submitted)."""
+
+    def __init__(self, *, cache, held: int, ids, processors, criteria, do_sample, streamer,
+                 generator=None, chunked: bool = True):
+        self.cache = cache
+        self.ids = ids  # [1, tokens]: the prompt, then every token picked
+        self.prefilled = held  # prompt tokens the cache holds
+        self.length = held  # tokens the cache holds (decoding: all but the last picked)
+        self.prompt_tokens = ids.shape[1]
+        self.processors, self.criteria = processors, criteria
+        self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
+        self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
+        self.slot: int | None = None
+        self.joined_at = 0
+        self.submitted = time.perf_counter()
+        self.started: float | None = None  # when its first forward ran
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def pick(self, logits: torch.Tensor) -> bool:
+        """generate's ``_sample`` step for this row on its float32 ``logits``
+        ``[1, vocab]``; True when the row is finished."""
+        scores = self.processors(self.ids, logits)
+        if self.do_sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+        else:
+            token = torch.argmax(scores, dim=-1)
+        self.ids = torch.cat([self.ids, token[:, None]], dim=-1)
+        if self.streamer is not None:
+            self.streamer.put(token.cpu())
+        return bool(self.criteria(self.ids, None).any())
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        if error is None and self.streamer is not None:
+            self.streamer.end()
+        self._done.set()
+
+    def wait(self) -> torch.Tensor:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self.ids
+
+
+def decoding_method(engine, *, cache_argument: str, streamer, held: int, chunked: bool,
+                    generator=None):
+    """A ``custom_generate`` for one turn: its loop runs on ``engine``."""
+
+    def kvchat_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      tokenizer=None, **model_kwargs):
+        # ``tokenizer`` is named so that generate builds stop-string criteria with it.
+        cache = model_kwargs.pop(cache_argument, None)
+        mask = model_kwargs.get("attention_mask")
+        extra = set(model_kwargs) - _KNOWN
+        why = None
+        if generation_config.return_dict_in_generate:
+            why = "return_dict_in_generate"
+        elif extra:
+            why = f"model inputs {sorted(extra)}"
+        elif mask is not None and not bool(mask.all()):
+            why = "a padded attention_mask"
+        elif cache is None or input_ids.shape[0] != 1:
+            why = "no cache" if cache is None else "a batch"
+        else:
+            why = engine.cannot_batch(cache)
+        if why is not None:
+            model_kwargs[cache_argument] = cache
+
+            def sample():
+                if generator is not None:
+                    torch.manual_seed(generator.initial_seed())
+                return GenerationMixin._sample(
+                    model, input_ids, logits_processor=logits_processor,
+                    stopping_criteria=stopping_criteria, generation_config=generation_config,
+                    synced_gpus=False, streamer=streamer, **model_kwargs,
+                )
+
+            return engine.run(sample, why=why)
+        row = DecodeRow(
+            cache=cache, held=held, ids=input_ids, processors=logits_processor,
+            criteria=stopping_criteria, do_sample=generation_config.do_sample,
+            streamer=streamer, generator=generator, chunked=chunked,
+        )
+        return engine.decode(row)
+
+    return kvchat_decode

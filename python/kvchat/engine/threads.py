@@ -1,0 +1,34 @@
+"""What a caller's thread has that the engine's thread must be given: autocast."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def with_callers_autocast(run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` under the autocast that is on in this (the caller's) thread.
+    Autocast is per thread, so without this work handed to another thread
+    (a stream's worker, the engine's) would run without it, unlike the same
+    work run where the caller called."""
+    on = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append((device, torch.get_autocast_dtype(device)))
+        except (RuntimeError, TypeError):  # a device type this torch does not know
+            continue
+    if not on:
+        return run
+
+    def under_autocast():
+        with contextlib.ExitStack() as stack:
+            for device, dtype in on:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            return run()
+
+    return under_autocast
