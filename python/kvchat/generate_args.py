@@ -53,11 +53,23 @@ class GenerateArgs:
     max_new_tokens: int  # the most tokens this turn can generate, for context checks
     plain_reason: _C.ReuseReason | None  # why the turn runs as plain generate; None: it reuses
     why: str = ""  # the detail behind plain_reason, for the log
+    # kvchat's own: sampling draws from a generator seeded with it, so a
+    # seeded reply is the same alone or batched with others (and the same as
+    # plain generate after torch.manual_seed(seed)).
+    seed: int | None = None
 
 
 def _check_max_new_tokens(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"max_new_tokens must be a positive int, got {value!r}")
+    return value
+
+
+def check_seed(value):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**64
+    ):
+        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {value!r}")
     return value
 
 
@@ -91,6 +103,7 @@ def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateAr
     what it would refuse (a misspelled argument, a bad value)."""
     kwargs = dict(kwargs)
     _check_max_new_tokens(kwargs.get("max_new_tokens"))
+    seed = check_seed(kwargs.pop("seed", None))
     # "dynamic" is what kvchat's cache is: asking for it changes nothing.
     if kwargs.get("cache_implementation") == "dynamic":
         del kwargs["cache_implementation"]
@@ -125,4 +138,4 @@ def resolve_generate_args(model, kwargs: dict, prompt_tokens: int) -> GenerateAr
         reason, why = _UNSUPPORTED, f"cache_implementation={config.cache_implementation!r}"
     elif config.output_hidden_states or config.output_attentions:
         reason, why = _UNSUPPORTED, "the prompt's hidden states or attentions"
-    return GenerateArgs(kwargs, max_new, reason, why)
+    return GenerateArgs(kwargs, max_new, reason, why, seed)

@@ -168,7 +168,11 @@ class SessionManager(SessionAdmin):
         # Every forward of this model, from any thread, runs on the engine's.
         self._engine = Engine(model, self._bridge)
         self._settler = Settler(
-            self._core, self._bridge, self._prefill, model.device, self._engine,
+            self._core,
+            self._bridge,
+            self._prefill,
+            model.device,
+            self._engine,
             self._flush_evicted,
         )
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there

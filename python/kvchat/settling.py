@@ -316,9 +316,10 @@ class Settler:
         checkpoints, done, end = [], plan.kept_tokens, plan.target_tokens
         while done < end and not job.stop:
             stop = min([end, done + self._chunk, *(p for p in positions if p > done)])
-            self._adapt(stop - done, self._engine.when_idle(_timed_forward(
-                self._prefill, ids, cache, done, stop
-            )))
+            self._adapt(
+                stop - done,
+                self._engine.when_idle(_timed_forward(self._prefill, ids, cache, done, stop)),
+            )
             done = stop
             if done in positions:
                 checkpoints.append(_C.Checkpoint(done, self._bridge.snapshot(cache, done)))

@@ -34,7 +34,7 @@ from . import _C
 from .arguments import ContextLengthError
 from .bridge.windows import WindowCheckpoints
 from .conversation import SendBack, as_dicts, core_messages
-from .engine import decoding_method
+from .engine import decoding_method, seeded, seeded_generator, stop_strings_as_criteria
 from .generate_args import GenerateArgs
 from .prediction import predicted_prefix
 from .prefill import FeedOnlyTail, PromptEndSnapshot
@@ -305,13 +305,17 @@ class Turns:
         uncached tail is prefilled to each checkpoint position, and generate
         runs on from there."""
         model_input = prompt.unsqueeze(0).to(self._model.device)
+        seed = request.args.seed
         if plan.plain:
             output = self._engine.run(
-                lambda: self._model.generate(model_input, **kwargs), why="plain generate"
+                seeded(seed, lambda: self._model.generate(model_input, **kwargs)),
+                why="plain generate",
             )
             run = ModelRun(output, _sequences(output)[0].to("cpu", torch.long).contiguous())
         else:
-            run = self._cached_run(plan, model_input, kwargs, request.args.max_new_tokens, timer)
+            run = self._cached_run(
+                plan, model_input, kwargs, request.args.max_new_tokens, timer, seed
+            )
         if self._match == "text" and request.text is not None and not plan.plain:
             # The text of the cached ids, for the next turn's prefix match.
             cached_ids = run.sequence[prompt.numel() : run.cached_tokens]
@@ -320,7 +324,9 @@ class Turns:
             self._send_back(run, plan, prompt.numel(), request.sendback)
         return run
 
-    def _cached_run(self, plan, model_input, kwargs, max_new_tokens: int, timer) -> ModelRun:
+    def _cached_run(
+        self, plan, model_input, kwargs, max_new_tokens: int, timer, seed: int | None
+    ) -> ModelRun:
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
         compile_config = self._compiled.config_for(kwargs)
@@ -342,11 +348,11 @@ class Turns:
             try:
                 if pooled:  # compiling and capturing happen on the engine's thread
                     run = self._engine.run(
-                        lambda: self._run_on(cache, plan, model_input, kwargs),
+                        seeded(seed, lambda: self._run_on(cache, plan, model_input, kwargs)),
                         why="compiled decode",
                     )
                 else:
-                    run = self._run_on(cache, plan, model_input, kwargs)
+                    run = self._run_on(cache, plan, model_input, kwargs, seed)
             except _DYNAMO_ERRORS as error:
                 if timer.first_at is None:
                     # Before the first token: not kvchat's compiled decode
@@ -376,7 +382,7 @@ class Turns:
             bridge.detach_recurrent(cache)
         return run
 
-    def _run_on(self, cache, plan, model_input, kwargs) -> ModelRun:
+    def _run_on(self, cache, plan, model_input, kwargs, seed: int | None = None) -> ModelRun:
         """Prefills to each checkpoint (or reads them off generate's forward,
         ``WindowCheckpoints``), runs generate on ``cache``, reads it back."""
         prompt_tokens = model_input.shape[-1]
@@ -401,19 +407,24 @@ class Turns:
         # must be fed only those it lacks; one that can, generate slices.
         held = 0 if bridge.knows_length else start
         argument = bridge.cache_argument
+        feed_only_tail = FeedOnlyTail(self._model, cache, argument, prompt_tokens, held)
         if not isinstance(cache, StaticCache):  # decoded by the engine, batched
             kwargs = dict(
-                kwargs,
+                stop_strings_as_criteria(self._model, kwargs),
                 custom_generate=decoding_method(
                     self._engine,
                     cache_argument=argument,
                     streamer=kwargs.get("streamer"),
                     held=start,
                     chunked=not isinstance(windows, WindowCheckpoints),
-                    generator=None,
+                    generator=None if seed is None else seeded_generator(seed, model_input.device),
+                    # The engine feeds the cache only what it lacks; generate's
+                    # own loop, where the engine cannot batch, needs the cut.
+                    fallback_context=feed_only_tail,
                 ),
             )
-        with FeedOnlyTail(self._model, cache, argument, prompt_tokens, held), windows:
+            feed_only_tail = contextlib.nullcontext()
+        with feed_only_tail, windows:
             output = self._model.generate(model_input, **{argument: cache}, **kwargs)
         if isinstance(windows, WindowCheckpoints):
             try:

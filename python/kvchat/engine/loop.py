@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import inspect
 import logging
 import threading
@@ -85,6 +86,7 @@ class _Loop:
         self.idle: collections.deque = collections.deque()
         self.thread: threading.Thread | None = None
         self.closed = False
+        self.held = 0  # hold(): while positive, no new row starts
         self.counters = collections.Counter()
         self.queue_wait_s = 0.0
         self.max_rows = 0
@@ -139,11 +141,16 @@ class _Loop:
                     self._prefill_chunk(self.prefilling[0])
 
     def _has_work(self) -> bool:
-        return bool(self.jobs or self.batch.rows or self.prefilling or self.idle or
-                    (self.incoming and self._room()))
+        return bool(
+            self.jobs
+            or self.batch.rows
+            or self.prefilling
+            or self.idle
+            or (self.incoming and self._room())
+        )
 
     def _room(self) -> bool:
-        return len(self.batch.rows) + len(self.prefilling) < self.max_batch
+        return not self.held and len(self.batch.rows) + len(self.prefilling) < self.max_batch
 
     def _fail_all(self, error: BaseException) -> None:
         for row in [*self.batch.rows, *self.prefilling, *self.incoming]:
@@ -186,13 +193,17 @@ class _Loop:
             row.started = time.perf_counter()
             self.queue_wait_s += row.started - row.submitted
         end = row.prompt_tokens
-        if row.chunked:
+        if row.chunked and self.batch.rows:
+            # In chunks only while others decode: alone, one forward, as generate runs it.
             end = min(end, row.prefilled + self.max_step_tokens)
         try:
             kwargs = self.bridge.forward_arguments(row.cache, row.prefilled, end, row.ids.device)
             outputs = self.model(
-                input_ids=row.ids[:, row.prefilled : end], use_cache=True, return_dict=True,
-                **kwargs, **self.step_extra,
+                input_ids=row.ids[:, row.prefilled : end],
+                use_cache=True,
+                return_dict=True,
+                **kwargs,
+                **self.step_extra,
             )
             self.counters["prefill_chunks"] += 1
             row.prefilled = row.length = end
@@ -225,8 +236,13 @@ def _close_all() -> None:  # a thread inside the model at interpreter exit abort
 class Engine:
     """Runs every forward of one manager's model on one thread (module docstring)."""
 
-    def __init__(self, model, bridge, max_batch: int = DEFAULT_MAX_BATCH,
-                 max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS):
+    def __init__(
+        self,
+        model,
+        bridge,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+    ):
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens)
         _LIVE.add(self._loop)
 
@@ -267,6 +283,21 @@ class Engine:
         job = _Job(fn)
         self._loop.submit(self._loop.idle, job)
         return job.wait()
+
+    @contextlib.contextmanager
+    def hold(self):
+        """While entered, submitted turns wait and no new row starts; on
+        leaving, every waiting turn starts together (up to the batch's
+        maximum). Rows already decoding go on."""
+        loop = self._loop
+        with loop.cond:
+            loop.held += 1
+        try:
+            yield
+        finally:
+            with loop.cond:
+                loop.held -= 1
+                loop.cond.notify_all()
 
     def close(self) -> None:
         self._loop.close()

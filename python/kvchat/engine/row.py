@@ -18,10 +18,12 @@ on the engine's thread, between steps (``Engine.run``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import torch
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 # What generate passes its decoding loop that this loop understands.
@@ -31,8 +33,19 @@ _KNOWN = {"attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 class DecodeRow:
     """The state of one conversation's decoding (engine thread only, once submitted)."""
 
-    def __init__(self, *, cache, held: int, ids, processors, criteria, do_sample, streamer,
-                 generator=None, chunked: bool = True):
+    def __init__(
+        self,
+        *,
+        cache,
+        held: int,
+        ids,
+        processors,
+        criteria,
+        do_sample,
+        streamer,
+        generator=None,
+        chunked: bool = True,
+    ):
         self.cache = cache
         self.ids = ids  # [1, tokens]: the prompt, then every token picked
         self.prefilled = held  # prompt tokens the cache holds
@@ -75,13 +88,23 @@ class DecodeRow:
         return self.ids
 
 
-def decoding_method(engine, *, cache_argument: str, streamer, held: int, chunked: bool,
-                    generator=None):
-    """A ``custom_generate`` for one turn: its loop runs on ``engine``."""
+def decoding_method(
+    engine,
+    *,
+    cache_argument: str,
+    streamer,
+    held: int,
+    chunked: bool,
+    generator=None,
+    fallback_context=None,
+):
+    """A ``custom_generate`` for one turn: its loop runs on ``engine``.
+    ``held``: the prompt tokens the cache holds; ``fallback_context``: entered
+    around generate's own loop where the engine cannot batch the turn."""
 
-    def kvchat_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      tokenizer=None, **model_kwargs):
-        # ``tokenizer`` is named so that generate builds stop-string criteria with it.
+    def kvchat_decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs
+    ):
         cache = model_kwargs.pop(cache_argument, None)
         mask = model_kwargs.get("attention_mask")
         extra = set(model_kwargs) - _KNOWN
@@ -102,18 +125,67 @@ def decoding_method(engine, *, cache_argument: str, streamer, held: int, chunked
             def sample():
                 if generator is not None:
                     torch.manual_seed(generator.initial_seed())
-                return GenerationMixin._sample(
-                    model, input_ids, logits_processor=logits_processor,
-                    stopping_criteria=stopping_criteria, generation_config=generation_config,
-                    synced_gpus=False, streamer=streamer, **model_kwargs,
-                )
+                with fallback_context or contextlib.nullcontext():
+                    return GenerationMixin._sample(
+                        model,
+                        input_ids,
+                        logits_processor=logits_processor,
+                        stopping_criteria=stopping_criteria,
+                        generation_config=generation_config,
+                        synced_gpus=False,
+                        streamer=streamer,
+                        **model_kwargs,
+                    )
 
             return engine.run(sample, why=why)
         row = DecodeRow(
-            cache=cache, held=held, ids=input_ids, processors=logits_processor,
-            criteria=stopping_criteria, do_sample=generation_config.do_sample,
-            streamer=streamer, generator=generator, chunked=chunked,
+            cache=cache,
+            held=held,
+            ids=input_ids,
+            processors=logits_processor,
+            criteria=stopping_criteria,
+            do_sample=generation_config.do_sample,
+            streamer=streamer,
+            generator=generator,
+            chunked=chunked,
         )
         return engine.decode(row)
 
     return kvchat_decode
+
+
+def seeded_generator(seed: int, device) -> torch.Generator:
+    """A row's own random numbers: what ``torch.manual_seed(seed)`` would give
+    plain generate on ``device``, whatever else the batch samples."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def seeded(seed: int | None, fn):
+    """``fn`` (work the engine runs alone) after ``torch.manual_seed(seed)``."""
+    if seed is None:
+        return fn
+
+    def run():
+        torch.manual_seed(seed)
+        return fn()
+
+    return run
+
+
+def stop_strings_as_criteria(model, kwargs: dict) -> dict:
+    """generate ``kwargs`` whose stop strings (the call's, or its generation
+    config's) come as the ``StopStringCriteria`` generate would build. With a
+    ``custom_generate``, generate drops the ``tokenizer`` it needs for them
+    (transformers 5.24), and refuses the stop strings."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
+    if not strings:
+        return kwargs
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:  # generate's own error says what is missing
+        return kwargs
+    criteria = StoppingCriteriaList(
+        [*(kwargs.get("stopping_criteria") or []), StopStringCriteria(tokenizer, strings)]
+    )
+    kwargs = {k: v for k, v in kwargs.items() if k != "tokenizer"}
+    return dict(kwargs, stop_strings=None, stopping_criteria=criteria)

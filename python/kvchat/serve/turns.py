@@ -12,7 +12,6 @@ import logging
 import re
 import threading
 
-import torch
 from starlette.concurrency import run_in_threadpool
 
 from ..agents import detect
@@ -163,6 +162,8 @@ class TurnRunner:
         """Starts the turn and waits for its first piece, so what is refused
         before generation (a context overflow, say) is an error status."""
         kwargs = dict(chat.generate_kwargs)
+        if chat.seed is not None:  # the turn's own generator: the same tokens alone or batched
+            kwargs["seed"] = chat.seed
         if chat.stop:
             kwargs.update(stop_strings=chat.stop, tokenizer=self.manager.tokenizer)
         if processor is not None:
@@ -170,8 +171,6 @@ class TurnRunner:
             kwargs.update(logits_processor=[processor], suppress_tokens=None)
 
         def begin():
-            if chat.seed is not None:
-                torch.manual_seed(chat.seed)
             if chat.prompt is not None:  # a text completion: the prompt as it is
                 if self._holds_chat(session):
                     raise APIError(

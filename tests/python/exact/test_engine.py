@@ -1,0 +1,280 @@
+"""Conversations decoding together in the engine's batch are each, token for
+token, their own plain ``generate`` (float64, on the test device): rows of
+different lengths, rows joining and leaving mid-decode, a row cancelled or
+stopped by a stop string, a grammar-constrained row beside free ones, and a
+seeded sampled row that gives the same tokens alone and batched.
+
+``Engine.hold`` makes the turns start together: each test asserts, from
+``stats()``, that its rows really shared decode steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import SYSTEM, model_for, reference_ids, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.agents.grammar import Grammars
+from kvchat.prompting import end_ids, render_prompt
+from kvchat.tiny import tiny_tokenizer
+
+# The issue's families: attention, sliding window, conv, DeltaNet, Mamba2
+# beside attention, Mamba2 in its own layers with MLP-only ones.
+FAMILIES = ["llama", "gemma3", "qwen3", "lfm2", "qwen3_5", "falcon_h1", "nemotron_h"]
+
+
+def conversation(k: int) -> list[dict]:
+    """Conversation ``k``: k + 1 user messages, so each is a different length."""
+    messages = [SYSTEM]
+    for turn in range(k + 1):
+        messages.append(user_message(turn))
+        if turn < k:
+            messages.append({"role": "assistant", "content": f"Noted, part {turn}."})
+    return messages
+
+
+def wait_for(condition, what: str) -> None:
+    """Polls ``condition``; a hang guard, not a timing assertion."""
+    deadline = time.monotonic() + 300
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.002)
+
+
+def together(manager, calls) -> list:
+    """Runs each of ``calls`` on its own thread, their rows starting together."""
+    results, errors = [None] * len(calls), []
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    with manager._engine.hold():
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: manager.stats().queued + len(errors) == len(calls), "every turn queued")
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def chat_call(manager, session, messages, max_new_tokens, **kwargs):
+    def call():
+        manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
+        return manager.last_turn(session)
+
+    return call
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversations_of_different_lengths_decode_together_exactly(family, n, tokenizer):
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    conversations = [conversation(k) for k in range(n)]
+    for _ in range(2):  # a first turn, then a turn that reuses each cache
+        budgets = [10 + 2 * k for k in range(n)]  # they leave one by one
+        reports = together(
+            manager,
+            [chat_call(manager, f"s{k}", conversations[k], budgets[k]) for k in range(n)],
+        )
+        for k, report in enumerate(reports):
+            expected = reference_turn(model, tokenizer, conversations[k], budgets[k])[2]
+            assert report.output_ids == expected, f"conversation {k} of {n}"
+            reply = tokenizer.decode(expected, skip_special_tokens=True)
+            conversations[k] = [
+                *conversations[k],
+                {"role": "assistant", "content": reply},
+                user_message(7),
+            ]
+    stats = manager.stats()
+    assert stats.max_batch_rows == n, stats
+    assert stats.reused_tokens > 0
+    manager.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_join_and_leave_mid_decode(family, tokenizer):
+    """A long reply streams while two shorter turns join its batch and leave it."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    long = conversation(0)
+    stream = manager.stream_chat("long", long, max_new_tokens=40)
+    pieces = [next(stream) for _ in range(3)]
+    threads, reports = [], {}
+    for k in (1, 2):
+        call = chat_call(manager, f"s{k}", conversation(k), 5 + k)
+        threads.append(threading.Thread(target=lambda k=k, call=call: reports.update({k: call()})))
+        threads[-1].start()
+    wait_for(lambda: len(reports) == 2, "the joining turns finish")
+    pieces.extend(stream)
+    for thread in threads:
+        thread.join()
+    assert manager.last_turn("long").output_ids == reference_turn(model, tokenizer, long, 40)[2]
+    for k in (1, 2):
+        expected = reference_turn(model, tokenizer, conversation(k), 5 + k)[2]
+        assert reports[k].output_ids == expected
+    assert manager.stats().max_batch_rows >= 2
+    manager.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_cancelled_row_leaves_the_others_exact(family, tokenizer):
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    messages = conversation(0)
+    with manager._engine.hold():
+        stream = manager.stream_chat("cancelled", messages, max_new_tokens=40)
+        others = [
+            threading.Thread(target=chat_call(manager, f"s{k}", conversation(k), 12))
+            for k in (1, 2)
+        ]
+        for thread in others:
+            thread.start()
+        wait_for(lambda: manager.stats().queued == 3, "every turn queued")
+    wait_for(lambda: manager.stats().batch_rows == 3, "the three rows decoding together")
+    next(stream)
+    next(stream)
+    stream.close()
+    for thread in others:
+        thread.join()
+    expected = reference_turn(model, tokenizer, messages, 40)[2]
+    got = manager.last_turn("cancelled").output_ids
+    assert 2 <= len(got) < len(expected) and got == expected[: len(got)]
+    for k in (1, 2):
+        assert (
+            manager.last_turn(f"s{k}").output_ids
+            == reference_turn(model, tokenizer, conversation(k), 12)[2]
+        )
+    assert manager.stats().max_batch_rows == 3
+    # The cancelled session is exact for its next turn.
+    reply = tokenizer.decode(got, skip_special_tokens=True)
+    after = [*messages, {"role": "assistant", "content": reply}, user_message(5)]
+    manager.chat("cancelled", after, max_new_tokens=8)
+    assert (
+        manager.last_turn("cancelled").output_ids == reference_turn(model, tokenizer, after, 8)[2]
+    )
+    manager.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stop_strings_end_one_row(family, tokenizer):
+    """One row's stop string matches its reply, another's never matches."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    first, second = conversation(0), conversation(1)
+    reply = tokenizer.decode(reference_turn(model, tokenizer, first, 16)[2])
+    stop = reply[len(reply) // 2 : len(reply) // 2 + 2]  # text the reply reaches midway
+    assert stop.strip(), reply
+    never = ["\u00a7never\u00a7"]
+    reports = together(
+        manager,
+        [
+            chat_call(manager, "a", first, 16, stop_strings=[stop], tokenizer=tokenizer),
+            chat_call(manager, "b", second, 16, stop_strings=never, tokenizer=tokenizer),
+            chat_call(manager, "c", conversation(2), 16),
+        ],
+    )
+    expected_a = reference_turn(
+        model, tokenizer, first, 16, stop_strings=[stop], tokenizer=tokenizer
+    )
+    expected_b = reference_turn(
+        model, tokenizer, second, 16, stop_strings=never, tokenizer=tokenizer
+    )
+    assert reports[0].output_ids == expected_a[2]
+    assert len(expected_a[2]) < 16  # the stop string did end it
+    assert reports[1].output_ids == expected_b[2]
+    assert reports[2].output_ids == reference_turn(model, tokenizer, conversation(2), 16)[2]
+    assert manager.stats().max_batch_rows == 3
+    manager.close()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_grammar_constrained_row_beside_free_ones(family, tokenizer):
+    model = model_for(family)
+    grammars = Grammars(
+        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+    )
+    grammar = grammars.json_schema(SCHEMA)
+    manager = SessionManager(model, tokenizer)
+    processor = grammars.processor(grammar, "response_format")
+    reports = together(
+        manager,
+        [
+            chat_call(manager, "json", conversation(1), 30, logits_processor=[processor]),
+            chat_call(manager, "a", conversation(0), 20),
+            chat_call(manager, "b", conversation(2), 20),
+        ],
+    )
+    fresh = grammars.processor(grammar, "response_format")
+    expected = reference_turn(model, tokenizer, conversation(1), 30, logits_processor=[fresh])[2]
+    assert reports[0].output_ids == expected
+    assert tokenizer.decode(expected).startswith("{")
+    for k, report in ((0, reports[1]), (2, reports[2])):
+        assert report.output_ids == reference_turn(model, tokenizer, conversation(k), 20)[2]
+    assert manager.stats().max_batch_rows == 3
+    manager.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_seeded_sampled_reply_is_the_same_alone_and_batched(family, tokenizer):
+    model = model_for(family)
+    sampling = dict(do_sample=True, temperature=0.9, top_p=0.95)
+    messages = conversation(1)
+    alone_manager = SessionManager(model, tokenizer)
+    alone_manager.chat("s", messages, max_new_tokens=16, seed=1234, **sampling)
+    alone = alone_manager.last_turn("s").output_ids
+    alone_manager.close()
+    manager = SessionManager(model, tokenizer)
+    reports = together(
+        manager,
+        [
+            chat_call(manager, "s", messages, 16, seed=1234, **sampling),
+            chat_call(manager, "t", conversation(0), 16, seed=99, **sampling),
+            chat_call(manager, "u", conversation(2), 16, **sampling),  # the global generator
+            chat_call(manager, "v", conversation(3), 16),
+        ],
+    )
+    assert reports[0].output_ids == alone
+    assert manager.stats().max_batch_rows == 4
+    # And it is plain generate's after torch.manual_seed(seed).
+    prompt = render_prompt(tokenizer, messages)
+    assert alone == reference_ids(model, prompt, 16, seed=1234, **sampling)
+    manager.close()
+
+
+def test_seed_is_checked_before_the_session_is_touched(tokenizer):
+    manager = SessionManager(model_for("llama"), tokenizer)
+    for bad in (1.5, True, "7", 2**64):
+        with pytest.raises(ValueError, match=r"seed must be an int .*got"):
+            manager.chat("s", conversation(0), max_new_tokens=2, seed=bad)
+    assert "s" not in manager.sessions()
+    manager.close()
+
+
+def test_the_batch_buffers_are_freed_when_no_row_decodes(tokenizer):
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    together(manager, [chat_call(manager, f"s{k}", conversation(k), 6) for k in range(3)])
+    stats = manager.stats()
+    assert stats.batch_rows == 0 and stats.batch_bytes == 0 and stats.decode_steps > 0
+    manager.close()
