@@ -122,6 +122,8 @@ class ManagerOptions:
     min_shared_tokens: int  # 0: prefixes are not shared
     isolate_namespaces: bool
     settle: bool
+    max_batch_size: int = 16  # conversations decoding in one step
+    max_step_tokens: int = 256  # prompt tokens one prefill chunk runs beside them
 
     @classmethod
     def check(
@@ -140,8 +142,12 @@ class ManagerOptions:
         min_shared_tokens,
         isolate_namespaces,
         settle,
+        max_batch_size=16,
+        max_step_tokens=256,
     ) -> ManagerOptions:
         positive_int(max_sessions, "max_sessions")
+        positive_int(max_batch_size, "max_batch_size")
+        positive_int(max_step_tokens, "max_step_tokens")
         _one_of(overflow, "overflow", OVERFLOW_MODES)
         _one_of(busy, "busy", BUSY_MODES)
         _one_of(match, "match", MATCH_MODES)
@@ -173,6 +179,8 @@ class ManagerOptions:
             min_shared_tokens=min_shared_tokens if share_prefixes else 0,
             isolate_namespaces=isolate_namespaces,
             settle=settle,
+            max_batch_size=max_batch_size,
+            max_step_tokens=max_step_tokens,
         )
 
     def core(

@@ -63,6 +63,8 @@ class SessionManager(SessionAdmin):
         store: str | None = None,
         settle: bool = True,
         compile: bool | CompileConfig = False,
+        max_batch_size: int = 16,
+        max_step_tokens: int = 256,
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -117,6 +119,11 @@ class SessionManager(SessionAdmin):
             compiled (``torch.compile``; CUDA graphs on a GPU) in a pooled
             ``StaticCache``, on any device. False (default): eagerly, in
             kvchat's growable buffers. See docs/compiled-decode.md.
+        max_batch_size: at most this many conversations decode in one
+            batched step (the engine, docs/ARCHITECTURE.md); more wait for a
+            row. max_step_tokens: a new turn's prompt is prefilled in chunks
+            of at most this many tokens while others decode, so their streams
+            pause for at most one chunk.
         """
         check_model(model)
         check_tokenizer(tokenizer)
@@ -134,6 +141,8 @@ class SessionManager(SessionAdmin):
             min_shared_tokens=min_shared_tokens,
             isolate_namespaces=isolate_namespaces,
             settle=settle,
+            max_batch_size=max_batch_size,
+            max_step_tokens=max_step_tokens,
         )
         self._truncate, self._wait, self._match = options.truncate, options.wait, options.match
         self._model = model
@@ -166,7 +175,7 @@ class SessionManager(SessionAdmin):
         )
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
         # Every forward of this model, from any thread, runs on the engine's.
-        self._engine = Engine(model, self._bridge)
+        self._engine = Engine(model, self._bridge, options.max_batch_size, options.max_step_tokens)
         self._settler = Settler(
             self._core,
             self._bridge,

@@ -269,7 +269,8 @@ class DecodeBatch:
         self._mask[slot, start : geo.hi] = 1
         self._positions[slot] = length
         self._tokens[slot] = row.ids[0, -1]
-        row.slot, row.joined_at = slot, geo.hi
+        # Counted in tokens, not columns: a rebuild moves the columns.
+        row.slot, row.joined_length = slot, length
         self.rows.append(row)
         geo.rows += 1
         self._link()
@@ -278,7 +279,7 @@ class DecodeBatch:
         """Takes ``row`` out; with ``write_back``, its session's cache gets the
         tokens decoded since it joined and its recurrent states."""
         geo, slot = self._geo, row.slot
-        decoded = geo.hi - row.joined_at
+        decoded = row.length - row.joined_length
         if write_back:
             cache = row.cache
             for index in self._attention:

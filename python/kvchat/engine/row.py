@@ -55,7 +55,7 @@ class DecodeRow:
         self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
         self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
         self.slot: int | None = None
-        self.joined_at = 0
+        self.joined_length = 0  # tokens its cache held when it joined the batch
         self.submitted = time.perf_counter()
         self.started: float | None = None  # when its first forward ran
         self._done = threading.Event()

@@ -121,6 +121,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="do not settle sessions between turns (see docs/settling.md)",
     )
     limits.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=16,
+        help="conversations that decode in one batched step; more wait for a row",
+    )
+    limits.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens a new turn prefills per chunk while others decode",
+    )
+    limits.add_argument(
         "--compile",
         action="store_true",
         help="decode compiled, in a pooled StaticCache (see docs/compiled-decode.md)",
@@ -246,6 +258,8 @@ def build_app(args: argparse.Namespace):
         share_prefixes=not args.no_share_prefixes,
         settle=not args.no_settle,
         compile=args.compile,
+        max_batch_size=args.max_batch_size,
+        max_step_tokens=args.max_step_tokens,
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     config = ServeConfig(

@@ -54,9 +54,9 @@ def together(manager, calls) -> list:
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     with manager._engine.hold():
-        for thread in threads:
+        for i, thread in enumerate(threads):  # queued (and so prefilled) in this order
             thread.start()
-        wait_for(lambda: manager.stats().queued + len(errors) == len(calls), "every turn queued")
+            wait_for(lambda i=i: manager.stats().queued + len(errors) > i, f"turn {i} queued")
     for thread in threads:
         thread.join()
     if errors:
@@ -67,7 +67,11 @@ def together(manager, calls) -> list:
 def chat_call(manager, session, messages, max_new_tokens, **kwargs):
     def call():
         manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
-        return manager.last_turn(session)
+        report = manager.last_turn(session)
+        # The session kept its cache: every token but the last one picked.
+        held = manager.info(session).cached_tokens
+        assert held == report.prompt_tokens + report.generated_tokens - 1, (session, held)
+        return report
 
     return call
 
@@ -178,14 +182,14 @@ def test_stop_strings_end_one_row(family, tokenizer):
     stop = reply[len(reply) // 2 : len(reply) // 2 + 2]  # text the reply reaches midway
     assert stop.strip(), reply
     never = ["\u00a7never\u00a7"]
-    reports = together(
+    reports = together(  # the row that stops early joins last, beside the others
         manager,
         [
-            chat_call(manager, "a", first, 16, stop_strings=[stop], tokenizer=tokenizer),
-            chat_call(manager, "b", second, 16, stop_strings=never, tokenizer=tokenizer),
             chat_call(manager, "c", conversation(2), 16),
+            chat_call(manager, "b", second, 16, stop_strings=never, tokenizer=tokenizer),
+            chat_call(manager, "a", first, 16, stop_strings=[stop], tokenizer=tokenizer),
         ],
-    )
+    )[::-1]
     expected_a = reference_turn(
         model, tokenizer, first, 16, stop_strings=[stop], tokenizer=tokenizer
     )
