@@ -141,7 +141,8 @@ def main() -> None:
     base = rows[0]
     print(f"{args.model} on {args.device} ({args.dtype}), {args.reply_tokens}-token replies")
     print(
-        f"{'N':>3} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'p95':>8} {'p95 x one':>9} {'rows/step':>9}"
+        f"{'N':>3} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'p95':>8} "
+        f"{'p95 x one':>9} {'rows/step':>9}"
     )
     for row in rows:
         print(
