@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything kvchat checks on a lent GPU machine, in one call from the repo root:
-#   bash benchmarks/gpu/run.sh [tests|bench|all]
+#   bash benchmarks/gpu/run.sh [tests|engine|bench|all]
 # The machine has no network: wheels it lacks (transformers 5.23) travel in .whl/
 # (see benchmarks/gpu/README.md). kvchat is built against the torch found there.
 # Logs and result files go to $OUT (the device tool's folder) or benchmarks/out/gpu.
@@ -38,6 +38,20 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/python/exact/test_generate_args.py tests/python/exact/test_returned_cache.py \
     tests/python/exact/test_bfloat16.py tests/python/exact/test_families.py \
     tests/python/exact/test_compiled_decode.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+fi
+
+if [ "$what" = engine ] || [ "$what" = all ]; then
+  # The engine on CUDA: rows decoding together stay exact (float64), settling
+  # and compiled turns share the engine's one thread (no capture is broken),
+  # and what N conversations at once give against one (bfloat16, eager).
+  KVCHAT_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    tests/python/exact/test_engine.py tests/python/exact/test_settling.py \
+    tests/python/exact/test_compiled_decode.py \
+    -k "not compiled_decode or compiled_turns_match or two_threads or never_recompile" \
+    2>&1 | tee "$out/test-engine-gpu.log" | tail -25 || true
+  timeout 150 python3 benchmarks/concurrent_decode.py --model smollm2-135m --device cuda \
+    --dtype bfloat16 --conversations 1 2 4 8 --reply-tokens 64 --out "$out" \
+    2>&1 | tee "$out/concurrent-decode.txt" | tail -12 || true
 fi
 
 if [ "$what" = bench ] || [ "$what" = all ]; then
