@@ -151,20 +151,23 @@ def fixed_length(kind: str, eos: list[int], key: str, tokens: int) -> dict:
         return {"prompt_cache_key": key, "min_tokens": tokens}
     if kind == "llama-server":
         return {"ignore_eos": True}
-    return {
-        "logit_bias": {str(token): -100.0 for token in eos}
-    }  # floats, or transformers refuses it
+    # Float biases: transformers refuses integers.
+    return {"logit_bias": {str(token): -100.0 for token in eos}}
 
 
 # ---------------------------------------------------------------- workload
 def conversation(shape: str, index: int, turns: int) -> tuple[str, list[str]]:
     """(system prompt, user turns) of conversation ``index``: the same at every
-    concurrency, different from its neighbours'."""
+    concurrency, and no two alike past the system prompt, so no server finds
+    one conversation's turns cached by another."""
     if shape == "agent":
         pool, system = RESULTS_OF_TOOLS, TOOLS
     else:
         pool, system = CHAT_TURNS, CHAT_SYSTEM
-    return system, [pool[(index * turns + t) % len(pool)] for t in range(turns)]
+    texts = [pool[(index + 3 * t) % len(pool)] for t in range(turns)]
+    if index >= len(pool):  # the pool's first turns are used up
+        texts[0] = f"Case {index}: {texts[0]}"
+    return system, texts
 
 
 def converse(server: Server, shape: str, index: int, args, eos, count, barrier, rows, lock):
@@ -288,8 +291,11 @@ def run_model(name: str, args) -> dict:
     eos = GenerationConfig.from_pretrained(folder).eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
 
+    lock = threading.Lock()  # a fast tokenizer raises "Already borrowed" if shared by threads
+
     def count(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        with lock:
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     servers = [s for s in args.servers if (s, name) not in UNSUPPORTED]
     skipped = {s: UNSUPPORTED[(s, name)] for s in args.servers if (s, name) in UNSUPPORTED}

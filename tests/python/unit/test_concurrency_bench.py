@@ -91,3 +91,13 @@ def test_ratios_are_none_where_a_figure_is_missing(bench):
         "x2": None,
         "ttft_p95_4/1": None,
     }
+
+
+@pytest.mark.parametrize("shape", ["agent", "chat"])
+def test_no_two_conversations_share_a_turn_past_the_system_prompt(bench, shape):
+    # Two alike would let a server reuse one conversation's cache for another.
+    conversations = [bench.conversation(shape, i, 3) for i in range(16)]
+    assert len({system for system, _ in conversations}) == 1  # one agent, many users
+    assert len({turns[0] for _, turns in conversations}) == 16
+    assert all(len(set(turns)) == 3 for _, turns in conversations)
+    assert bench.conversation(shape, 5, 3) == conversations[5]  # the same at every concurrency
