@@ -102,9 +102,9 @@ def parse_args(argv=None):
         action="store_true",
         help="a smoke run: 1 and 2 conversations, 1 turn, 8-token replies, once, into out/",
     )
+    if parser.parse_args(argv).quick:  # its own defaults; flags given still win
+        parser.set_defaults(concurrency=[1, 2], turns=1, reply_tokens=8, repetitions=1)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.turns, args.reply_tokens, args.repetitions = [1, 2], 1, 8, 1
     args.out = args.out or (OUT if args.quick else RESULTS)
     if args.device != "cpu" and "llama-server" in args.servers:
         parser.error("--device: llama-server is built for the CPU only; leave it out of --servers")
@@ -377,7 +377,8 @@ def ratios(summary: list[dict]) -> dict[tuple[str, str], dict[str, float | None]
     at 4 over TTFT p95 at 1 (``ttft_p95_4/1``); None where a figure is missing."""
     by = {(r["server"], r["shape"], r["concurrency"]): r for r in summary}
     out: dict[tuple[str, str], dict[str, float | None]] = {}
-    for server, shape in dict.fromkeys((r["server"], r["shape"]) for r in summary):
+    pairs = {(r["server"], r["shape"]) for r in summary}
+    for server, shape in sorted(pairs, key=lambda p: (SERVERS.index(p[0]), SHAPES.index(p[1]))):
         one = by.get((server, shape, 1))
         cells: dict[str, float | None] = {}
         for (s, h, n), row in sorted(by.items(), key=lambda item: item[0][2]):
