@@ -24,7 +24,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 .PHONY: help deps build demo test test-fast test-clients test-cpp test-python test-gpu lint \
 	format clean \
 	bench bench-hybrid bench-decode bench-overhead bench-notebook bench-sharing bench-serve bench-replicas \
-	bench-first-piece bench-peers bench-cpu-dtypes \
+	bench-first-piece bench-peers bench-cpu-dtypes bench-concurrency \
 	sanitize
 
 help:
@@ -36,7 +36,7 @@ help:
 	@echo "make bench  - multi-turn latency, SmolLM2-135M-shaped, 10 turns (minutes)"
 	@echo "make bench-hybrid - the same on LFM2-, Qwen3.5- and FalconH1-shaped hybrids beside SmolLM2 (~20 min)"
 	@echo "make bench-decode, bench-overhead, bench-notebook, bench-sharing, bench-serve, bench-replicas,"
-	@echo "     bench-first-piece, bench-peers, bench-cpu-dtypes - see benchmarks/RESULTS.md"
+	@echo "     bench-first-piece, bench-peers, bench-cpu-dtypes, bench-concurrency - see benchmarks/RESULTS.md"
 	@echo "make sanitize - the GoogleTest suite under ASan and UBSan"
 	@echo "make test-gpu - the exactness suite on CUDA (benchmarks/gpu/run.sh)"
 
@@ -158,6 +158,12 @@ bench-first-piece: build
 bench-peers: build
 	$(PY) -m pip install -q "accelerate>=1.1.0" rich
 	$(PY) benchmarks/peers.py --models smollm2 lfm2 --repetitions 3
+
+# The same three servers with 1, 2, 4 and 8 conversations at once (agent- and
+# chat-shaped), two CPU threads each: what batching decode across conversations buys.
+bench-concurrency: build
+	$(PY) -m pip install -q "accelerate>=1.1.0" rich
+	$(PY) benchmarks/concurrency.py --models smollm2 lfm2 --repetitions 3
 
 # Which weights a CPU user should run: float32, bfloat16, int8 weight-only (torchao), int8 dynamic.
 bench-cpu-dtypes: build

