@@ -326,7 +326,10 @@ class DecodeBatch:
         rows = geo.rows
         self._mask[:rows, geo.hi] = 1
         kwargs = {self._argument: self._cache, "use_cache": True, **extra}
-        if self._takes_mask:
+        # No row padded: no mask, as generate passes none (and the model's
+        # mask code then needs no look at it, a device sync on a GPU).
+        padded = any(row.length < geo.hi - geo.lo for row in self.rows)
+        if self._takes_mask and padded:
             kwargs["attention_mask"] = self._mask[:rows, geo.lo : geo.hi + 1]
         if self._takes_positions:
             kwargs["position_ids"] = self._positions[:rows, None]

@@ -112,6 +112,7 @@ class _Loop:
 
     # ------------------------------------------------------------ the thread
     def work(self) -> None:
+        _graph_trees_for_this_thread(self.model)
         with torch.no_grad():
             while True:
                 with self.cond:
@@ -222,6 +223,25 @@ class _Loop:
             if row.slot is not None:
                 self.batch.leave(row, write_back=False)
             row.finish(error)
+
+
+def _graph_trees_for_this_thread(model) -> None:
+    """torch.compile's CUDA graph trees keep their managers in thread-local
+    state that only the importing thread (and autograd's) gets; a compiled
+    decode on the engine's thread would fail an assertion without it."""
+    device = getattr(model, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:  # a torch without inductor compiles nothing
+        return
+    local = getattr(cudagraph_trees, "local", None)
+    initialize = getattr(cudagraph_trees, "_initialize_tls", None)
+    if local is not None and initialize is not None and not hasattr(
+        local, "tree_manager_containers"
+    ):
+        initialize(local)
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
