@@ -94,20 +94,22 @@ class _Loop:
     # ------------------------------------------------------------ callers
     def submit(self, queue: collections.deque, item) -> None:
         with self.cond:
-            if self.closed:
-                raise RuntimeError("this SessionManager is closed")
-            queue.append(item)
-            if self.thread is None:
+            if self.thread is None:  # the first turn, or the first after close()
+                self.closed = False
                 self.thread = threading.Thread(target=self.work, name="kvchat-engine", daemon=True)
                 self.thread.start()
+            queue.append(item)
             self.cond.notify_all()
 
     def close(self) -> None:
+        """Stops the thread (work still queued fails); a later submit starts another."""
         with self.cond:
+            thread = self.thread
+            if thread is None:
+                return
             self.closed = True
             self.cond.notify_all()
-            thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not threading.current_thread():
             thread.join()
 
     # ------------------------------------------------------------ the thread

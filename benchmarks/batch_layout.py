@@ -1,0 +1,124 @@
+"""What the engine's batch layout costs (docs/ARCHITECTURE.md, "One token
+through the engine"): a row joining (one copy of its cache into the padded
+buffers), a row leaving (its decoded tokens appended to its session's cache),
+and a decode step over rows of equal lengths against rows of very different
+lengths (attention over the padding).
+
+    python benchmarks/batch_layout.py --model smollm2-135m --lengths 256 1024 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from kvchat.bridge import CacheBridge
+from kvchat.engine.batch import DecodeBatch
+from machine import describe
+from workload import load_model
+
+
+class _Row:
+    """What DecodeBatch reads of a row."""
+
+    def __init__(self, cache, ids):
+        self.cache, self.ids = cache, ids
+        self.length = ids.shape[1]
+        self.slot, self.joined_length = None, 0
+
+
+def prefilled(model, bridge, tokens: int, seed: int) -> _Row:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, 1000, (1, tokens), generator=generator).to(model.device)
+    cache = bridge.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{bridge.cache_argument: cache}, logits_to_keep=1)
+    return _Row(cache, ids)
+
+
+def timed(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()``."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def new_batch(bridge) -> DecodeBatch:
+    return DecodeBatch(bridge.new_cache, bridge.cache_argument, True, True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    args = parser.parse_args()
+    model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
+    bridge = CacheBridge(model)
+    result = dict(machine=describe(), args=vars(args), joins=[], steps=[])
+
+    def step(batch) -> None:
+        with torch.no_grad():
+            batch.step(model, {"logits_to_keep": 1})
+
+    print(f"{args.model} ({args.dtype}, {args.device})")
+    print(f"{'tokens':>7} {'join ms':>8} {'leave ms':>9} {'step ms (1 row)':>16}")
+    for length in args.lengths:
+        joins, leaves, steps = [], [], []
+        for repeat in range(3):
+            row = prefilled(model, bridge, length, repeat)
+            batch = new_batch(bridge)
+            began = time.perf_counter()
+            batch.join(row)
+            joins.append((time.perf_counter() - began) * 1e3)
+            steps.append(timed(lambda: step(batch), args.steps))
+            began = time.perf_counter()
+            batch.leave(row)
+            leaves.append((time.perf_counter() - began) * 1e3)
+        entry = dict(
+            tokens=length,
+            join_ms=statistics.median(joins),
+            leave_ms=statistics.median(leaves),
+            step_ms=statistics.median(steps),
+        )
+        result["joins"].append(entry)
+        print(
+            f"{length:>7} {entry['join_ms']:>8.1f} {entry['leave_ms']:>9.2f} "
+            f"{entry['step_ms']:>16.1f}"
+        )
+    # Rows of equal lengths against one long row beside short ones: the same
+    # tokens in cache in all, padded to the longest in the second.
+    longest, shortest = max(args.lengths), min(args.lengths)
+    mixes = {
+        "equal": [longest] * args.rows,
+        "one long, the rest short": [longest] + [shortest] * (args.rows - 1),
+        "all short": [shortest] * args.rows,
+    }
+    print(f"\n{args.rows} rows decoding together, ms per step:")
+    for name, lengths in mixes.items():
+        batch = new_batch(bridge)
+        for i, length in enumerate(lengths):
+            batch.join(prefilled(model, bridge, length, 10 + i))
+        ms = timed(lambda: step(batch), args.steps)
+        result["steps"].append(dict(mix=name, lengths=lengths, step_ms=ms))
+        print(f"  {name:<26} {lengths}: {ms:.1f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"batch-layout-{args.model}-{args.device}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
