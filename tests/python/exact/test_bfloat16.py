@@ -71,3 +71,46 @@ def test_bfloat16_turns_keep_plain_generates_clear_first_tokens(family, dtype, t
         reply = tokenizer.decode(expected, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
     assert checked >= TURNS // 2, f"only {checked} turns had a clear first token"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_half_precision_promises_hold_for_rows_decoding_together(family, dtype, tokenizer):
+    """The same promises with three conversations decoding in one batch (the
+    engine): a first turn is plain generate's reply, and every later turn's
+    first token is plain generate's where its best token leads clearly."""
+    import threading
+
+    model = _build(family, dtype, tokenizer)
+    manager = SessionManager(model, tokenizer)
+    sessions = [[LONG_SYSTEM] + [user_message(10 * k + j) for j in range(k)] for k in range(3)]
+    checked = 0
+    for turn in range(3):
+        expected, reports = {}, {}
+        for k, messages in enumerate(sessions):
+            messages.append(user_message(turn))
+            expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
+
+        def run(k):
+            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
+            reports[k] = manager.last_turn(f"s{k}")
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        with manager._engine.hold():
+            for thread in threads:
+                thread.start()
+            while manager.stats().queued < 3 and len(reports) < 3:
+                threading.Event().wait(0.002)
+        for thread in threads:
+            thread.join()
+        for k, report in reports.items():
+            ids, margin = expected[k]
+            if turn == 0:
+                assert report.reused_tokens == 0 and report.output_ids == ids, k
+            elif margin > MARGIN:
+                assert report.output_ids[0] == ids[0], (k, turn, margin)
+                checked += 1
+            reply = tokenizer.decode(ids, skip_special_tokens=True)
+            sessions[k].append({"role": "assistant", "content": reply})
+    assert manager.stats().max_batch_rows == 3
+    assert checked >= 3, f"only {checked} later turns had a clear first token"
