@@ -91,7 +91,7 @@ def test_half_precision_promises_hold_for_rows_decoding_together(family, dtype, 
             messages.append(user_message(turn))
             expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
 
-        def run(k):
+        def run(k, reports=reports):
             manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
             reports[k] = manager.last_turn(f"s{k}")
 
