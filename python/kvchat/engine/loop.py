@@ -239,11 +239,17 @@ def _graph_trees_for_this_thread(model) -> None:
     except ImportError:  # a torch without inductor compiles nothing
         return
     local = getattr(cudagraph_trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers"):
+        return
     initialize = getattr(cudagraph_trees, "_initialize_tls", None)
-    if local is not None and initialize is not None and not hasattr(
-        local, "tree_manager_containers"
-    ):
+    if initialize is not None:
         initialize(local)
+        return
+    # Older torch (2.11) sets them up inline at import, for its thread only.
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
