@@ -17,6 +17,23 @@ STATS_METRICS = [
     ("kvchat_resident_bytes", "Distinct cache bytes held", "resident_bytes", "gauge"),
     ("kvchat_sessions", "Sessions known", "sessions", "gauge"),
     ("kvchat_resident_sessions", "Sessions holding a cache", "resident_sessions", "gauge"),
+    # The engine: one batched decode step for every conversation (docs/ARCHITECTURE.md).
+    ("kvchat_decode_steps", "Batched decode steps the engine ran", "decode_steps", "counter"),
+    (
+        "kvchat_batch_rows_mean",
+        "Conversations per decode step, on average",
+        "mean_batch_rows",
+        "gauge",
+    ),
+    ("kvchat_batch_rows", "Conversations decoding now", "batch_rows", "gauge"),
+    ("kvchat_turns_queued", "Turns waiting for a row (max-batch-size)", "queued", "gauge"),
+    (
+        "kvchat_queue_wait_ms",
+        "Milliseconds turns waited from submission to their first forward",
+        "queue_wait_ms",
+        "counter",
+    ),
+    ("kvchat_batch_bytes", "Bytes of the decode batch's buffers now", "batch_bytes", "gauge"),
     (
         "kvchat_prefix_shares",
         "Turns that started from another session's prefix",

@@ -58,7 +58,7 @@ def test_every_stats_metric_is_the_field_it_names():
 
 
 def test_the_counters_a_user_tunes_by_are_exported():
-    """The compiled-decode, settling and store counters each have a metric."""
+    """The engine, compiled-decode, settling and store counters each have a metric."""
     exported = {field for _, _, field, _ in STATS_METRICS}
     for field in (
         "compiled_turns",
@@ -72,5 +72,11 @@ def test_the_counters_a_user_tunes_by_are_exported():
         "tier_loads",
         "evictions",
         "resident_bytes",
+        "decode_steps",
+        "mean_batch_rows",
+        "batch_rows",
+        "queued",
+        "queue_wait_ms",
+        "batch_bytes",
     ):
         assert field in exported, field
