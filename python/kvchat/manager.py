@@ -29,7 +29,7 @@ from .session_admin import SessionAdmin
 from .settling import Settler
 from .streaming import ReplyStream
 from .tiers.base import Tier
-from .turn import TurnRequest, Turns
+from .turn import TurnInput, TurnPath
 from .turn_requests import RequestBuilder
 
 logger = logging.getLogger("kvchat")
@@ -189,7 +189,7 @@ class SessionManager(SessionAdmin):
         self._requests = RequestBuilder(
             model, tokenizer, self._max_context, self._truncate, self._bridge.needs_checkpoints
         )
-        self._turns = Turns(  # the turn's path: turn.py
+        self._turns = TurnPath(  # the turn's path: turn.py
             model=model,
             tokenizer=tokenizer,
             core=self._core,
@@ -298,7 +298,7 @@ class SessionManager(SessionAdmin):
         )
         return self._stream(request, stream)
 
-    def _stream(self, request: TurnRequest, stream: ReplyStream) -> ReplyStream:
+    def _stream(self, request: TurnInput, stream: ReplyStream) -> ReplyStream:
         """Starts the turn on the stream's worker; its report once it ends."""
 
         def run() -> TurnReport:

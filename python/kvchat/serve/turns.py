@@ -26,7 +26,7 @@ from .reply import DONE, Reply, calls_allowed, tool_format
 logger = logging.getLogger("kvchat.serve")
 
 
-class TurnRunner:
+class ServerTurns:
     """The turns of one app. ``begin`` starts one and returns its ``Reply``;
     ``finish`` (once its text is read) or ``abandon`` (its client left) ends it;
     ``sent`` (its response ended) frees its session for the idle expiry."""
