@@ -42,6 +42,17 @@ def positive_int(value, name: str, allow_none: bool = False):
     return value
 
 
+def check_seconds(value, name: str) -> float | None:
+    """A wait in seconds: a non-negative, finite number, or None (no limit)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")

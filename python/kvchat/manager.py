@@ -3,6 +3,7 @@ conversation's KV cache between turns and prefills only what is new."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -13,6 +14,7 @@ from . import _C
 from .arguments import (
     ManagerOptions,
     check_model,
+    check_seconds,
     check_session_id,
     check_tokenizer,
     choose_tier,
@@ -29,7 +31,7 @@ from .session_admin import SessionAdmin
 from .settling import Settler
 from .streaming import ReplyStream
 from .tiers.base import Tier
-from .turn import TurnRequest, Turns
+from .turn import TurnInput, TurnPath
 from .turn_requests import RequestBuilder
 
 logger = logging.getLogger("kvchat")
@@ -189,7 +191,7 @@ class SessionManager(SessionAdmin):
         self._requests = RequestBuilder(
             model, tokenizer, self._max_context, self._truncate, self._bridge.needs_checkpoints
         )
-        self._turns = Turns(  # the turn's path: turn.py
+        self._turns = TurnPath(  # the turn's path: turn.py
             model=model,
             tokenizer=tokenizer,
             core=self._core,
@@ -298,14 +300,43 @@ class SessionManager(SessionAdmin):
         )
         return self._stream(request, stream)
 
-    def _stream(self, request: TurnRequest, stream: ReplyStream) -> ReplyStream:
+    def _stream(self, request: TurnInput, stream: ReplyStream) -> ReplyStream:
         """Starts the turn on the stream's worker; its report once it ends."""
 
         def run() -> TurnReport:
             record = self._turns.run(request).record
             return TurnReport.from_core(record)
 
-        return stream.start(run, name=f"kvchat-stream-{request.session_id}")
+        ender = functools.partial(self._end_turn, request)
+        return stream.start(run, name=f"kvchat-stream-{request.session_id}", ender=ender)
+
+    def _end_turn(
+        self,
+        request: TurnInput,
+        stream: ReplyStream,
+        messages: list[dict] | None,
+        tools: list[dict] | None,
+        chat_template_kwargs: dict | None,
+        flush_timeout: float | None,
+    ) -> TurnReport | None:
+        """``stream.end(...)``: see ReplyStream.end."""
+        flush_timeout = check_seconds(flush_timeout, "flush_timeout")
+        stream.close()
+        report = stream.report
+        if flush_timeout != 0:  # after the commit: the turn's snapshot is being written
+            self.flush(timeout=flush_timeout, session_id=request.session_id)
+        if report is None or messages is None:
+            return report
+        own = request.sendback  # None for a generate turn
+        if tools is None and own is not None:
+            tools = own.tools
+        if chat_template_kwargs is None and own is not None:
+            chat_template_kwargs = own.template_kwargs
+        try:
+            self.settle(request.session_id, messages, tools, chat_template_kwargs)
+        except KeyError:  # removed since its turn: nothing to settle
+            logger.debug("kvchat: %s was removed before its turn ended", request.session_id)
+        return report
 
     def settle(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -21,6 +22,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from .detokenize import IncrementalText
 from .engine.threads import with_callers_autocast
+
+if TYPE_CHECKING:
+    from .report import TurnReport
 
 _END = object()  # queued once, after the last piece
 
@@ -83,10 +87,15 @@ class ReplyStream(Iterator[str]):
         self._failure: list[BaseException] = []
         self._result: list = []
         self._worker: threading.Thread | None = None
+        self._ender: Callable | None = None  # the manager's end of the turn (end())
 
-    def start(self, run: Callable[[], object], name: str) -> ReplyStream:
+    def start(
+        self, run: Callable[[], object], name: str, ender: Callable | None = None
+    ) -> ReplyStream:
         """Runs the turn ``run`` (which passes ``self.kwargs`` to generate) in a
-        worker; what it returns becomes ``self.report``."""
+        worker; what it returns becomes ``self.report``. ``ender(self, ...)``
+        is what ``end(...)`` runs."""
+        self._ender = ender
         # The worker holds no reference to this object, so dropping it unread
         # reaches __del__ while generation is still running.
         self._worker = threading.Thread(
@@ -126,6 +135,39 @@ class ReplyStream(Iterator[str]):
         worker = self._worker
         if worker is not None and worker.is_alive() and threading.current_thread() is not worker:
             worker.join()
+
+    def end(
+        self,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        flush_timeout: float | None = 0.0,
+    ) -> TurnReport | None:
+        """Ends the turn in one call and returns its ``TurnReport`` (None if
+        the turn failed: ``next()`` raises its error).
+
+        In order: stops generation within a token if it still runs and waits
+        until the turn is committed (``close()``); with ``flush_timeout``
+        (seconds; None: no limit; 0, the default: no wait), waits that long at
+        most for a shared store to write the session's snapshot, so a next
+        turn on another process finds it (``flush``); then, given
+        ``messages``, what the caller will send back (the history and the
+        reply as the caller returns it: cut at a stop string, with parsed
+        ``tool_calls``), settles the session for a next turn that starts with
+        them, as ``settle()`` does, rendered with ``tools`` and
+        ``chat_template_kwargs`` (None: this turn's own). Pass
+        ``settle=False`` to ``stream_chat`` then, so the raw reply is never
+        settled on. A failed turn is not settled, nor a session removed
+        meanwhile.
+
+        A ``flush_timeout`` that is not a number of seconds >= 0 or None
+        raises before anything is done. ``messages`` that ``settle()`` refuses
+        raise as there, once the turn is committed and flushed: nothing is
+        settled."""
+        if self._ender is None:  # a stream no manager started: nothing to settle or flush
+            self.close()
+            return self.report
+        return self._ender(self, messages, tools, chat_template_kwargs, flush_timeout)
 
     def __del__(self):
         # Dropped unread (a for loop left with break): stop, without waiting here.

@@ -1,6 +1,6 @@
 """One turn: the session leased, the core's plan, the model, the core's commit.
 
-``Turns.run(TurnRequest)`` is the whole path of a turn after the caller has
+``TurnPath.run(TurnInput)`` is the whole path of a turn after the caller has
 checked and tokenized its input:
 
 1. pause any settle of the session, lease it, and take over what the settle
@@ -45,7 +45,7 @@ logger = logging.getLogger("kvchat")
 
 
 @dataclass(frozen=True)
-class TurnRequest:
+class TurnInput:
     """A turn the caller has checked: ``args``, the resolved generate arguments;
     ``fresh``, the prompt's ids (1-D), tokenized once; ``text``, a chat turn's
     prompt text (text mode matches on it); ``sendback``, how a chat turn's
@@ -93,8 +93,8 @@ class ModelRun:
 
 
 @dataclass(frozen=True)
-class TurnOutcome:
-    """What ``Turns.run`` gives back: ``output``, what ``generate`` returned (a
+class FinishedTurn:
+    """What ``TurnPath.run`` gives back: ``output``, what ``generate`` returned (a
     tensor or a ModelOutput, for ``generate()``); ``reply``, a chat turn's
     reply text (None otherwise); ``record``, the core's ``TurnRecord``."""
 
@@ -103,8 +103,9 @@ class TurnOutcome:
     record: _C.TurnRecord
 
 
-class Turns:
-    """Runs turns for one manager (its model, core, tier and settler)."""
+class TurnPath:
+    """The path every turn of one manager takes (its model, core, tier and
+    settler): lease, the core's plan, the model, the core's commit."""
 
     def __init__(
         self,
@@ -162,7 +163,7 @@ class Turns:
         cannot run on kvchat's cache."""
         return self._forward_refuses_cache is not None
 
-    def run(self, request: TurnRequest) -> TurnOutcome:
+    def run(self, request: TurnInput) -> FinishedTurn:
         try:
             return self._run(request)
         except _RunAgain as again:  # refused before its first token: run it plain
@@ -178,7 +179,7 @@ class Turns:
             )
         return outcome
 
-    def _run(self, request: TurnRequest, refused: str | None = None) -> TurnOutcome:
+    def _run(self, request: TurnInput, refused: str | None = None) -> FinishedTurn:
         """One try at the turn; ``refused``: why it runs as plain generate."""
         session_id, args = request.session_id, request.args
         # Refused before the lease, so a request that cannot fit never waits for one.
@@ -262,7 +263,7 @@ class Turns:
             if counted is not None:  # a turn that ran, not one refused or failed
                 with self._plain_lock:
                     self._plain_turns[counted] = self._plain_turns.get(counted, 0) + 1
-            return TurnOutcome(run.output, run.reply, record)
+            return FinishedTurn(run.output, run.reply, record)
         finally:
             self._flush_evicted()
 
@@ -299,7 +300,7 @@ class Turns:
         have = session.held_tokens(prompt)
         return self._tier.find_if_cheaper(session.id, prompt, have=have, local=local)
 
-    def _model_run(self, plan, prompt, kwargs, request: TurnRequest, timer) -> ModelRun:
+    def _model_run(self, plan, prompt, kwargs, request: TurnInput, timer) -> ModelRun:
         """The model's part of a turn. A plain plan runs plain generate, passing
         no cache. Otherwise the cache is built from the plan's layers, the
         uncached tail is prefilled to each checkpoint position, and generate

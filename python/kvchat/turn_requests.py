@@ -1,4 +1,4 @@
-"""A call's arguments made into a checked ``TurnRequest``: the chat template
+"""A call's arguments made into a checked ``TurnInput``: the chat template
 rendered (and truncated when ``overflow="truncate"``), the prompt tokenized,
 generate's arguments resolved, and for a streamed turn the ``ReplyStream`` its
 kwargs feed. Everything here raises before a turn touches a session.
@@ -26,7 +26,7 @@ from .prompting import (
     validate_messages,
 )
 from .streaming import ReplyStream
-from .turn import TurnRequest
+from .turn import TurnInput
 
 # Template arguments (tools, chat_template_kwargs) whose rewritten tail is remembered.
 _MAX_PROBED_TEMPLATES = 256
@@ -77,8 +77,8 @@ class RequestBuilder:
         kwargs: dict,
         streaming: bool,
         skip_special_tokens: bool = True,
-    ) -> tuple[TurnRequest, ReplyStream | None]:
-        """A chat turn, checked: its TurnRequest, and for ``streaming`` the
+    ) -> tuple[TurnInput, ReplyStream | None]:
+        """A chat turn, checked: its TurnInput, and for ``streaming`` the
         ReplyStream whose streamer and stop its generate kwargs carry."""
         check_bool(skip_special_tokens, "skip_special_tokens")
         text, ids, messages = self._chat_text(
@@ -89,7 +89,7 @@ class RequestBuilder:
         args = resolve_generate_args(self._model, stream.kwargs if stream else kwargs, ids.numel())
         tail = self._rewritten_tail(tools, template_kwargs)
         sendback = SendBack(messages, tools, template_kwargs, settle)
-        return TurnRequest(session_id, args, ids, text, sendback, rewritten_tail=tail), stream
+        return TurnInput(session_id, args, ids, text, sendback, rewritten_tail=tail), stream
 
     def _chat_text(self, session_id, messages, max_new_tokens, tools, template_kwargs):
         """(prompt text, its token ids, messages), truncated when overflow='truncate'."""
@@ -155,16 +155,16 @@ class RequestBuilder:
         return target
 
     # -------------------------------------------------------------- generate
-    def generate(self, input_ids, session_id: str, generate_kwargs: dict) -> TurnRequest:
+    def generate(self, input_ids, session_id: str, generate_kwargs: dict) -> TurnInput:
         """generate()'s turn, for one unpadded sequence."""
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids must hold at least one token")
         args = resolve_generate_args(self._model, generate_kwargs, input_ids.shape[1])
-        return TurnRequest(session_id, args, input_ids[0].long())
+        return TurnInput(session_id, args, input_ids[0].long())
 
     def stream_generate(
         self, input_ids, session_id: str, skip_special_tokens, generate_kwargs: dict
-    ) -> tuple[TurnRequest, ReplyStream]:
+    ) -> tuple[TurnInput, ReplyStream]:
         self.check_ids(input_ids, session_id, generate_kwargs, "stream_generate")
         check_bool(skip_special_tokens, "skip_special_tokens")
         if input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
@@ -181,7 +181,7 @@ class RequestBuilder:
             )
         stream = self.reply_stream(generate_kwargs, skip_special_tokens)
         args = resolve_generate_args(self._model, stream.kwargs, ids.numel())
-        return TurnRequest(session_id, args, ids), stream
+        return TurnInput(session_id, args, ids), stream
 
     def reply_stream(self, kwargs: dict, skip_special_tokens: bool) -> ReplyStream:
         """The stream a turn's generate kwargs feed; the ids that end the reply

@@ -29,7 +29,7 @@ from .expiry import IdleExpiry
 from .metrics import Metrics
 from .sessions import SessionRouter
 from .store import ResponseLimits, server_store
-from .turns import TurnRunner
+from .turns import ServerTurns
 
 logger = logging.getLogger("kvchat.serve")
 
@@ -97,7 +97,7 @@ def create_app(manager: SessionManager, config: ServeConfig) -> FastAPI:
         router=router,
         metrics=metrics,
         expiry=expiry,
-        turns=TurnRunner(manager, config, router, metrics, expiry),
+        turns=ServerTurns(manager, config, router, metrics, expiry),
         response_store=store.responses,
     )
 

@@ -209,12 +209,12 @@ class _EndsWith:
             self._on_end()
 
 
-class TurnStream(_EndsWith, StreamingResponse):
-    """A streamed turn's response (``_EndsWith``)."""
+class StreamedReplyResponse(_EndsWith, StreamingResponse):
+    """The HTTP response of a streamed reply: its server-sent events (``_EndsWith``)."""
 
 
-class TurnJSON(_EndsWith, JSONResponse):
-    """A turn's whole response (``_EndsWith``)."""
+class JSONReplyResponse(_EndsWith, JSONResponse):
+    """The HTTP response of a whole reply: one JSON body (``_EndsWith``)."""
 
 
 class StopTrimmer:

@@ -1,8 +1,8 @@
 """Running a request's turn: a slot among ``--max-pending``, the session the
 router gives it, the grammar it is constrained with, the stream the model
-writes, and, however the request ends, the commit, the release of its session
-and the settle for its next turn. The endpoints (chat completions, responses)
-only shape what goes over the wire."""
+writes, and, however the request ends, one call that ends it (``finish``: the
+library's ``ReplyStream.end``, then the slot, the router and the expiry). The
+endpoints (chat completions, responses) only shape what goes over the wire."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from .reply import DONE, Reply, calls_allowed, tool_format
 logger = logging.getLogger("kvchat.serve")
 
 
-class TurnRunner:
-    """The turns of one app. ``begin`` starts one and returns its ``Reply``;
+class ServerTurns:
+    """``kvchat serve``'s turns. ``begin`` starts one and returns its ``Reply``;
     ``finish`` (once its text is read) or ``abandon`` (its client left) ends it;
     ``sent`` (its response ended) frees its session for the idle expiry."""
 
@@ -219,37 +219,47 @@ class TurnRunner:
             return False
 
     def finish(self, turn: Reply) -> bool:
-        """Waits for the turn to be committed, then counts it and frees its slot;
-        False if it was finished already."""
+        """The server's end of a turn, in one call, once its text is read (or
+        its client left): the library's end of it (``ReplyStream.end``: the
+        commit, the store's write within ``--store-wait``, the settle on the
+        reply as the client received it), then the request counted, its slot
+        freed, its session handed back to the router and its hold on the
+        session's expiry dropped. False if it was finished already."""
         if not turn.finished.acquire(blocking=False):
             return False
-        report, refused = None, False
+        answered, history = False, None
         try:
-            turn.stream.close()
-            report = turn.stream.report
-            refused = self.grammar_error(turn) is not None  # read once generate has ended
-            if self.config.store_wait > 0:  # after the last token: TTFT never pays for it
-                self.manager.flush(timeout=self.config.store_wait, session_id=turn.session)
+            turn.stream.close()  # committed: the report and the grammar's verdict are final
+            refused = self.grammar_error(turn) is not None
+            # A reply its grammar refused is no one's history: the router keeps what the
+            # session held before, and it is not settled on (its cache still serves the
+            # conversation up to that reply's prompt).
+            answered = turn.stream.report is not None and not refused
+            if answered and turn.chat.prompt is None:  # a chat's conversation
+                history = [*turn.chat.messages, turn.message()]
+            report = self._end(turn, history)
             status = "400" if refused else "200" if report is not None else "500"
             self.metrics.requests.labels(status).inc()
             if report is not None:
                 self.metrics.observe(report)
-        finally:  # whatever failed above, the slot, the self.router and self.expiry are freed
+        finally:  # whatever failed above, the slot, the router and the expiry are freed
             self.pending.release()
-            # A reply its grammar refused is no one's history: the router keeps what the
-            # session held before, and it is not settled on (its cache still serves the
-            # conversation up to that reply's prompt).
-            answered = report is not None and not refused
-            history = None
-            if answered and turn.chat.prompt is None:  # a chat's conversation
-                history = [*turn.chat.messages, turn.message()]
             self.router.release(turn.ns, turn.session, history)
-            if answered and turn.chat.prompt is not None:
+            if answered and turn.chat.prompt is not None:  # a text completion's text
                 self.router.remember_text(turn.ns, turn.session, turn.chat.prompt + turn.text)
             self._let_go(turn, "turn")
-        if history is not None:
-            self._settle(turn, history)
         return True
+
+    def _end(self, turn: Reply, history: list[dict] | None):
+        """``turn.stream.end``: flushed within ``--store-wait`` (after the last
+        token: TTFT never pays for it), settled on ``history``. A history the
+        template refuses, or that leaves no room for a next turn, is not
+        settled on; the turn's report stands."""
+        try:
+            return turn.stream.end(history, flush_timeout=self.config.store_wait)
+        except (ValueError, TypeError) as error:
+            logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
+            return turn.stream.report
 
     def grammar_error(self, turn: Reply) -> APIError | None:
         """The 400 for a reply whose grammar llguidance refused while decoding
@@ -258,20 +268,6 @@ class TurnRunner:
         if error is None:
             return None
         return APIError(400, str(error), param=error.param, code="invalid_value")
-
-    def _settle(self, turn: Reply, history: list[dict]) -> None:
-        """Settles the session on the conversation the client received (the
-        text a stop string cut short, the tool calls read out of it), for its
-        next turn."""
-        try:
-            self.manager.settle(
-                turn.session,
-                history,
-                tools=turn.chat.tools,
-                chat_template_kwargs=turn.chat.template_kwargs,
-            )
-        except (KeyError, ValueError, TypeError) as error:  # removed meanwhile, say
-            logger.debug("kvchat serve: no settle for %s: %s", turn.session, error)
 
     def abandon(self, turn: Reply) -> None:
         """A streamed response ended: if its turn was not finished (the client

@@ -278,6 +278,10 @@ README_ROWS = {
         "test_settling.py::test_settle_names_bad_arguments",
     ],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
+    "`stream.end()` with a `flush_timeout`": [
+        "test_turn_end.py::test_end_names_a_bad_flush_timeout_and_leaves_the_turn_running",
+        "test_turn_end.py::test_end_passes_on_what_settle_refuses_once_committed",
+    ],
     "`messages` not a list": ["test_malformed_messages"],
     "a content part that is not text": [
         "test_messages.py::test_malformed_client_messages_name_the_field",

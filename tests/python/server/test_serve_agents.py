@@ -842,27 +842,27 @@ def test_a_grammar_compiles_inside_its_max_pending_slot(monkeypatch):
     from fastapi.testclient import TestClient
     from kvchat import SessionManager
     from kvchat.serve import ServeConfig, create_app
-    from kvchat.serve.turns import TurnRunner
+    from kvchat.serve.turns import ServerTurns
 
     manager = SessionManager(reference_model("llama"), tiny_tokenizer())
     app = create_app(manager, ServeConfig(model_name="tiny", max_pending=1))
     plain = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     constrained = {**plain, "response_format": {"type": "json_object"}}
     meanwhile = []
-    compile_grammar = TurnRunner._constrain
+    compile_grammar = ServerTurns._constrain
 
     def constrain(self, chat, fmt):
         meanwhile.append(client.post("/v1/chat/completions", json=plain).status_code)
         return compile_grammar(self, chat, fmt)
 
-    monkeypatch.setattr(TurnRunner, "_constrain", constrain)
+    monkeypatch.setattr(ServerTurns, "_constrain", constrain)
     with TestClient(app) as client:
         assert client.post("/v1/chat/completions", json=constrained).status_code == 200
         assert meanwhile == [429]
         refused = {**plain, "response_format": _json_format({"type": "nonsense"})}
         assert client.post("/v1/chat/completions", json=refused).status_code == 400
         assert meanwhile == [429, 429]
-        monkeypatch.setattr(TurnRunner, "_constrain", compile_grammar)
+        monkeypatch.setattr(ServerTurns, "_constrain", compile_grammar)
         assert client.post("/v1/chat/completions", json=plain).status_code == 200
 
 

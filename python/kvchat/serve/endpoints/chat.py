@@ -13,7 +13,7 @@ from .. import chat_response
 from ..chat_request import header_value, parse_chat_request
 from ..errors import APIError
 from ..reply import DONE, Reply
-from ..turns import TurnRunner
+from ..turns import ServerTurns
 from .context import AppContext, sse
 
 
@@ -45,7 +45,7 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         return await ctx.answer(turn, chat.stream, lambda: stream_body(turns, turn, cid), body)
 
 
-async def stream_body(turns: TurnRunner, turn: Reply, cid: str):
+async def stream_body(turns: ServerTurns, turn: Reply, cid: str):
     model = turn.chat.model
     finished = False
     calls, started = 0, 0  # calls given out; of them, started as they were written

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import completions
 from ..reply import DONE, Reply
-from ..turns import TurnRunner
+from ..turns import ServerTurns
 from .context import AppContext, sse
 
 
@@ -33,7 +33,7 @@ def register(app: FastAPI, ctx: AppContext) -> None:
         )
 
 
-async def completion_chunks(turns: TurnRunner, turn: Reply, cid: str):
+async def completion_chunks(turns: ServerTurns, turn: Reply, cid: str):
     model, finished = turn.chat.model, False
     try:
         while (items := await run_in_threadpool(turn.next_items)) is not DONE:

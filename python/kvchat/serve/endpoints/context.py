@@ -17,10 +17,10 @@ from ...manager import SessionManager
 from ..errors import APIError
 from ..expiry import IdleExpiry
 from ..metrics import Metrics
-from ..reply import Reply, TurnJSON, TurnStream
+from ..reply import JSONReplyResponse, Reply, StreamedReplyResponse
 from ..response_store import ResponseStore
 from ..sessions import SessionRouter, namespace
-from ..turns import TurnRunner
+from ..turns import ServerTurns
 
 if TYPE_CHECKING:
     from ..app import ServeConfig
@@ -35,7 +35,7 @@ class AppContext:
     router: SessionRouter
     metrics: Metrics
     expiry: IdleExpiry
-    turns: TurnRunner
+    turns: ServerTurns
     response_store: ResponseStore
 
     def caller(self, request: Request) -> str:
@@ -92,7 +92,9 @@ class AppContext:
                 code="model_not_found",
             )
 
-    async def answer(self, turn: Reply, stream: bool, events, body) -> TurnStream | JSONResponse:
+    async def answer(
+        self, turn: Reply, stream: bool, events, body
+    ) -> StreamedReplyResponse | JSONResponse:
         """A turn's reply, with its session's header: ``events()`` streamed as
         server-sent events, or, once the turn is finished, ``await body(items)``
         (the reply's items) as JSON."""
@@ -104,12 +106,12 @@ class AppContext:
         except BaseException:  # no response of its own: its session is free now
             self.turns.sent(turn)
             raise
-        return TurnJSON(content, on_end=lambda: self.turns.sent(turn), headers=headers)
+        return JSONReplyResponse(content, on_end=lambda: self.turns.sent(turn), headers=headers)
 
-    def streamed(self, turn: Reply, body, headers: dict) -> TurnStream:
+    def streamed(self, turn: Reply, body, headers: dict) -> StreamedReplyResponse:
         """A streamed reply; however it ends, its turn is finished, and its
         session is free once it is sent."""
-        return TurnStream(
+        return StreamedReplyResponse(
             body,
             on_end=lambda: self.turns.sent(turn),
             media_type="text/event-stream",
