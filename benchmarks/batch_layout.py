@@ -11,6 +11,7 @@ lengths (attention over the padding).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -88,7 +89,7 @@ def main() -> None:
             began = time.perf_counter()
             batch.join(row)
             joins.append((time.perf_counter() - began) * 1e3)
-            steps.append(timed(lambda: step(batch), args.steps))
+            steps.append(timed(functools.partial(step, batch), args.steps))
             began = time.perf_counter()
             batch.leave(row)
             leaves.append((time.perf_counter() - began) * 1e3)
@@ -116,7 +117,7 @@ def main() -> None:
         batch = new_batch(bridge)
         for i, length in enumerate(lengths):
             batch.join(prefilled(model, bridge, length, 10 + i))
-        ms = timed(lambda: step(batch), args.steps)
+        ms = timed(functools.partial(step, batch), args.steps)
         result["steps"].append(dict(mix=name, lengths=lengths, step_ms=ms))
         print(f"  {name:<26} {lengths}: {ms:.1f}")
     # Rows of one length: what a step costs per row as the batch grows.
@@ -126,7 +127,7 @@ def main() -> None:
         batch = new_batch(bridge)
         for i in range(rows):
             batch.join(prefilled(model, bridge, length, 20 + i))
-        ms = timed(lambda: step(batch), args.steps)
+        ms = timed(functools.partial(step, batch), args.steps)
         result["sweep"].append(dict(rows=rows, tokens=length, step_ms=ms))
         print(f"  {rows:>3} rows: {ms:7.1f}  ({ms / rows:6.1f} per row)")
     out = Path(args.out)
