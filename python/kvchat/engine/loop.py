@@ -140,8 +140,21 @@ class _Loop:
                     continue
                 if self.batch.rows:
                     self._step()
-                if self.prefilling:
-                    self._prefill_chunk(self.prefilling[0])
+                # While rows decode, the prompts prefilled between two steps
+                # hold at most max_step_tokens tokens: several short ones
+                # whole (their first tokens come together), a long one in
+                # chunks. With none decoding, the first runs whole, as generate.
+                budget = self.max_step_tokens
+                while self.prefilling:
+                    row = self.prefilling[0]
+                    limit = budget if self.batch.rows else None
+                    if limit is not None and limit <= 0:
+                        break
+                    done = self._prefill_chunk(row, limit)
+                    if limit is not None:
+                        budget -= done
+                    if self.prefilling and self.prefilling[0] is row:
+                        break  # a chunk of a long prompt: the rows decode first
 
     def _has_work(self) -> bool:
         return bool(
@@ -191,14 +204,15 @@ class _Loop:
             else:
                 batch.set_token(row, row.ids[0, -1])
 
-    def _prefill_chunk(self, row) -> None:
+    def _prefill_chunk(self, row, budget: int | None) -> int:
+        """Prefills ``row``'s prompt up to ``budget`` tokens more (None: to its
+        end, in one forward, as generate runs it); returns the tokens run."""
         if row.started is None:
             row.started = time.perf_counter()
             self.queue_wait_s += row.started - row.submitted
-        end = row.prompt_tokens
-        if row.chunked and self.batch.rows:
-            # In chunks only while others decode: alone, one forward, as generate runs it.
-            end = min(end, row.prefilled + self.max_step_tokens)
+        begin, end = row.prefilled, row.prompt_tokens
+        if row.chunked and budget is not None:
+            end = min(end, row.prefilled + budget)
         try:
             kwargs = self.bridge.forward_arguments(row.cache, row.prefilled, end, row.ids.device)
             outputs = self.model(
@@ -211,7 +225,7 @@ class _Loop:
             self.counters["prefill_chunks"] += 1
             row.prefilled = row.length = end
             if end < row.prompt_tokens:
-                return
+                return end - begin
             self.prefilling.popleft()
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
             del outputs
@@ -225,6 +239,7 @@ class _Loop:
             if row.slot is not None:
                 self.batch.leave(row, write_back=False)
             row.finish(error)
+        return end - begin
 
 
 def _graph_trees_for_this_thread(model) -> None:

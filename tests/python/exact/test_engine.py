@@ -282,3 +282,32 @@ def test_the_batch_buffers_are_freed_when_no_row_decodes(tokenizer):
     stats = manager.stats()
     assert stats.batch_rows == 0 and stats.batch_bytes == 0 and stats.decode_steps > 0
     manager.close()
+
+
+# The attention families: a hybrid's first turn stops at a checkpoint (the
+# system prompt's end), and that prefill runs alone on the engine, unchunked.
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_long_prompt_prefills_in_chunks_while_others_decode(family, tokenizer):
+    """With a row decoding, a new prompt is prefilled at most max_step_tokens
+    tokens between two steps; the chunks give plain generate's reply, and the
+    decoding row goes on streaming meanwhile."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, max_step_tokens=16)
+    stream = manager.stream_chat("decoding", conversation(0), max_new_tokens=60)
+    next(stream)
+    long = conversation(4)  # over a hundred tokens: several chunks
+    chunks_before = manager.stats().prefill_chunks
+    steps_before = manager.stats().decode_steps
+    manager.chat("long", long, max_new_tokens=8)
+    report = manager.last_turn("long")
+    stats = manager.stats()
+    list(stream)
+    assert report.output_ids == reference_turn(model, tokenizer, long, 8)[2]
+    assert report.prompt_tokens > 64
+    assert stats.prefill_chunks - chunks_before >= report.prompt_tokens // 16
+    # The decoding row took a step between chunks.
+    assert stats.decode_steps - steps_before >= report.prompt_tokens // 16
+    assert manager.last_turn("decoding").output_ids == reference_turn(
+        model, tokenizer, conversation(0), 60
+    )[2]
+    manager.close()
