@@ -31,6 +31,7 @@ import threading
 from transformers import CompileConfig
 
 from .bridge.static_cache import bucket
+from .compile_watch import CompileWatch
 
 logger = logging.getLogger("kvchat")
 
@@ -56,6 +57,9 @@ class CompiledDecode:
         self.enabled = setting is not False
         self.turns = 0  # turns that decoded compiled
         self._turns_lock = threading.Lock()
+        # What torch.compile did in compiled turns and warm-ups (compile_watch.py).
+        self._compiled = dict(compiles=0, recompiles=0, compile_ms=0.0, cuda_graph_records=0)
+        self._capacities: set[int] = set()  # those a turn or a warm-up decoded in
         # The model's own (generation_config.json's): read at each turn, as generate does.
         self._model_generation_config = generation_config
         if self.enabled and static_problem is not None:
@@ -102,11 +106,57 @@ class CompiledDecode:
             )
         self.enabled = False
 
+    def watched(self, capacity: int, fn):
+        """``fn`` (a compiled decode in a cache of ``capacity``), counting what
+        it compiles on the thread that runs it: into ``stats()``, and a log
+        line when it compiled (a warning if this capacity had run before)."""
+
+        def run():
+            with CompileWatch() as watch:
+                try:
+                    return fn()
+                finally:
+                    self._record(capacity, watch)
+
+        return run
+
+    def _record(self, capacity: int, watch: CompileWatch) -> None:
+        with self._turns_lock:
+            seen = capacity in self._capacities
+            self._capacities.add(capacity)
+            counts = self._compiled
+            counts["compiles"] += watch.compiles
+            counts["recompiles"] += watch.recompiles
+            counts["compile_ms"] += watch.seconds * 1e3
+            counts["cuda_graph_records"] += watch.cuda_graph_records
+        if not watch.compiles:
+            return
+        if seen:  # a shape already run compiled again: what should never happen
+            logger.warning(
+                "kvchat: compiled the decode again for capacity %d, which had run before, "
+                "in %.1f s (%d graphs, %d recompiles; TORCH_LOGS=recompiles says why)",
+                capacity,
+                watch.seconds,
+                watch.compiles,
+                watch.recompiles,
+            )
+        else:
+            logger.info(
+                "kvchat: compiled the decode for capacity %d in %.1f s (%d graphs, %d recompiles)",
+                capacity,
+                watch.seconds,
+                watch.compiles,
+                watch.recompiles,
+            )
+
     def counters(self, pool) -> dict:
+        with self._turns_lock:
+            compiled = dict(self._compiled)
         return dict(
             compiled_turns=self.turns,
             static_caches_built=pool.built,
             static_cache_bytes=pool.nbytes(),
+            **compiled,
         )
 
     @staticmethod
