@@ -120,7 +120,8 @@ class SessionManager(SessionAdmin):
         compile: True (or a ``transformers.CompileConfig``): each turn decodes
             compiled (``torch.compile``; CUDA graphs on a GPU) in a pooled
             ``StaticCache``, on any device. False (default): eagerly, in
-            kvchat's growable buffers. See docs/compiled-decode.md.
+            kvchat's growable buffers. ``warm_up()`` compiles before the
+            first turn. See docs/compiled-decode.md.
         max_batch_size: at most this many conversations decode in one
             batched step (the engine, docs/ARCHITECTURE.md); more wait for a
             row. max_step_tokens: a new turn's prompt is prefilled in chunks
