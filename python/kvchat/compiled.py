@@ -27,12 +27,20 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Iterable
 
+import torch
 from transformers import CompileConfig
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .bridge.static_cache import bucket
+from .compile_watch import CompileWatch
 
 logger = logging.getLogger("kvchat")
+
+# A warm-up decodes this many tokens after a prompt of as many: the first
+# decode step compiles, the next ones show that nothing compiles again.
+WARM_UP_TOKENS = 4
 
 
 def compile_everywhere(config: CompileConfig | None = None) -> CompileConfig:
@@ -54,8 +62,12 @@ class CompiledDecode:
             )
         self._config = setting if isinstance(setting, CompileConfig) else None
         self.enabled = setting is not False
+        self.requested = self.enabled  # enabled turns False if the model cannot compile
         self.turns = 0  # turns that decoded compiled
         self._turns_lock = threading.Lock()
+        # What torch.compile did in compiled turns and warm-ups (compile_watch.py).
+        self._compiled = dict(compiles=0, recompiles=0, compile_ms=0.0, cuda_graph_records=0)
+        self._capacities: set[int] = set()  # those a turn or a warm-up decoded in
         # The model's own (generation_config.json's): read at each turn, as generate does.
         self._model_generation_config = generation_config
         if self.enabled and static_problem is not None:
@@ -102,11 +114,132 @@ class CompiledDecode:
             )
         self.enabled = False
 
+    def check_warm_up(self, lengths, max_context: int | None) -> list[int]:
+        """The capacities ``warm_up(lengths)`` decodes in, smallest first; a
+        clear error for a manager that does not compile or a bad length."""
+        if not self.requested:
+            raise ValueError(
+                "warm_up compiles the decode, but this manager was made with compile=False"
+            )
+        if isinstance(lengths, int) and not isinstance(lengths, bool):
+            lengths = [lengths]
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+            raise TypeError(f"lengths must be an int or a list of ints, got {lengths!r}")
+        lengths = list(lengths)
+        if not lengths:
+            raise ValueError("lengths is empty: name at least one length to warm up")
+        for length in lengths:
+            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+                raise ValueError(f"lengths must be positive ints, got {length!r}")
+            if max_context is not None and length > max_context:
+                raise ValueError(
+                    f"lengths: {length} positions exceed max_context_length={max_context}"
+                )
+        if max_context is not None and max_context < 2 * WARM_UP_TOKENS:
+            raise ValueError(f"max_context_length={max_context} is too short to warm up")
+        return sorted({self.capacity(n, max_context) for n in lengths})
+
+    def warm_up(self, model, bridge, engine, capacities: list[int]) -> list[int]:
+        """Compiles the decode for each of ``capacities`` (``check_warm_up``'s)
+        with short generates in a pooled cache of it, on the engine's thread,
+        as a turn does; the capacities it decoded in (a pooled cache up to
+        twice as large serves a smaller one, as it does for a turn). Nothing
+        if the model cannot compile.
+
+        A sliding-window layer branches on whether its window is full, on a
+        Python int that dynamo specializes on, so its decode has a graph for
+        each: a model with such layers also decodes once past its window."""
+        config = self.config_for({})
+        if config is None:
+            logger.warning("kvchat: warm_up: this manager decodes eagerly; nothing to compile")
+            return []
+        token = _ordinary_token(model)
+        done = []
+        for capacity in capacities:
+            prompts = [WARM_UP_TOKENS] + [
+                window
+                for window in _windows(bridge, capacity)
+                if window + WARM_UP_TOKENS <= capacity
+            ]
+            for prompt in prompts:
+                ids = torch.full((1, prompt), token, device=model.device)
+                cache = bridge.to_static_cache([], capacity)
+
+                def decode(cache=cache, ids=ids):
+                    model.generate(
+                        ids,
+                        **{bridge.cache_argument: cache},
+                        max_new_tokens=WARM_UP_TOKENS,
+                        min_new_tokens=WARM_UP_TOKENS,
+                        do_sample=False,
+                        compile_config=config,
+                    )
+
+                try:
+                    engine.run(
+                        self.watched(cache.layers_capacity, decode, warming=True), why="warm-up"
+                    )
+                except torch._dynamo.exc.TorchDynamoException:
+                    self.failed(bridge.static_pool)  # as a turn whose compile fails
+                    raise
+                finally:
+                    if self.enabled:
+                        bridge.give_back(cache)
+            done.append(cache.layers_capacity)
+        return done
+
+    def watched(self, capacity: int, fn, warming: bool = False):
+        """``fn`` (a compiled decode in a cache of ``capacity``), counting what
+        it compiles on the thread that runs it: into ``stats()``, and a log
+        line when it compiled (a warning if this capacity had run before,
+        unless ``warming``: a warm-up's generates)."""
+
+        def run():
+            with CompileWatch() as watch:
+                try:
+                    return fn()
+                finally:
+                    self._record(capacity, watch, warming)
+
+        return run
+
+    def _record(self, capacity: int, watch: CompileWatch, warming: bool) -> None:
+        with self._turns_lock:
+            seen = capacity in self._capacities and not warming
+            self._capacities.add(capacity)
+            counts = self._compiled
+            counts["compiles"] += watch.compiles
+            counts["recompiles"] += watch.recompiles
+            counts["compile_ms"] += watch.seconds * 1e3
+            counts["cuda_graph_records"] += watch.cuda_graph_records
+        if not watch.compiles:
+            return
+        if seen:  # a shape already run compiled again: what should never happen
+            logger.warning(
+                "kvchat: compiled the decode again for capacity %d, which had run before, "
+                "in %.1f s (%d graphs, %d recompiles; TORCH_LOGS=recompiles says why)",
+                capacity,
+                watch.seconds,
+                watch.compiles,
+                watch.recompiles,
+            )
+        else:
+            logger.info(
+                "kvchat: compiled the decode for capacity %d in %.1f s (%d graphs, %d recompiles)",
+                capacity,
+                watch.seconds,
+                watch.compiles,
+                watch.recompiles,
+            )
+
     def counters(self, pool) -> dict:
+        with self._turns_lock:
+            compiled = dict(self._compiled)
         return dict(
             compiled_turns=self.turns,
             static_caches_built=pool.built,
             static_cache_bytes=pool.nbytes(),
+            **compiled,
         )
 
     @staticmethod
@@ -118,3 +251,27 @@ class CompiledDecode:
         if max_context is not None and needed <= max_context < capacity:
             return max_context
         return capacity
+
+
+def _windows(bridge, capacity: int) -> set[int]:
+    """The sliding-window layers' windows in a cache of ``capacity``."""
+    cache = bridge.to_static_cache([], capacity)
+    try:
+        return {
+            layer.max_cache_len
+            for layer in cache.layers
+            if isinstance(layer, StaticSlidingWindowLayer)
+        }
+    finally:
+        bridge.give_back(cache)
+
+
+def _ordinary_token(model) -> int:
+    """A token id that is no special token of the model (no padding, which
+    generate would mask, and no end of sequence)."""
+    config = model.generation_config
+    special = set()
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    return next(i for i in range(3, 3 + len(special) + 1) if i not in special)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 from transformers import CompileConfig
@@ -21,6 +22,7 @@ from .arguments import (
     reload_reason,
 )
 from .bridge import CacheBridge
+from .bridge.static_cache import SMALLEST_BUCKET
 from .compiled import CompiledDecode
 from .engine import Engine
 from .fingerprint import model_fingerprint
@@ -120,7 +122,8 @@ class SessionManager(SessionAdmin):
         compile: True (or a ``transformers.CompileConfig``): each turn decodes
             compiled (``torch.compile``; CUDA graphs on a GPU) in a pooled
             ``StaticCache``, on any device. False (default): eagerly, in
-            kvchat's growable buffers. See docs/compiled-decode.md.
+            kvchat's growable buffers. ``warm_up()`` compiles before the
+            first turn. See docs/compiled-decode.md.
         max_batch_size: at most this many conversations decode in one
             batched step (the engine, docs/ARCHITECTURE.md); more wait for a
             row. max_step_tokens: a new turn's prompt is prefilled in chunks
@@ -363,6 +366,18 @@ class SessionManager(SessionAdmin):
         target = self._requests.settle_target(messages, tools, chat_template_kwargs)
         if target is not None and session.resident:  # evicted since its turn: nothing to settle
             self._settler.schedule(session_id, target, version)
+
+    def warm_up(self, lengths: int | Iterable[int] = SMALLEST_BUCKET) -> list[int]:
+        """Compiles the decode now, off any turn's path, for the capacity
+        buckets of ``lengths``: the positions the caller's turns will need,
+        prompt plus ``max_new_tokens`` (a bucket's own size names it; see
+        docs/compiled-decode.md). A later turn in those buckets compiles
+        nothing. Runs on the engine's thread, between other work, and returns
+        the capacities it decoded in. Needs ``compile=True`` (or a
+        ``CompileConfig``): ValueError otherwise; on a model whose decode
+        cannot compile it logs a warning and returns []."""
+        capacities = self._compiled.check_warm_up(lengths, self._max_context)
+        return self._compiled.warm_up(self._model, self._bridge, self._engine, capacities)
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Waits until no settle is waiting or running (a turn meanwhile pauses

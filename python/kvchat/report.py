@@ -140,6 +140,11 @@ class ManagerStats:
     compiled_turns: int = 0  # turns whose decode ran compiled, in a StaticCache
     static_caches_built: int = 0  # one per capacity bucket; more only under concurrency
     static_cache_bytes: int = 0  # held by idle static caches between turns
+    # What torch.compile did in compiled turns and warm_up() (compile_watch.py).
+    compiles: int = 0  # frames dynamo compiled for the decode
+    recompiles: int = 0  # of those, of a function compiled before (a guard failed)
+    compile_ms: float = 0.0  # time spent compiling them
+    cuda_graph_records: int = 0  # CUDA graphs recorded (a GPU, mode="reduce-overhead")
     # Turns run as plain generate (docs/how-it-works.md), and by why:
     # generate_args (beams, use_cache=False, ...), unsupported_layers,
     # autocast, forward_refuses_cache (a forward compiled with fullgraph).

@@ -348,8 +348,9 @@ class TurnPath:
         try:
             try:
                 if pooled:  # compiling and capturing happen on the engine's thread
+                    decode = seeded(seed, lambda: self._run_on(cache, plan, model_input, kwargs))
                     run = self._engine.run(
-                        seeded(seed, lambda: self._run_on(cache, plan, model_input, kwargs)),
+                        self._compiled.watched(cache.layers_capacity, decode),
                         why="compiled decode",
                     )
                 else:

@@ -137,6 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="decode compiled, in a pooled StaticCache (see docs/compiled-decode.md)",
     )
+    limits.add_argument(
+        "--warm-up",
+        type=_lengths,
+        metavar="LENGTHS",
+        help="with --compile: compile the decode before serving, for the capacity buckets of "
+        "these lengths (prompt + max_tokens, comma-separated: 2048,4096)",
+    )
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
     store.add_argument(
         "--store",
@@ -220,6 +227,17 @@ def load_model(spec: str, dtype: torch.dtype | None, device: str):
     return load_pretrained(Path(spec), dtype, device)  # preflight checked the path
 
 
+def _lengths(text: str) -> list[int]:
+    """--warm-up's value: positive ints, comma-separated."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"positive ints, comma-separated, got {text!r}")
+    return lengths
+
+
 def build_app(args: argparse.Namespace):
     from . import ServeConfig, create_app
 
@@ -262,6 +280,18 @@ def build_app(args: argparse.Namespace):
         max_step_tokens=args.max_step_tokens,
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
+    if args.warm_up:
+        try:
+            capacities = manager.warm_up(args.warm_up)
+        except ValueError as error:
+            raise ValueError(f"--warm-up: {error}") from None
+        stats = manager.stats()
+        logger.info(
+            "compiled the decode for capacities %s in %.1f s (%d graphs)",
+            capacities,
+            stats.compile_ms / 1e3,
+            stats.compiles,
+        )
     config = ServeConfig(
         model_name=args.served_model_name or model_id(args.model),
         # The path as given was the id before: clients that send it still reach the model.

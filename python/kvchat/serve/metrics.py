@@ -87,6 +87,24 @@ STATS_METRICS = [
         "counter",
     ),
     (
+        "kvchat_compiles",
+        "Frames torch.compile compiled for the compiled decode (turns and warm-up)",
+        "compiles",
+        "counter",
+    ),
+    (
+        "kvchat_recompiles",
+        "Of kvchat_compiles, those of a function compiled before (a guard failed)",
+        "recompiles",
+        "counter",
+    ),
+    (
+        "kvchat_cuda_graph_records",
+        "CUDA graphs recorded for the compiled decode",
+        "cuda_graph_records",
+        "counter",
+    ),
+    (
         "kvchat_static_cache_bytes",
         "Bytes held by idle static caches for compiled decode",
         "static_cache_bytes",
@@ -118,6 +136,11 @@ class _ManagerCollector:
         )
         yield CounterMetricFamily(
             "kvchat_settle_seconds", "Time settles spent prefilling", value=stats.settle_ms / 1e3
+        )
+        yield CounterMetricFamily(
+            "kvchat_compile_seconds",
+            "Time spent compiling the compiled decode (turns and warm-up)",
+            value=stats.compile_ms / 1e3,
         )
 
 

@@ -33,6 +33,8 @@ def preflight(args: argparse.Namespace) -> None:
         )
     if args.store is not None and args.spill_dir is not None:
         raise ValueError("give --store or --spill-dir, not both")
+    if getattr(args, "warm_up", None) and not args.compile:
+        raise ValueError("--warm-up compiles the decode: give --compile too")
     if args.max_sessions < 1:
         raise ValueError(f"--max-sessions must be at least 1, got {args.max_sessions}")
     parse_bytes(args.max_cache_bytes, "--max-cache-bytes")  # names the flag and the value

@@ -15,7 +15,15 @@ import re
 
 import pytest
 import torch
-from helpers import DEVICE, LONG_SYSTEM, SYSTEM, model_for, reference_turn, user_message
+from helpers import (
+    DEVICE,
+    LONG_SYSTEM,
+    SYSTEM,
+    model_for,
+    reference_ids,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
 from kvchat.bridge.static_cache import bucket
 from kvchat.compiled import CompiledDecode, compile_everywhere
@@ -137,7 +145,99 @@ def test_next_turns_and_sessions_never_recompile(family, tokenizer):
     # Another session in the same bucket too.
     manager.chat("other", [SYSTEM, user_message(5)], max_new_tokens=MAX_NEW)
     assert backend.graphs == first
-    assert manager.stats().compiled_turns == TURNS + 1
+    stats = manager.stats()
+    assert stats.compiled_turns == TURNS + 1
+    # stats() counts what the backend was given: each graph dynamo compiled.
+    assert stats.compiles == backend.graphs and stats.compile_ms > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_turns_in_a_used_bucket_compile_nothing(family, tokenizer, caplog):
+    """With inductor, as users compile: the first turn compiles the decode
+    (stats() counts it, and a log line says so); the next turns, in the
+    same bucket, compile nothing."""
+    torch._dynamo.reset()
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, compile=True)
+    counts = []
+
+    def check(turn, messages, reply):
+        stats = manager.stats()
+        counts.append((stats.compiles, stats.recompiles, stats.compile_ms))
+        assert manager.last_turn("s").prompt_tokens + MAX_NEW <= 256  # one bucket
+
+    with caplog.at_level("INFO", logger="kvchat"):
+        _conversation(manager, model, tokenizer, check, turns=3)
+    compiles, recompiles, compile_ms = counts[0]
+    assert compiles >= 1 and recompiles == 0 and compile_ms > 0, counts
+    assert counts == [counts[0]] * 3, counts
+    assert "compiled the decode for capacity 256" in caplog.text
+    assert "compiled the decode again" not in caplog.text
+
+
+def _exact_generate_turns(manager, model, session, steps):
+    """Turns through ``manager.generate`` on one growing sequence, each
+    token-identical to plain generate; ``steps``: (new ids, max_new_tokens).
+    The compiles each turn added."""
+    sequence = torch.empty(0, dtype=torch.long)
+    added = []
+    for new, max_new in steps:
+        sequence = torch.cat([sequence, new])
+        before = manager.stats().compiles
+        out = manager.generate(
+            sequence[None].to(DEVICE), session, max_new_tokens=max_new, do_sample=False
+        )[0].cpu()
+        added.append(manager.stats().compiles - before)
+        assert tuple(out[sequence.numel() :].tolist()) == reference_ids(model, sequence, max_new)
+        sequence = out
+    return added
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
+def test_warm_up_compiles_what_the_next_turns_use(family, tokenizer):
+    """warm_up for two buckets, then turns in them: none compiles, and each
+    is exact. Gemma 3's first turn stays inside its 16-token window and the
+    next crosses it (a branch dynamo compiles apart); the last decodes in
+    the second bucket."""
+    torch._dynamo.reset()
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, compile=True)
+    assert manager.warm_up([200, 400]) == [256, 512]
+    warmed = manager.stats()
+    assert warmed.compiles >= 2 and warmed.compile_ms > 0 and warmed.compiled_turns == 0
+    steps = [
+        (torch.arange(5, 13), 4),  # 12 positions: within the window
+        (torch.arange(20, 40), 12),  # past it
+        (torch.arange(40, 50), 230),  # capacity 512
+    ]
+    assert _exact_generate_turns(manager, model, "s", steps) == [0, 0, 0]
+    stats = manager.stats()
+    assert stats.compiles == warmed.compiles and stats.compiled_turns == 3
+    assert stats.static_caches_built == 2
+
+
+def test_warm_up_checks_its_arguments(tokenizer):
+    eager = SessionManager(model_for("llama"), tokenizer)
+    with pytest.raises(ValueError, match="compile=False"):
+        eager.warm_up(256)
+    compiled = CompiledDecode(True, None)
+    for bad, error, match in (
+        ("256", TypeError, "lengths must be an int or a list of ints, got '256'"),
+        (None, TypeError, "lengths must be an int or a list of ints, got None"),
+        ([], ValueError, "lengths is empty"),
+        ([256, 0], ValueError, "lengths must be positive ints, got 0"),
+        ([True], ValueError, "lengths must be positive ints, got True"),
+        ([2.5], ValueError, "lengths must be positive ints, got 2.5"),
+        ([5000], ValueError, "5000 positions exceed max_context_length=4096"),
+    ):
+        with pytest.raises(error, match=re.escape(match)):
+            compiled.check_warm_up(bad, 4096)
+    with pytest.raises(ValueError, match="max_context_length=4 is too short"):
+        compiled.check_warm_up(2, 4)
+    assert compiled.check_warm_up([1000, 300, 1000, 4000], 4096) == [512, 1024, 4096]
+    assert compiled.check_warm_up(300, None) == [512]
+    # A model whose decode cannot compile: nothing to warm up, no error.
+    assert CompiledDecode(True, "indexer keys").warm_up(None, None, None, [256]) == []
 
 
 def test_default_decodes_eagerly_on_every_device(tokenizer):
@@ -167,6 +267,8 @@ def test_a_second_capacity_compiles_once_and_no_later_one_does(tokenizer):
         assert manager.last_turn("s").generated_tokens == max_new
     assert manager.stats().static_caches_built == 3
     assert graphs[0] >= 1 and graphs[1] == 2 * graphs[0] and graphs[2] == graphs[1], graphs
+    # The second capacity's graphs recompile the first's functions.
+    assert manager.stats().compiles == graphs[2] and manager.stats().recompiles == graphs[0]
 
 
 def test_sessions_on_a_shared_prefix_stay_exact(tokenizer):

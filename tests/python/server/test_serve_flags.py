@@ -50,6 +50,28 @@ def test_compile_flag_reaches_the_manager(monkeypatch, flags, compiled):
     assert _manager_arguments(monkeypatch, *flags)["compile"] is compiled
 
 
+def test_warm_up_flag_warms_the_manager_up(monkeypatch):
+    """--warm-up 300,2000 calls warm_up with those lengths before serving."""
+    warmed = []
+    monkeypatch.setattr(cli.SessionManager, "warm_up", lambda self, n: warmed.append(n) or [])
+    _manager_arguments(monkeypatch, "--compile", "--warm-up", "300,2000")
+    assert warmed == [[300, 2000]]
+    warmed.clear()
+    _manager_arguments(monkeypatch, "--compile")
+    assert warmed == []
+
+
+def test_bad_warm_up_flags_are_refused_by_name(capsys):
+    for bad in ("0", "abc", "256,", ""):
+        with pytest.raises(SystemExit):
+            _args("--compile", "--warm-up", bad)
+        assert "--warm-up" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--warm-up compiles the decode: give --compile too"):
+        preflight(_args("--warm-up", "256"))
+    with pytest.raises(ValueError, match="--warm-up: lengths: 9999 positions exceed"):
+        cli.build_app(_args("--compile", "--warm-up", "9999", "--max-context-length", "2048"))
+
+
 @pytest.mark.parametrize(
     ("flags", "per_key", "nbytes"),
     [

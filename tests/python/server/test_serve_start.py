@@ -95,6 +95,14 @@ def _cases(tmp_path, busy_port):
             ["tiny", "--store", "redis://127.0.0.1:1/0", "--spill-dir", str(tmp_path)],
             "give --store or --spill-dir, not both",
         ),
+        "--warm-up without --compile": (
+            ["tiny", "--warm-up", "2048"],
+            "--warm-up compiles the decode: give --compile too",
+        ),
+        "--warm-up not lengths": (
+            ["tiny", "--compile", "--warm-up", "0"],
+            "argument --warm-up: positive ints, comma-separated, got '0'",
+        ),
     }
     if not torch.cuda.is_available():
         cases["--device cuda without CUDA"] = (
@@ -123,6 +131,8 @@ CASES = [
     "--max-cache-bytes not a size",
     "--log-level not a level",
     "--device cuda without CUDA",
+    "--warm-up without --compile",
+    "--warm-up not lengths",
 ]
 
 
@@ -203,12 +213,14 @@ START_ROWS = {
         "negative --session-ttl",
         "endless --session-ttl",
         "--store and --spill-dir",
+        "--warm-up without --compile",
     ],
     "an `--api-key`": ["--api-key not ASCII"],
     "`--max-sessions` below 1": [
         "--max-sessions 0",
         "--max-cache-bytes not a size",
         "--log-level not a level",
+        "--warm-up not lengths",
     ],
 }
 

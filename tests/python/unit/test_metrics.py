@@ -55,6 +55,7 @@ def test_every_stats_metric_is_the_field_it_names():
     for reason, count in stats.plain_turn_reasons.items():
         assert scraped[("kvchat_plain_turns_total", (("reason", reason),))] == count
     assert scraped[("kvchat_settle_seconds_total", ())] == stats.settle_ms / 1e3
+    assert scraped[("kvchat_compile_seconds_total", ())] == stats.compile_ms / 1e3
 
 
 def test_the_counters_a_user_tunes_by_are_exported():
@@ -63,6 +64,8 @@ def test_the_counters_a_user_tunes_by_are_exported():
     for field in (
         "compiled_turns",
         "static_cache_bytes",
+        "compiles",
+        "recompiles",
         "settles",
         "settled_tokens",
         "settle_misses",
