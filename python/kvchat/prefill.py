@@ -53,8 +53,12 @@ class ChunkedPrefill:
                 )
             self.forward(input_ids, cache, done, position)
             done = position
-            checkpoints.append(_C.Checkpoint(position, self._bridge.snapshot(cache, position)))
+            checkpoints.append(self.checkpoint(cache, position))
         return checkpoints
+
+    def checkpoint(self, cache, position: int) -> _C.Checkpoint:
+        """The checkpoint of ``cache``, which holds ``position`` tokens."""
+        return _C.Checkpoint(position, self._bridge.snapshot(cache, position))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache, begin: int, end: int) -> None:

@@ -394,9 +394,13 @@ class TurnPath:
         # Where generate's forward starts: after the last stop, if any.
         start = plan.kept_tokens
         windows = contextlib.nullcontext()
+        batched = not isinstance(cache, StaticCache)  # decoded by the engine, batched
+        stops = []  # where the engine's prefill of the tail stops to take a checkpoint
         if positions and bridge.checkpoints_from_windows and not _chunked(self._model, kwargs):
             windows = bridge.window_checkpoints(cache, start, prompt_tokens, positions)
-        elif positions:
+        elif positions and batched:
+            stops = list(positions)
+        elif positions:  # a compiled turn: already alone on the engine's thread
             checkpoints = self._engine.run(
                 lambda: self._prefill.run(model_input, cache, start, positions)
             )
@@ -407,10 +411,10 @@ class TurnPath:
             kwargs = at_end.attach(kwargs)
         # A cache that cannot count its tokens (recurrent layers alone)
         # must be fed only those it lacks; one that can, generate slices.
-        held = 0 if bridge.knows_length else start
+        held = 0 if bridge.knows_length else (stops[-1] if stops else start)
         argument = bridge.cache_argument
         feed_only_tail = FeedOnlyTail(self._model, cache, argument, prompt_tokens, held)
-        if not isinstance(cache, StaticCache):  # decoded by the engine, batched
+        if batched:
             kwargs = dict(
                 stop_strings_as_criteria(self._model, kwargs),
                 custom_generate=decoding_method(
@@ -423,6 +427,9 @@ class TurnPath:
                     # The engine feeds the cache only what it lacks; generate's
                     # own loop, where the engine cannot batch, needs the cut.
                     fallback_context=feed_only_tail,
+                    stops=stops,
+                    checkpoints=checkpoints,  # filled at each stop
+                    prefill=self._prefill,
                 ),
             )
             feed_only_tail = contextlib.nullcontext()

@@ -211,6 +211,9 @@ class _Loop:
             row.started = time.perf_counter()
             self.queue_wait_s += row.started - row.submitted
         begin, end = row.prefilled, row.prompt_tokens
+        stop = next((p for p in row.stops if p > begin), None)
+        if stop is not None:  # a checkpoint's position ends a forward
+            end = min(end, stop)
         if row.chunked and budget is not None:
             end = min(end, row.prefilled + budget)
         try:
@@ -224,6 +227,8 @@ class _Loop:
             )
             self.counters["prefill_chunks"] += 1
             row.prefilled = row.length = end
+            if end == stop:
+                row.checkpoints.append(row.snapshot(row.cache, end))
             if end < row.prompt_tokens:
                 return end - begin
             self.prefilling.popleft()

@@ -45,6 +45,9 @@ class DecodeRow:
         streamer,
         generator=None,
         chunked: bool = True,
+        stops=(),
+        checkpoints=None,
+        snapshot=None,
     ):
         self.cache = cache
         self.ids = ids  # [1, tokens]: the prompt, then every token picked
@@ -54,6 +57,9 @@ class DecodeRow:
         self.processors, self.criteria = processors, criteria
         self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
         self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
+        # Checkpoint positions the prefill stops at; snapshot(cache, position)
+        # gives each one's checkpoint, appended to ``checkpoints``.
+        self.stops, self.checkpoints, self.snapshot = list(stops), checkpoints, snapshot
         self.slot: int | None = None
         self.joined_length = 0  # tokens its cache held when it joined the batch
         self.submitted = time.perf_counter()
@@ -97,10 +103,18 @@ def decoding_method(
     chunked: bool,
     generator=None,
     fallback_context=None,
+    stops=(),
+    checkpoints=None,
+    prefill=None,
 ):
     """A ``custom_generate`` for one turn: its loop runs on ``engine``.
-    ``held``: the prompt tokens the cache holds; ``fallback_context``: entered
-    around generate's own loop where the engine cannot batch the turn."""
+    ``held``: the prompt tokens the cache holds; ``stops``: checkpoint
+    positions in the tail, whose checkpoints go to ``checkpoints`` (taken by
+    ``prefill``, a ``ChunkedPrefill``); ``fallback_context``: entered around
+    generate's own loop where the engine cannot batch the turn."""
+    snapshot = None
+    if prefill is not None:
+        snapshot = prefill.checkpoint
 
     def kvchat_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs
@@ -123,6 +137,8 @@ def decoding_method(
             model_kwargs[cache_argument] = cache
 
             def sample():
+                if stops:  # generate's own loop starts after the last stop
+                    checkpoints.extend(prefill.run(input_ids, cache, held, list(stops)))
                 if generator is not None:
                     torch.manual_seed(generator.initial_seed())
                 with fallback_context or contextlib.nullcontext():
@@ -148,6 +164,9 @@ def decoding_method(
             streamer=streamer,
             generator=generator,
             chunked=chunked,
+            stops=stops,
+            checkpoints=checkpoints,
+            snapshot=snapshot,
         )
         return engine.decode(row)
 
