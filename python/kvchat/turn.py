@@ -164,6 +164,12 @@ class TurnPath:
         return self._forward_refuses_cache is not None
 
     def run(self, request: TurnInput) -> FinishedTurn:
+        if self._engine.on_engine_thread:  # before any lease: it would wait for itself
+            raise RuntimeError(
+                "a turn was started from the engine's own thread (a streamer, logits "
+                "processor or stopping criterion of another turn called the manager); "
+                "start it from another thread"
+            )
         try:
             return self._run(request)
         except _RunAgain as again:  # refused before its first token: run it plain

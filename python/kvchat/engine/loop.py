@@ -310,6 +310,8 @@ class Engine:
 
     def decode(self, row) -> torch.Tensor:
         """Prefills and decodes ``row`` beside the others; its ids once finished."""
+        if self.on_engine_thread:  # it would wait for itself
+            raise RuntimeError("a turn cannot be decoded from the engine's own thread")
         self._loop.submit(self._loop.incoming, row)
         return row.wait()
 
