@@ -399,3 +399,223 @@ def test_many_conversations_past_each_row_capacity(n, max_batch_size, model, tok
     assert stats.max_batch_rows == min(n, max_batch_size), stats
     assert stats.batch_rows == 0 and stats.queued == 0
     manager.close()
+
+
+# ---------------------------------------------------------------- what runs alone
+
+
+def _decoding_streams(manager, n=2, max_new_tokens=20):
+    """``n`` streamed chat turns, each past its first token (so decoding)."""
+    streams = [
+        manager.stream_chat(f"bg{k}", conversation(k), max_new_tokens=max_new_tokens)
+        for k in range(n)
+    ]
+    for stream in streams:
+        next(stream)
+    return streams
+
+
+def _finish_exact(manager, model, tokenizer, streams, max_new_tokens=20):
+    for k, stream in enumerate(streams):
+        list(stream)
+        got = manager.last_turn(f"bg{k}").output_ids
+        assert got == expected(model, tokenizer, conversation(k), max_new_tokens), k
+
+
+def test_generate_variants_that_run_alone_beside_batched_turns(model, tokenizer):
+    """``generate()`` with scores asked for, a padded attention mask, and a
+    batch of two (each runs generate's own loop, alone on the engine), and
+    with ``output_scores`` alone (batched: scores are not returned without
+    ``return_dict_in_generate``), called while chat turns decode: each equals
+    plain ``model.generate``, and the chat turns stay exact."""
+    manager = SessionManager(model, tokenizer)
+    a = render_prompt(tokenizer, conversation(0)).unsqueeze(0)
+    b = render_prompt(tokenizer, conversation(1)).unsqueeze(0)
+    pad = b.shape[1] - a.shape[1]
+    batch = torch.cat([torch.cat([torch.zeros((1, pad), dtype=torch.long), a], 1), b])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    calls = {
+        "scores": (a, dict(return_dict_in_generate=True, output_scores=True)),
+        "padded": (batch[:1], dict(attention_mask=mask[:1])),
+        "batch": (batch, dict(attention_mask=mask)),
+        "scores_only": (b, dict(output_scores=True)),
+    }
+    streams = _decoding_streams(manager)
+    threads = {
+        name: in_thread(
+            lambda ids=ids, kw=kw, name=name: manager.generate(
+                ids, session_id=name, max_new_tokens=10, do_sample=False, **kw
+            )
+        )
+        for name, (ids, kw) in calls.items()
+    }
+    for thread, _ in threads.values():
+        thread.join()
+    _finish_exact(manager, model, tokenizer, streams)
+    for name, (ids, kw) in calls.items():
+        got = threads[name][1]
+        assert "error" not in got, (name, got)
+        want = model.generate(ids, max_new_tokens=10, do_sample=False, **kw)
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got["result"], want), name
+        else:
+            assert torch.equal(got["result"].sequences, want.sequences), name
+            for mine, theirs in zip(got["result"].scores, want.scores, strict=True):
+                torch.testing.assert_close(mine, theirs)
+    manager.close()
+
+
+def test_an_autocast_turn_runs_plain_beside_batched_ones(model, tokenizer):
+    """A caller under ``torch.autocast`` gets plain generate under its
+    autocast (run alone on the engine); turns from other threads, without
+    autocast, still decode batched and exact."""
+    manager = SessionManager(model, tokenizer)
+    streams = _decoding_streams(manager)
+
+    def under_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            manager.chat("ac", conversation(2), max_new_tokens=8)
+        return manager.last_turn("ac")
+
+    thread, box = in_thread(under_autocast)
+    thread.join()
+    _finish_exact(manager, model, tokenizer, streams)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = expected(model, tokenizer, conversation(2), 8)
+    assert box["result"].output_ids == want
+    assert box["result"].reason == "unsupported_generation"
+    manager.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2", "qwen3_5", "falcon_h1"])
+def test_a_long_prompt_prefilled_in_tiny_chunks_while_others_decode(family, tokenizer):
+    """``max_step_tokens=8``: a ~600-token prompt is prefilled 8 tokens a
+    step between two decoding rows' steps (across the sliding window, conv
+    windows and recurrent states): exact, and so are the others; with
+    ``prefill_chunk_size`` in the generation config too."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, max_step_tokens=8, settle=False)
+    long = long_conversation()
+    streams = _decoding_streams(manager, max_new_tokens=20)
+    long_call = in_thread(chat_call(manager, "long", long, 10))
+    chunked = in_thread(chat_call(manager, "chunked", conversation(3), 8, prefill_chunk_size=5))
+    for thread, _ in (long_call, chunked):
+        thread.join()
+    _finish_exact(manager, model, tokenizer, streams)
+    assert long_call[1].get("result") is not None, long_call[1]
+    assert long_call[1]["result"].output_ids == expected(model, tokenizer, long, 10)
+    want = expected(model, tokenizer, conversation(3), 8, prefill_chunk_size=5)
+    assert chunked[1]["result"].output_ids == want
+    assert manager.stats().prefill_chunks > 10
+    manager.close()
+
+
+# ---------------------------------------------------------------- other families
+
+
+def test_mamba2_only_turns_decode_together_exactly(tokenizer):
+    """A model of Mamba2 layers alone (no attention: the batch has only
+    states, its cache cannot count its tokens) over two turns of three
+    conversations."""
+    from families import MAMBA2, tiny_from_config
+
+    model = tiny_from_config("mamba2", torch.float64, MAMBA2, tokenizer)
+    manager = SessionManager(model, tokenizer, settle=False)
+    chats = [conversation(k) for k in range(3)]
+    for _ in range(2):
+        reports = together(
+            manager, [chat_call(manager, f"m{k}", chats[k], 8 + 2 * k) for k in range(3)]
+        )
+        for k, report in enumerate(reports):
+            want = expected(model, tokenizer, chats[k], 8 + 2 * k)
+            assert report.output_ids == want, k
+            reply = tokenizer.decode(want, skip_special_tokens=True)
+            chats[k] = [*chats[k], {"role": "assistant", "content": reply}, user_message(5)]
+    assert manager.stats().max_batch_rows == 3
+    manager.close()
+
+
+def test_dsa_indexed_turns_run_alone_beside_each_other_exactly(tokenizer, monkeypatch):
+    """GLM-MoE-DSA's DynamicIndexedLayer cannot join a batch: its turns run
+    generate's own loop alone on the engine; several at once stay exact and
+    keep their caches."""
+    from families import SHAPE, tiny_from_config
+    from kvchat.bridge import probe
+
+    monkeypatch.setattr(probe, "_split_problem", lambda model, arguments: None)
+    fields = dict(
+        SHAPE,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=1024,
+        num_hidden_layers=3,
+        first_k_dense_replace=3,
+        indexer_types=["full", "shared", "full"],
+    )
+    model = tiny_from_config("glm_moe_dsa", torch.float64, fields, tokenizer)
+    manager = SessionManager(model, tokenizer, settle=False)
+    calls = [in_thread(chat_call(manager, f"d{k}", conversation(k), 6)) for k in range(3)]
+    for thread, _ in calls:
+        thread.join()
+    for k, (_, box) in enumerate(calls):
+        assert box.get("result") is not None, box
+        assert box["result"].output_ids == expected(model, tokenizer, conversation(k), 6), k
+    assert manager.stats().jobs_run_alone >= 3
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        pytest.param(
+            "gemma3",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a checkpoint family's prefill to its checkpoints runs as one job "
+                "alone (turn.py _run_on: engine.run(prefill.run)), not max_step_tokens "
+                "chunks between the others' steps",
+            ),
+        ),
+        pytest.param(
+            "lfm2",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a conv-window row (chunked=False) prefills its whole tail in one "
+                "forward even while others decode (loop.py _prefill_chunk)",
+            ),
+        ),
+    ],
+)
+def test_no_forward_longer_than_max_step_tokens_while_rows_decode(family, tokenizer):
+    """The issue's bound: while any row decodes, no forward takes more than
+    ``max_step_tokens`` tokens, so a long prompt never stalls the others'
+    streams for longer than a chunk. A forward hook records each forward's
+    tokens and whether rows were decoding."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, max_step_tokens=8, settle=False)
+    loop = manager._engine._loop
+    seen = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and threading.current_thread() is loop.thread:
+            seen.append((ids.shape[1], len(loop.batch.rows)))
+
+    streams = _decoding_streams(manager, max_new_tokens=20)
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        manager.chat("long", long_conversation(), max_new_tokens=4)
+    finally:
+        handle.remove()
+    _finish_exact(manager, model, tokenizer, streams)
+    stalls = [tokens for tokens, decoding in seen if decoding and tokens > 8]
+    assert not stalls, f"forwards of {stalls} tokens while rows decoded"
+    manager.close()
