@@ -619,3 +619,88 @@ def test_no_forward_longer_than_max_step_tokens_while_rows_decode(family, tokeni
     stalls = [tokens for tokens, decoding in seen if decoding and tokens > 8]
     assert not stalls, f"forwards of {stalls} tokens while rows decoded"
     manager.close()
+
+
+# ---------------------------------------------------------------- per-row options
+
+ROW_OPTIONS = {
+    "seeded": dict(do_sample=True, temperature=0.8, top_k=20, seed=7),
+    "seeded-penalised": dict(do_sample=True, repetition_penalty=1.5, top_p=0.9, seed=11),
+    "repetition_penalty": dict(repetition_penalty=1.8),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "min_new_tokens": dict(min_new_tokens=12),
+    "bad_words_ids": None,  # filled in with the plain reply's first tokens
+    "greedy": dict(),
+}
+
+
+def test_each_row_keeps_its_own_generation_options(model, tokenizer):
+    """Seven rows decode together, each with its own options (seeded
+    sampling, penalties, n-gram bans, a minimum length, banned words,
+    greedy): each equals plain generate with those options (after
+    ``torch.manual_seed(seed)`` when sampled)."""
+    chats = {name: conversation(k % 5) for k, name in enumerate(ROW_OPTIONS)}
+    plain = expected(model, tokenizer, chats["bad_words_ids"], 12)
+    options = dict(ROW_OPTIONS, bad_words_ids=dict(bad_words_ids=[[plain[0]], [plain[2]]]))
+    manager = SessionManager(model, tokenizer, settle=False)
+    reports = together(
+        manager, [chat_call(manager, name, chats[name], 12, **options[name]) for name in options]
+    )
+    for report, name in zip(reports, options, strict=True):
+        kwargs = dict(options[name])
+        seed = kwargs.pop("seed", None)
+        prompt = render_prompt(tokenizer, chats[name])
+        want = reference_ids(model, prompt, 12, seed=seed, **kwargs)
+        assert report.output_ids == want, name
+    assert reports[-2].output_ids != plain  # the ban did something
+    assert manager.stats().max_batch_rows == len(options)
+    manager.close()
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def test_rows_decode_while_sessions_are_evicted_and_spilled(model, tokenizer, tmp_path):
+    """``max_sessions=2`` with four conversations decoding together (each
+    turn's release evicts another session to the spill folder), then a second
+    turn of each: every reply exact, the second turns reload what was spilled."""
+    manager = SessionManager(model, tokenizer, max_sessions=2, spill_dir=tmp_path, settle=False)
+    chats = [conversation(k) for k in range(4)]
+    for _ in range(2):
+        reports = together(
+            manager, [in_order(manager, f"e{k}", chats[k], 8) for k in range(4)]
+        )
+        for k, report in enumerate(reports):
+            want = expected(model, tokenizer, chats[k], 8)
+            assert report.output_ids == want, k
+            reply = tokenizer.decode(want, skip_special_tokens=True)
+            chats[k] = [*chats[k], {"role": "assistant", "content": reply}, user_message(6)]
+    assert sum(report.reused_tokens > 0 for report in reports) >= 2, reports
+    assert len(manager.sessions()) == 4
+    manager.close()
+
+
+def in_order(manager, session, messages, max_new_tokens):
+    """A chat call that reports, without chat_call's resident-cache check
+    (an evicted session holds nothing here)."""
+
+    def call():
+        manager.chat(session, messages, max_new_tokens=max_new_tokens)
+        return manager.last_turn(session)
+
+    return call
+
+
+def test_sessions_sharing_a_long_system_prompt_decode_together(model, tokenizer):
+    """``share_prefixes=True``: four sessions on one long system prompt,
+    started together (each may start from another's prefix while that one's
+    row still decodes), then again: exact, and later ones share the prefix."""
+    manager = SessionManager(model, tokenizer, share_prefixes=True, settle=False)
+    manager.chat("first", [LONG_SYSTEM, user_message(9)], max_new_tokens=4)
+    chats = [[LONG_SYSTEM, user_message(k)] for k in range(4)]
+    reports = together(manager, [chat_call(manager, f"p{k}", chats[k], 10) for k in range(4)])
+    for k, report in enumerate(reports):
+        assert report.output_ids == expected(model, tokenizer, chats[k], 10), k
+    assert all(report.reused_tokens > 100 for report in reports), reports
+    assert manager.stats().max_batch_rows == 4
+    manager.close()
