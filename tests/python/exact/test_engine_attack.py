@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -22,7 +21,7 @@ from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_tokenizer
 from test_engine import chat_call, conversation, together, wait_for
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +157,11 @@ def test_a_failing_streamer_put_fails_only_its_turn(at, model, tokenizer):
 
     results = together(
         manager,
-        [chat_call(manager, "a", conversation(1), 12), bad, chat_call(manager, "b", conversation(2), 12)],
+        [
+            chat_call(manager, "a", conversation(1), 12),
+            bad,
+            chat_call(manager, "b", conversation(2), 12),
+        ],
     )
     assert results[1] == "raised"
     for k, report in ((1, results[0]), (2, results[2])):
@@ -181,10 +184,14 @@ def test_a_streamer_whose_end_raises_fails_its_turn_not_the_engine(model, tokeni
     it must too, and the engine must go on serving the manager's turns."""
     manager = SessionManager(model, tokenizer)
     thread, box = in_thread(
-        lambda: manager.chat("bad", conversation(0), max_new_tokens=5, streamer=Streamer(end_fails=True))
+        lambda: manager.chat(
+            "bad", conversation(0), max_new_tokens=5, streamer=Streamer(end_fails=True)
+        )
     )
     # Hang guard: the turn ends, or the engine's thread is gone.
-    wait_for(lambda: not thread.is_alive() or not engine_alive(manager), "the turn or the engine end")
+    wait_for(
+        lambda: not thread.is_alive() or not engine_alive(manager), "the turn or the engine end"
+    )
     assert engine_alive(manager) or not thread.is_alive(), "the engine's thread died mid-turn"
     thread.join()
     assert isinstance(box.get("error"), RuntimeError), box
@@ -223,7 +230,7 @@ def test_a_stream_dropped_mid_decode_leaves_the_others_exact(model, tokenizer):
     manager = SessionManager(model, tokenizer)
     with manager._engine.hold():
         stream = manager.stream_chat("dropped", conversation(2), max_new_tokens=40)
-        first, _ = in_thread(lambda: next(stream))
+        first, _ = in_thread(stream.__next__)
         others = [in_thread(chat_call(manager, f"s{k}", conversation(k), 16)) for k in (0, 1)]
         wait_for(lambda: manager.stats().queued == 3, "every turn queued")
     first.join()
@@ -667,9 +674,7 @@ def test_rows_decode_while_sessions_are_evicted_and_spilled(model, tokenizer, tm
     manager = SessionManager(model, tokenizer, max_sessions=2, spill_dir=tmp_path, settle=False)
     chats = [conversation(k) for k in range(4)]
     for _ in range(2):
-        reports = together(
-            manager, [in_order(manager, f"e{k}", chats[k], 8) for k in range(4)]
-        )
+        reports = together(manager, [in_order(manager, f"e{k}", chats[k], 8) for k in range(4)])
         for k, report in enumerate(reports):
             want = expected(model, tokenizer, chats[k], 8)
             assert report.output_ids == want, k
@@ -703,4 +708,25 @@ def test_sessions_sharing_a_long_system_prompt_decode_together(model, tokenizer)
         assert report.output_ids == expected(model, tokenizer, chats[k], 10), k
     assert all(report.reused_tokens > 100 for report in reports), reports
     assert manager.stats().max_batch_rows == 4
+    manager.close()
+
+
+def test_a_stream_cancelled_while_its_long_prompt_is_prefilled_in_chunks(model, tokenizer):
+    """Cancelled while its ~600-token prompt is prefilled 8 tokens a step
+    beside a decoding row: the turn ends by its first token, its session
+    holds exactly its tokens, and the decoding row stays exact."""
+    manager = SessionManager(model, tokenizer, max_step_tokens=8, settle=False)
+    streams = _decoding_streams(manager, n=1)
+    stream = manager.stream_chat("long", long_conversation(), max_new_tokens=20, settle=False)
+    first, _ = in_thread(lambda: next(stream, None))
+    wait_for(lambda: manager.stats().prefill_chunks >= 3, "the long prompt's chunks")
+    stream.cancel()
+    first.join()
+    stream.close()
+    _finish_exact(manager, model, tokenizer, streams)
+    report = manager.last_turn("long")
+    want = expected(model, tokenizer, long_conversation(), 20)
+    assert report.generated_tokens <= 1 and report.output_ids == want[: report.generated_tokens]
+    held = manager.info("long").cached_tokens
+    assert held == report.prompt_tokens + report.generated_tokens - 1
     manager.close()
