@@ -730,3 +730,84 @@ def test_a_stream_cancelled_while_its_long_prompt_is_prefilled_in_chunks(model, 
     held = manager.info("long").cached_tokens
     assert held == report.prompt_tokens + report.generated_tokens - 1
     manager.close()
+
+
+# ---------------------------------------------------------------- re-entry and edges
+
+
+def _engine_waits_on_a_row(manager) -> bool:
+    """Whether the engine's own thread is blocked waiting for a row to finish
+    (which only it could finish)."""
+    import sys
+
+    thread = manager._engine._loop.thread
+    frame = thread and sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and "engine" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Engine.decode from the engine's own thread (a streamer or processor that "
+    "calls the manager) queues a row and waits for it on the only thread that runs "
+    "rows: the whole manager deadlocks (Engine.run runs inline there; decode does not)",
+)
+def test_a_streamer_that_calls_the_manager_does_not_deadlock_it(model, tokenizer):
+    """A user's streamer runs a short chat turn of another session at its
+    first token (on the engine's thread, where every callback runs now). With
+    plain generate that works; here it must work or raise, not hang."""
+    manager = SessionManager(model, tokenizer, settle=False)
+    inner: dict = {}
+
+    class Nested(Streamer):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 2:  # the first token
+                try:
+                    manager.chat("inner", conversation(1), max_new_tokens=4)
+                    inner["ids"] = manager.last_turn("inner").output_ids
+                except Exception as error:  # noqa: BLE001 - a clear error is fine
+                    inner["error"] = error
+
+    outer, box = in_thread(
+        lambda: manager.chat("outer", conversation(0), max_new_tokens=6, streamer=Nested())
+    )
+    wait_for(
+        lambda: not outer.is_alive() or _engine_waits_on_a_row(manager), "the turn or a deadlock"
+    )
+    deadlocked = outer.is_alive()
+    if deadlocked:  # unblock the engine so the manager can close
+        for row in list(manager._engine._loop.incoming):
+            row.finish(RuntimeError("test cleanup"))
+        outer.join()
+    manager.close()
+    assert not deadlocked, "the engine's thread waits for a row only it can run"
+    assert "ids" in inner or "error" in inner
+    if "ids" in inner:
+        assert inner["ids"] == expected(model, tokenizer, conversation(1), 4)
+    assert box.get("result") is not None, box
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2", "qwen3_5"])
+def test_one_token_replies_and_a_regenerated_turn_beside_decoding_rows(family, tokenizer):
+    """Rows that finish at their first token (max_new_tokens=1, picked off
+    the prefill: they never join the batch), and a session that regenerates
+    its last turn (the same prompt again, its cache cut back), while two rows
+    decode: exact, and each session holds prompt + generated - 1 tokens."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, settle=False)
+    manager.chat("again", conversation(2), max_new_tokens=6)
+    streams = _decoding_streams(manager)
+    calls = [
+        in_thread(chat_call(manager, "one", conversation(3), 1)),
+        in_thread(chat_call(manager, "again", conversation(2), 6)),
+    ]
+    for thread, _ in calls:
+        thread.join()
+    _finish_exact(manager, model, tokenizer, streams)
+    assert calls[0][1]["result"].output_ids == expected(model, tokenizer, conversation(3), 1)
+    assert calls[1][1]["result"].output_ids == expected(model, tokenizer, conversation(2), 6)
+    manager.close()
