@@ -29,7 +29,7 @@ from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill
 from .prompting import turn_markers
 from .report import TurnReport
-from .session_admin import SessionAdmin
+from .session_admin import SessionAdmin, evicted_to
 from .settling import Settler
 from .streaming import ReplyStream
 from .tiers.base import Tier
@@ -179,6 +179,10 @@ class SessionManager(SessionAdmin):
             compile, self._bridge.static_problem, getattr(model, "generation_config", None)
         )
         self._settles = options.settle and self._match == "tokens" and self._bridge.supported
+        # Not a bound method: the settler and the turns holding the manager
+        # would keep it (and its engine's thread and model) alive until a
+        # garbage collection, rather than freeing it when its user drops it.
+        flush_evicted = evicted_to(self._core, self._tier)
         # Every forward of this model, from any thread, runs on the engine's.
         self._engine = Engine(model, self._bridge, options.max_batch_size, options.max_step_tokens)
         self._settler = Settler(
@@ -187,7 +191,7 @@ class SessionManager(SessionAdmin):
             self._prefill,
             model.device,
             self._engine,
-            self._flush_evicted,
+            flush_evicted,
         )
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
         self._tier.bind(self._fingerprint, self._bridge.layout, model.device)
@@ -205,7 +209,7 @@ class SessionManager(SessionAdmin):
             reload_reason=reload_reason(self._tier),  # read once, after bind()
             compiled=self._compiled,
             engine=self._engine,
-            flush_evicted=self._flush_evicted,
+            flush_evicted=flush_evicted,
             match=self._match,
             wait=self._wait,
             settles=self._settles,

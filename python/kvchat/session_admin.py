@@ -256,5 +256,16 @@ class SessionAdmin:
     def _flush_evicted(self) -> None:
         """Hands what eviction queued to the tier (after a turn, a settle, a
         load), then lets it go."""
-        for session_id, state in self._core.take_evicted():
-            self._tier.put(session_id, state)
+        evicted_to(self._core, self._tier)()
+
+
+def evicted_to(core, tier):
+    """A function that hands what ``core`` evicted to ``tier``: not a method
+    of the manager, so what holds it (the settler, the turns) never keeps
+    the manager alive."""
+
+    def flush() -> None:
+        for session_id, state in core.take_evicted():
+            tier.put(session_id, state)
+
+    return flush

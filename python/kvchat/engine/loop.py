@@ -114,47 +114,56 @@ class _Loop:
 
     # ------------------------------------------------------------ the thread
     def work(self) -> None:
-        _graph_trees_for_this_thread(self.model)
-        with torch.no_grad():
-            while True:
-                with self.cond:
-                    while not self._has_work() and not self.closed:
-                        self.cond.wait()
-                    if self.closed:
-                        self._fail_all(RuntimeError("this SessionManager was closed mid-turn"))
-                        self.thread = None
-                        return
-                    while self.incoming and self._room():
-                        self.prefilling.append(self.incoming.popleft())
-                    job = self.jobs.popleft() if self.jobs else None
-                    idle = None
-                    if job is None and not (self.batch.rows or self.prefilling) and self.idle:
-                        idle = self.idle.popleft()
-                if job is not None:
-                    self.counters["jobs_run_alone"] += 1
-                    job.run()
-                    continue
-                if idle is not None:
-                    self.counters["idle_jobs"] += 1
-                    idle.run()
-                    continue
-                if self.batch.rows:
-                    self._step()
-                # While rows decode, the prompts prefilled between two steps
-                # hold at most max_step_tokens tokens: several short ones
-                # whole (their first tokens come together), a long one in
-                # chunks. With none decoding, the first runs whole, as generate.
-                budget = self.max_step_tokens
-                while self.prefilling:
-                    row = self.prefilling[0]
-                    limit = budget if self.batch.rows else None
-                    if limit is not None and limit <= 0:
-                        break
-                    done = self._prefill_chunk(row, limit)
-                    if limit is not None:
-                        budget -= done
-                    if self.prefilling and self.prefilling[0] is row:
-                        break  # a chunk of a long prompt: the rows decode first
+        try:
+            _graph_trees_for_this_thread(self.model)
+            with torch.no_grad():
+                self._serve()
+        except BaseException as error:  # a fault here must never leave a caller waiting
+            logger.exception("kvchat: the engine's thread failed; its turns fail with it")
+            with self.cond:
+                self._fail_all(error)
+                self.thread = None
+
+    def _serve(self) -> None:
+        while True:
+            with self.cond:
+                while not self._has_work() and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    self._fail_all(RuntimeError("this SessionManager was closed mid-turn"))
+                    self.thread = None
+                    return
+                while self.incoming and self._room():
+                    self.prefilling.append(self.incoming.popleft())
+                job = self.jobs.popleft() if self.jobs else None
+                idle = None
+                if job is None and not (self.batch.rows or self.prefilling) and self.idle:
+                    idle = self.idle.popleft()
+            if job is not None:
+                self.counters["jobs_run_alone"] += 1
+                job.run()
+                continue
+            if idle is not None:
+                self.counters["idle_jobs"] += 1
+                idle.run()
+                continue
+            if self.batch.rows:
+                self._step()
+            # While rows decode, the prompts prefilled between two steps
+            # hold at most max_step_tokens tokens: several short ones
+            # whole (their first tokens come together), a long one in
+            # chunks. With none decoding, the first runs whole, as generate.
+            budget = self.max_step_tokens
+            while self.prefilling:
+                row = self.prefilling[0]
+                limit = budget if self.batch.rows else None
+                if limit is not None and limit <= 0:
+                    break
+                done = self._prefill_chunk(row, limit)
+                if limit is not None:
+                    budget -= done
+                if self.prefilling and self.prefilling[0] is row:
+                    break  # a chunk of a long prompt: the rows decode first
 
     def _has_work(self) -> bool:
         return bool(
@@ -169,7 +178,10 @@ class _Loop:
         return not self.held and len(self.batch.rows) + len(self.prefilling) < self.max_batch
 
     def _fail_all(self, error: BaseException) -> None:
-        for row in [*self.batch.rows, *self.prefilling, *self.incoming]:
+        for row in list(self.batch.rows):  # none is left to decode with the next turn's
+            self.batch.leave(row, write_back=False)
+            row.finish(error)
+        for row in [*self.prefilling, *self.incoming]:
             row.finish(error)
         self.incoming.clear()
         self.prefilling.clear()
@@ -191,18 +203,20 @@ class _Loop:
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(batch.rows)
         self.max_rows = max(self.max_rows, len(batch.rows))
-        for slot, row in enumerate(list(batch.rows)):
+        for slot, row in enumerate(list(batch.rows)):  # slot: the row's logits
             try:
                 finished = row.pick(logits[slot : slot + 1])
-            except BaseException as error:  # the row's processor or streamer
-                batch.leave(row, write_back=False)
+                if finished:
+                    batch.leave(row)
+                else:
+                    batch.set_token(row, row.ids[0, -1])
+            except BaseException as error:  # the row's processor, streamer or cache
+                if row.slot is not None:
+                    batch.leave(row, write_back=False)
                 row.finish(error)
                 continue
             if finished:
-                batch.leave(row)
                 row.finish()
-            else:
-                batch.set_token(row, row.ids[0, -1])
 
     def _prefill_chunk(self, row, budget: int | None) -> int:
         """Prefills ``row``'s prompt up to ``budget`` tokens more (None: to its

@@ -82,10 +82,16 @@ class DecodeRow:
         return bool(self.criteria(self.ids, None).any())
 
     def finish(self, error: BaseException | None = None) -> None:
-        self._error = error
-        if error is None and self.streamer is not None:
-            self.streamer.end()
-        self._done.set()
+        """Ends the row (its streamer's ``end`` first, as generate does) and
+        wakes its caller; a streamer whose ``end`` raises fails the turn."""
+        try:
+            if error is None and self.streamer is not None:
+                self.streamer.end()
+        except BaseException as raised:  # re-raised on the caller's thread
+            error = raised
+        finally:
+            self._error = error
+            self._done.set()
 
     def wait(self) -> torch.Tensor:
         self._done.wait()

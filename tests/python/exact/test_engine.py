@@ -66,7 +66,8 @@ def together(manager, calls) -> list:
 
 def chat_call(manager, session, messages, max_new_tokens, **kwargs):
     def call():
-        manager.chat(session, messages, max_new_tokens=max_new_tokens, **kwargs)
+        # Not settled: a settle would move the cache before it is read below.
+        manager.chat(session, messages, max_new_tokens=max_new_tokens, settle=False, **kwargs)
         report = manager.last_turn(session)
         # The session kept its cache: every token but the last one picked.
         held = manager.info(session).cached_tokens

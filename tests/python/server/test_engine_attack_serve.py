@@ -84,12 +84,6 @@ def test_two_streams_decode_together_and_one_client_leaves(server):
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="serve/metrics.py exports none of stats()'s engine counters (batch_rows, "
-    "max_batch_rows, queued, queue_wait_ms, decode_steps); issue 48 asks /metrics for "
-    "batch occupancy and queue wait",
-)
 def test_metrics_report_batch_occupancy_and_queue_wait(server):
     ask(client_for(server), [LONG_SYSTEM, user_message(4)], "metrics", stream=False)
     text = server.get("/metrics").text
