@@ -33,6 +33,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from ..bridge.layers import recurrent_slots
+
 _HEADROOM = 128  # columns added past the longest row when the buffers are (re)built
 
 
@@ -114,16 +116,11 @@ def _attention(layer) -> bool:
     return isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
 
 
-def _slots(layer) -> list[tuple[str, int]]:
+def _slots(layer) -> tuple[tuple[str, int], ...]:
+    """The layer's recurrent tensors, as (kind, state index); none for attention."""
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
-        return []
-    slots = []
-    for i in range(layer.number_of_states):
-        if layer.is_conv_states_initialized[i]:
-            slots.append(("conv", i))
-        if layer.is_recurrent_states_initialized[i]:
-            slots.append(("recurrent", i))
-    return slots
+        return ()
+    return recurrent_slots(layer)
 
 
 class DecodeBatch:
