@@ -310,7 +310,8 @@ def test_a_long_prompt_prefills_in_chunks_while_others_decode(family, tokenizer)
     assert stats.jobs_run_alone == 0  # no checkpoint's prefill ran unchunked
     # The decoding row took a step between chunks.
     assert stats.decode_steps - steps_before >= report.prompt_tokens // 16
-    assert manager.last_turn("decoding").output_ids == reference_turn(
-        model, tokenizer, conversation(0), 60
-    )[2]
+    assert (
+        manager.last_turn("decoding").output_ids
+        == reference_turn(model, tokenizer, conversation(0), 60)[2]
+    )
     manager.close()
