@@ -157,8 +157,10 @@ class ManagerStats:
     max_batch_rows: int = 0
     batch_rows: int = 0  # rows decoding now
     prefilling: int = 0  # turns prefilling now
-    queued: int = 0  # turns waiting for a row (max_batch_size reached)
-    queue_wait_ms: float = 0.0  # total, from submitting a turn to its first forward
+    queued: int = 0  # turns waiting for a row (max_batch_size reached, or Engine.hold)
+    # Total, from submitting a batched turn to its first forward (turns that
+    # run alone, plain or compiled, are not counted).
+    queue_wait_ms: float = 0.0
     prefill_chunks: int = 0
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded

@@ -3,8 +3,9 @@
 Callers (``chat``, ``stream_chat`` and ``generate`` on any thread, the
 server's turns, the settler) submit work and wait; the engine's thread loops:
 
-1. a job that must run alone (``run``: plain generate, a compiled turn, a
-   checkpoint's prefill), between steps;
+1. a job that must run alone (``run``: plain generate, a compiled turn,
+   generate's own loop where a turn cannot be batched), between steps: the
+   batch waits for its whole length;
 2. one batched decode step over every row (``DecodeBatch.step``), then each
    row's pick, stream and stop;
 3. one prefill chunk of the oldest row still prefilling (at most

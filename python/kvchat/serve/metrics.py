@@ -29,7 +29,7 @@ STATS_METRICS = [
     ("kvchat_turns_queued", "Turns waiting for a row (max-batch-size)", "queued", "gauge"),
     (
         "kvchat_queue_wait_ms",
-        "Milliseconds turns waited from submission to their first forward",
+        "Milliseconds batched turns waited from submission to their first forward",
         "queue_wait_ms",
         "counter",
     ),
