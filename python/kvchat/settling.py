@@ -11,7 +11,8 @@ falls back to a checkpoint before the departure, and the next turn prefills
 the difference on its critical path. Settling prefills it in the free time
 instead, so the next turn prefills only its new messages.
 
-``Settler`` runs settles on one background thread, only while no turn runs
+``Settler`` runs settles from one background thread, its forwards handed to
+the engine as idle work (``engine/``), only while no turn runs
 (turns of every session count: settling never slows one down by more than
 the chunk it is in), in chunks of a few tens of milliseconds. A turn on the
 session being settled takes over: the settle stops at its chunk's end and

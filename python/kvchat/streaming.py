@@ -1,10 +1,11 @@
 """A streamed turn: text pieces as they are generated, and a way to stop.
 
-``generate`` runs in a worker thread and feeds a ``TextQueue``, which queues
-each token's text as soon as it is final (``detokenize.IncrementalText``). A
+A worker thread runs the turn (lease, plan, ``generate``, commit); the
+engine decodes it (``engine/``) and feeds a ``TextQueue``, which queues each
+token's text as soon as it is final (``detokenize.IncrementalText``). A
 consumer that stops reading (``close()``, ``break`` out of a ``for`` loop, or
 dropping the stream, as a server does when its client disconnects) sets a flag
-that a stopping criterion reads after every token, so the worker stops within
+that a stopping criterion reads after every token, so the turn stops within
 a token and commits what it generated: the session stays exact and is free for
 its next turn at once.
 """

@@ -154,8 +154,6 @@ class DecodeBatch:
                 )
                 layer.is_initialized = True
                 layer.device = keys.device
-                if hasattr(layer, "sliding_window") and not hasattr(layer, "cumulative_length"):
-                    layer.cumulative_length = 0
                 self._attention.append(index)
             for kind, i in _slots(source):
                 state = getattr(source, f"{kind}_states")[i]
@@ -168,24 +166,26 @@ class DecodeBatch:
                     layer.conv_kernel_size[i] = state.shape[-1]
                 layer.device, layer.dtype = state.device, state.dtype
                 self._recurrent.append((index, kind, i, buffer))
-        device = template.layers[self._attention[0]].keys.device if self._attention else None
-        if device is None:
-            device = self._recurrent[0][3].device
+        device = next(buffer for buffer, _ in self._buffers_of(cache)).device
         self._cache = cache
         self._columns, self._row_capacity = columns, row_capacity
         self._mask = torch.zeros((row_capacity, columns), dtype=torch.long, device=device)
         self._positions = torch.zeros(row_capacity, dtype=torch.long, device=device)
         self._tokens = torch.zeros(row_capacity, dtype=torch.long, device=device)
 
-    def _buffers(self):
-        """Every per-row buffer whose dim 1.. are columns-free (recurrent) or
-        hold columns at dim 2 (attention), with its column dim (None: none)."""
+    def _buffers_of(self, cache):
+        """The layers' per-row buffers, each with its column dim (None: none)."""
         for index in self._attention:
-            layer = self._cache.layers[index]
+            layer = cache.layers[index]
             yield layer.kbuf, 2
             yield layer.vbuf, 2
         for _, _, _, buffer in self._recurrent:
             yield buffer, None
+
+    def _buffers(self):
+        """Every per-row buffer: the layers', then the mask (columns at dim 1),
+        the positions and the tokens."""
+        yield from self._buffers_of(self._cache)
         yield self._mask, 1
         yield self._positions, None
         yield self._tokens, None
