@@ -96,6 +96,9 @@ def test_past_key_values_is_refused(mgr, name):
     [
         ({"max_sessions": 0}, ValueError, "max_sessions"),
         ({"max_sessions": "4"}, ValueError, "max_sessions"),
+        ({"max_batch_size": 0}, ValueError, "max_batch_size"),
+        ({"max_batch_size": 2.5}, ValueError, "max_batch_size"),
+        ({"max_step_tokens": -1}, ValueError, "max_step_tokens"),
         ({"max_cache_bytes": "lots"}, ValueError, "max_cache_bytes"),
         ({"max_cache_bytes": -1}, ValueError, "max_cache_bytes"),
         ({"max_cache_bytes": 1.5}, TypeError, "max_cache_bytes"),
@@ -300,6 +303,10 @@ README_ROWS = {
     "`input_ids` not a 2-D": ["test_bad_input_ids"],
     "`past_key_values` or `cache_params` passed": ["test_past_key_values_is_refused"],
     "`max_sessions`, `max_cache_bytes`": ["test_bad_constructor_arguments"],
+    "`seed` (in `chat`": ["test_engine.py::test_seed_is_checked_before_the_session_is_touched"],
+    "a turn started from the engine's own thread": [
+        "test_engine.py::test_a_turn_started_from_the_engines_thread_is_refused_by_name"
+    ],
     "`match`, `busy`, `overflow` or `checkpoints`": [
         "test_bad_constructor_arguments",
         "test_settling.py::test_settle_names_bad_arguments",

@@ -315,3 +315,28 @@ def test_a_long_prompt_prefills_in_chunks_while_others_decode(family, tokenizer)
         == reference_turn(model, tokenizer, conversation(0), 60)[2]
     )
     manager.close()
+
+
+def test_a_turn_started_from_the_engines_thread_is_refused_by_name(tokenizer):
+    """A streamer runs on the engine's thread; one that starts a turn there
+    would wait for itself. It is refused at once, the turn it streams fails
+    with that error, and the manager goes on."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+
+    class CallsTheManager(BaseStreamer):
+        def put(self, value):
+            manager.chat("inner", conversation(0), max_new_tokens=2)
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="engine's own thread"):
+        manager.chat("outer", conversation(1), max_new_tokens=4, streamer=CallsTheManager())
+    assert "inner" not in manager.sessions()
+    manager.chat("after", conversation(2), max_new_tokens=6)
+    expected = reference_turn(model, tokenizer, conversation(2), 6)[2]
+    assert manager.last_turn("after").output_ids == expected
+    manager.close()
