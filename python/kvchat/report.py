@@ -161,7 +161,12 @@ class ManagerStats:
     # Total, from submitting a batched turn to its first forward (turns that
     # run alone, plain or compiled, are not counted).
     queue_wait_ms: float = 0.0
-    prefill_chunks: int = 0
+    prefill_chunks: int = 0  # prefill forwards of batched turns (a chunk, or prompts together)
+    # Prompts of turns that started together (engine/prompts.py, full-attention
+    # models): those prefilled in a forward beside others, and the prompt
+    # tokens copied from a row that held them instead of computed.
+    prompts_prefilled_together: int = 0
+    prefix_tokens_copied: int = 0
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded
     batch_bytes: int = 0  # the decode batch's buffers now

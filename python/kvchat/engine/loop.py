@@ -8,11 +8,13 @@ server's turns, the settler) submit work and wait; the engine's thread loops:
    batch waits for its whole length;
 2. one batched decode step over every row (``DecodeBatch.step``), then each
    row's pick, stream and stop;
-3. one prefill chunk of the oldest row still prefilling (at most
-   ``max_step_tokens`` tokens), whose first token then joins the batch at
-   the next step; so a long prompt never stops the others' streams for
-   longer than a chunk, and a long reply never delays a new turn's first
-   token by more than a step;
+3. prefill of the rows still prefilling, at most ``max_step_tokens`` tokens
+   between two steps: short prompts several in one forward, a long one in
+   chunks (``prompts.py``: on full-attention models, a row also copies a
+   prefix another row holds rather than computing it again); each row's
+   first token then joins the batch at the next step. So a long prompt
+   never stops the others' streams for longer than a chunk, and a long
+   reply never delays a new turn's first token by more than a step;
 4. when no row decodes or prefills: idle work (``when_idle``: settling).
 
 Every forward, every CUDA graph capture and every launch happens on this one
@@ -35,6 +37,14 @@ from collections.abc import Callable
 import torch
 
 from .batch import DecodeBatch, unsupported_layer
+from .prompts import (
+    SHARE_MIN_TOKENS,
+    copy_prefix,
+    full_attention_only,
+    logits_to_keep_kind,
+    prefill_together,
+    waits_for,
+)
 from .threads import with_callers_autocast
 
 logger = logging.getLogger("kvchat")
@@ -80,6 +90,14 @@ class _Loop:
             takes_positions="position_ids" in parameters,
         )
         self.step_extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        # Whether rows may share prompts (prompts.py): every layer full
+        # attention, and a forward that takes each row's mask and positions.
+        self.keep_kind = logits_to_keep_kind(parameters)
+        self.together = (
+            full_attention_only(bridge.layout)
+            and "attention_mask" in parameters
+            and "position_ids" in parameters
+        )
         self.cond = threading.Condition()
         self.incoming: collections.deque = collections.deque()  # rows not yet prefilling
         self.prefilling: collections.deque = collections.deque()
@@ -151,19 +169,26 @@ class _Loop:
             if self.batch.rows:
                 self._step()
             # While rows decode, the prompts prefilled between two steps
-            # hold at most max_step_tokens tokens: several short ones
-            # whole (their first tokens come together), a long one in
-            # chunks. With none decoding, the first runs whole, as generate.
+            # hold at most max_step_tokens tokens: several short ones in one
+            # forward, a long one in chunks. With none decoding, the first
+            # runs whole, as generate runs it.
             budget = self.max_step_tokens
             while self.prefilling:
-                row = self.prefilling[0]
                 limit = budget if self.batch.rows else None
                 if limit is not None and limit <= 0:
                     break
+                group = self._group(limit)
+                if len(group) > 1:
+                    budget -= self._prefill_group(group)
+                    continue
+                row = group[0] if group else self.prefilling[0]
+                rest = row.prompt_tokens - row.prefilled
+                if limit is not None and limit < min(rest, self.max_step_tokens):
+                    break  # the rest of this pass's tokens would only cut it short
                 done = self._prefill_chunk(row, limit)
                 if limit is not None:
                     budget -= done
-                if self.prefilling and self.prefilling[0] is row:
+                if row in self.prefilling:
                     break  # a chunk of a long prompt: the rows decode first
 
     def _has_work(self) -> bool:
@@ -222,9 +247,7 @@ class _Loop:
     def _prefill_chunk(self, row, budget: int | None) -> int:
         """Prefills ``row``'s prompt up to ``budget`` tokens more (None: to its
         end, in one forward, as generate runs it); returns the tokens run."""
-        if row.started is None:
-            row.started = time.perf_counter()
-            self.queue_wait_s += row.started - row.submitted
+        self._start(row)
         begin, end = row.prefilled, row.prompt_tokens
         stop = next((p for p in row.stops if p > begin), None)
         if stop is not None:  # a checkpoint's position ends a forward
@@ -246,7 +269,7 @@ class _Loop:
                 row.checkpoints.append(row.snapshot(row.cache, end))
             if end < row.prompt_tokens:
                 return end - begin
-            self.prefilling.popleft()
+            self.prefilling.remove(row)
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
             del outputs
             if row.pick(logits):
@@ -260,6 +283,75 @@ class _Loop:
                 self.batch.leave(row, write_back=False)
             row.finish(error)
         return end - begin
+
+    def _start(self, row) -> None:
+        if row.started is None:
+            row.started = time.perf_counter()
+            self.queue_wait_s += row.started - row.submitted
+
+    def _group(self, limit: int | None) -> list:
+        """The rows still prefilling whose prompts run in one forward now,
+        oldest first: each that fits ``limit`` tokens, padding counted (with
+        none decoding: ``max_step_tokens``, or the oldest's whole prompt),
+        once it copied what prefix it can from the rows that hold one. A row
+        that a row of the group would compute a long prefix of waits for it
+        (prompts.py). Empty where rows cannot share prompts; the oldest alone
+        when it does not fit beside another."""
+        if not self.together:
+            return []
+        donors = [*self.batch.rows, *self.prefilling]
+        group, width = [], 0
+        for row in list(self.prefilling):
+            if row.stops or not row.chunked:
+                break  # its prefill stops at checkpoints: alone, in order
+            if any(waits_for(row, other) for other in group):
+                continue
+            self.counters["prefix_tokens_copied"] += copy_prefix(row, donors, SHARE_MIN_TOKENS)
+            new = row.prompt_tokens - row.prefilled
+            if not group:
+                cap = limit if limit is not None else max(self.max_step_tokens, new)
+            else:
+                cap = limit if limit is not None else self.max_step_tokens
+            if (len(group) + 1) * max(width, new) <= cap:
+                group.append(row)
+                width = max(width, new)
+            elif not group:
+                return [row]  # alone, in chunks
+        return group
+
+    def _prefill_group(self, rows: list) -> int:
+        """One forward over the rest of every row's prompt (prompts.py); each
+        row then picks its first token and joins the batch. Returns the tokens
+        the forward ran, padding counted."""
+        for row in rows:
+            self.prefilling.remove(row)
+            self._start(row)
+        width = max(row.prompt_tokens - row.prefilled for row in rows)
+        try:
+            logits = prefill_together(
+                self.model,
+                rows,
+                self.bridge.new_cache,
+                self.bridge.cache_argument,
+                self.keep_kind,
+            )
+        except BaseException as error:  # the forward failed: every row in it fails
+            for row in rows:
+                row.finish(error)
+            return len(rows) * width
+        self.counters["prefill_chunks"] += 1
+        self.counters["prompts_prefilled_together"] += len(rows)
+        for row, row_logits in zip(rows, logits, strict=True):
+            try:
+                if row.pick(row_logits):
+                    row.finish()
+                else:
+                    self.batch.join(row)
+            except BaseException as error:  # the row's processor, streamer or cache
+                if row.slot is not None:
+                    self.batch.leave(row, write_back=False)
+                row.finish(error)
+        return len(rows) * width
 
 
 def _graph_trees_for_this_thread(model) -> None:
@@ -381,6 +473,8 @@ class Engine:
                 "queued": len(loop.incoming),
                 "queue_wait_ms": loop.queue_wait_s * 1e3,
                 "prefill_chunks": loop.counters["prefill_chunks"],
+                "prompts_prefilled_together": loop.counters["prompts_prefilled_together"],
+                "prefix_tokens_copied": loop.counters["prefix_tokens_copied"],
                 "jobs_run_alone": loop.counters["jobs_run_alone"],
                 "idle_jobs": loop.counters["idle_jobs"],
                 "batch_bytes": loop.batch.nbytes(),

@@ -35,6 +35,18 @@ STATS_METRICS = [
     ),
     ("kvchat_batch_bytes", "Bytes of the decode batch's buffers now", "batch_bytes", "gauge"),
     (
+        "kvchat_prompts_prefilled_together",
+        "Prompts prefilled in one forward beside other conversations' prompts",
+        "prompts_prefilled_together",
+        "counter",
+    ),
+    (
+        "kvchat_prefix_tokens_copied",
+        "Prompt tokens copied from a conversation that held them instead of computed",
+        "prefix_tokens_copied",
+        "counter",
+    ),
+    (
         "kvchat_prefix_shares",
         "Turns that started from another session's prefix",
         "prefix_shares",

@@ -1,0 +1,166 @@
+"""Prompts that start together: a prefix one row holds copied into another,
+and several rows' prompts prefilled in one forward.
+
+Turns that start at the same moment (a server's clients, an agent framework's
+parallel calls) would each prefill their whole prompt, one after another, and
+the last one's first token would wait for them all. The core shares a prefix
+between sessions only once a turn has committed, too late for these.
+
+- **A prefix in flight** (``copy_prefix``). A row whose prompt begins with
+  tokens another row of the engine already holds (the system prompt of tool
+  descriptions every agent conversation sends) takes their keys and values
+  from that row's cache instead of computing them again. A key or value
+  depends only on the tokens before it, so they are what its own forward
+  would give.
+- **One forward for several prompts** (``prefill_together``). The rows' past
+  is merged left-padded to the longest, their new tokens follow, and a row
+  with fewer new tokens is padded on the right. No real token attends to that
+  padding (it comes after it), and the mask hides the left padding, so each
+  row's keys, values and logits are its own. The new keys and values are
+  appended to each row's own cache, which then joins the decode batch.
+
+Both need every layer to be full attention (``full_attention_only``): a
+sliding-window layer keeps only its window, so the columns a copy or a merge
+needs may be gone, and a conv or recurrent state exists only at the position
+its row reached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..bridge.layout import ATTENTION
+
+# A row waits for another row's forward, rather than prefilling beside it,
+# when that forward computes at least this many tokens of its prompt.
+SHARE_MIN_TOKENS = 32
+
+
+def full_attention_only(layout) -> bool:
+    """Whether every layer of the model's cache is full attention (or none)."""
+    return (
+        layout.supported
+        and not layout.indexed
+        and all(parts in ((ATTENTION,), ()) for parts in layout.parts)
+    )
+
+
+def held_tokens(row) -> int:
+    """The prompt tokens ``row.cache`` holds now: those it joined the decode
+    batch with (what it decodes stays in the batch's buffers until it leaves),
+    else those prefilled."""
+    return row.joined_length if row.slot is not None else row.prefilled
+
+
+def common_prefix(row, other, limit: int) -> int:
+    """How many of the first ``limit`` tokens ``row`` and ``other`` share."""
+    limit = min(limit, row.ids.shape[1], other.ids.shape[1])
+    if limit <= 0:
+        return 0
+    differ = (row.ids[0, :limit] != other.ids[0, :limit]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else limit
+
+
+def copy_prefix(row, donors, minimum: int = 1) -> int:
+    """Appends to ``row.cache`` the keys and values of the longest prefix of
+    its prompt that one of ``donors`` holds past what ``row`` holds (at least
+    ``minimum`` tokens, and never its last prompt token, whose logits it
+    needs); returns how many tokens it copied."""
+    best, end = None, row.prefilled + minimum - 1
+    for donor in donors:
+        if donor is row:
+            continue
+        shared = common_prefix(row, donor, min(held_tokens(donor), row.prompt_tokens - 1))
+        if shared > end:
+            best, end = donor, shared
+    if best is None:
+        return 0
+    begin = row.prefilled
+    for mine, theirs in zip(row.cache.layers, best.cache.layers, strict=True):
+        if getattr(theirs, "keys", None) is None:  # a layer with no cache
+            continue
+        mine.update(
+            theirs.keys[:, :, begin:end].contiguous(), theirs.values[:, :, begin:end].contiguous()
+        )
+    row.prefilled = row.length = end
+    return end - begin
+
+
+def waits_for(row, other) -> bool:
+    """Whether ``row`` should wait for ``other``'s forward and copy from it:
+    ``other`` will compute at least SHARE_MIN_TOKENS tokens of ``row``'s prompt
+    that ``row`` does not hold."""
+    shared = common_prefix(row, other, row.prompt_tokens - 1)
+    return shared - max(row.prefilled, held_tokens(other)) >= SHARE_MIN_TOKENS
+
+
+def logits_to_keep_kind(parameters) -> str | None:
+    """How the forward takes ``logits_to_keep``: "tensor" (positions, as
+    transformers' models declare it), "int" (a count from the end), or None."""
+    parameter = parameters.get("logits_to_keep")
+    if parameter is None:
+        return None
+    return "tensor" if "Tensor" in str(parameter.annotation) else "int"
+
+
+def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str | None):
+    """One forward over the rest of every row's prompt (module docstring);
+    appends each row's new keys and values to its cache and returns each
+    row's float32 logits ``[1, vocab]`` at its last prompt token.
+    ``keep_kind``: ``logits_to_keep_kind`` of the forward."""
+    device = rows[0].ids.device
+    past = [row.prefilled for row in rows]
+    new = [row.prompt_tokens - row.prefilled for row in rows]
+    longest, width = max(past), max(new)
+    ids = torch.empty((len(rows), width), dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), longest + width), dtype=torch.long, device=device)
+    positions = torch.empty((len(rows), width), dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, : new[i]] = row.ids[0, past[i] : row.prompt_tokens]
+        ids[i, new[i] :] = row.ids[0, row.prompt_tokens - 1]  # any token: nothing reads it
+        mask[i, longest - past[i] : longest + new[i]] = 1
+        positions[i] = torch.arange(past[i], past[i] + width, device=device)
+    cache = new_cache()
+    for index, layer in enumerate(cache.layers):
+        sources = [row.cache.layers[index] for row in rows]
+        template = next((s for s in sources if getattr(s, "keys", None) is not None), None)
+        if template is None or not longest:  # a layer with no cache, or no past
+            continue
+        shape = (len(rows), template.keys.shape[1], longest, template.keys.shape[3])
+        keys = template.keys.new_zeros(shape)
+        values = template.values.new_zeros((*shape[:3], template.values.shape[3]))
+        for i, source in enumerate(sources):
+            if past[i]:
+                keys[i, :, longest - past[i] :] = source.keys[0, :, : past[i]]
+                values[i, :, longest - past[i] :] = source.values[0, :, : past[i]]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    kwargs = {cache_argument: cache, "attention_mask": mask, "position_ids": positions}
+    # Only the logits at each row's last prompt token: the positions where
+    # the forward takes them, else every position.
+    keep = sorted(set(n - 1 for n in new))
+    if keep_kind == "tensor":
+        kwargs["logits_to_keep"] = torch.tensor(keep, device=device)
+    else:
+        keep = list(range(width))
+        if keep_kind == "int":
+            kwargs["logits_to_keep"] = 0
+    outputs = model(input_ids=ids, use_cache=True, return_dict=True, **kwargs)
+    if tuple(outputs.logits.shape[:2]) != (len(rows), len(keep)):
+        raise RuntimeError(
+            f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
+            f"{len(rows)} prompts and logits_to_keep={keep}: not one per position asked"
+        )
+    logits = []
+    for i, row in enumerate(rows):
+        for index, layer in enumerate(cache.layers):
+            if getattr(layer, "keys", None) is None:  # a layer with no cache
+                continue
+            row.cache.layers[index].update(
+                layer.keys[i : i + 1, :, longest : longest + new[i]].contiguous(),
+                layer.values[i : i + 1, :, longest : longest + new[i]].contiguous(),
+            )
+        row.prefilled = row.length = row.prompt_tokens
+        column = keep.index(new[i] - 1)
+        logits.append(outputs.logits[i : i + 1, column].to(copy=True, dtype=torch.float32))
+    return logits

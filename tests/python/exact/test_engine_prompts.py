@@ -1,0 +1,161 @@
+"""Prompts of turns that start together (engine/prompts.py), in float64: on a
+full-attention model several prompts prefill in one forward, right-padded,
+and a prefix one row holds is copied into another rather than computed again;
+each reply is still its own plain ``generate``'s, token for token. Where a
+layer keeps a window or a state (sliding window, conv), each prompt runs
+alone, as before."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import model_for, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.prompting import render_prompt
+from kvchat.tiny import tiny_tokenizer
+from test_engine import chat_call, together, wait_for
+
+LONG_SYSTEM = {
+    "role": "system",
+    "content": "You are the planning agent of a travel company. You can look up trains, "
+    "flights and hotels, compare their prices, and book what the customer picks. Always "
+    "say what you looked up and what it costs before you book anything.",
+}
+
+
+def own_system(k: int) -> list[dict]:
+    """Conversation ``k``: a system prompt no other conversation starts with,
+    and k + 1 user messages, so every prompt has its own length."""
+    messages = [{"role": "system", "content": f"Assistant number {k}, be brief."}]
+    return messages + [user_message(10 * k + j) for j in range(k + 1)]
+
+
+def reply_and_next(tokenizer, messages, expected) -> list[dict]:
+    reply = tokenizer.decode(expected, skip_special_tokens=True)
+    return [*messages, {"role": "assistant", "content": reply}, user_message(7)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("family", "shares"), [("llama", True), ("qwen3", True), ("gemma3", False)]
+)
+def test_prompts_that_start_together_prefill_in_one_forward(family, shares, tokenizer):
+    """Three prompts of different lengths, then three turns on caches of
+    different lengths (a merged, left-padded past), each in one forward:
+    every reply is plain generate's. gemma3's sliding-window layers keep
+    only their window, so its prompts run alone."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    conversations = [own_system(k) for k in range(3)]
+    for turn in range(2):
+        before = manager.stats()
+        budgets = [6, 9, 12]
+        reports = together(
+            manager,
+            [chat_call(manager, f"s{k}", conversations[k], budgets[k]) for k in range(3)],
+        )
+        for k, report in enumerate(reports):
+            expected = reference_turn(model, tokenizer, conversations[k], budgets[k])[2]
+            assert report.output_ids == expected, (turn, k)
+            assert (report.reused_tokens > 0) == (turn > 0)
+            conversations[k] = reply_and_next(tokenizer, conversations[k], expected)
+        stats = manager.stats()
+        together_now = stats.prompts_prefilled_together - before.prompts_prefilled_together
+        assert together_now == (3 if shares else 0), (turn, stats)
+        assert stats.prefix_tokens_copied == 0  # nothing in common worth copying
+    manager.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_prefix_one_row_computes_is_copied_into_the_others(family, tokenizer):
+    """Three conversations that start together with one long system prompt:
+    the first computes it, the other two copy its keys and values and prefill
+    only their own messages, in one forward; every reply is plain generate's."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    conversations = [[LONG_SYSTEM, user_message(k)] for k in range(3)]
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", conversations[k], 8) for k in range(3)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 8)[2]
+    prompts = [render_prompt(tokenizer, messages).tolist() for messages in conversations]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    stats = manager.stats()
+    assert shared > 40
+    assert stats.prefix_tokens_copied >= 2 * (shared - 8), (shared, stats)
+    assert stats.prompts_prefilled_together == 2, stats
+    manager.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_decoding_row_lends_its_prompt_to_a_turn_that_joins(family, tokenizer):
+    """A conversation decoding in the batch holds its prompt's keys and
+    values: a new turn that starts with the same system prompt copies them,
+    and both replies are plain generate's."""
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    first = [LONG_SYSTEM, user_message(0)]
+    stream = manager.stream_chat("first", first, max_new_tokens=30)
+    next(stream)
+    second = [LONG_SYSTEM, user_message(1)]
+    manager.chat("second", second, max_new_tokens=6)
+    list(stream)
+    assert manager.last_turn("first").output_ids == reference_turn(model, tokenizer, first, 30)[2]
+    assert manager.last_turn("second").output_ids == reference_turn(model, tokenizer, second, 6)[2]
+    assert manager.stats().prefix_tokens_copied > 40
+    manager.close()
+
+
+def test_a_failing_reply_in_a_shared_forward_fails_only_its_turn(tokenizer):
+    """Two prompts in one forward; one turn's streamer raises on its first
+    token. That turn fails with its error, the other's reply is plain
+    generate's, and the failed session takes a next turn exactly."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+
+    class Broken:
+        def put(self, value):
+            raise ValueError("the client went away")
+
+        def end(self):
+            pass
+
+    conversations = [own_system(0), own_system(1)]
+    prompt = render_prompt(tokenizer, conversations[0])[None]
+    errors = []
+
+    def broken():
+        try:
+            manager.generate(prompt, session_id="broken", max_new_tokens=5, streamer=Broken())
+        except ValueError as error:
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=broken),
+        threading.Thread(target=chat_call(manager, "fine", conversations[1], 6)),
+    ]
+    with manager._engine.hold():
+        for i, thread in enumerate(threads):
+            thread.start()
+            wait_for(lambda i=i: manager.stats().queued > i, f"turn {i} queued")
+    for thread in threads:
+        thread.join()
+    assert [str(e) for e in errors] == ["the client went away"]
+    assert manager.stats().prompts_prefilled_together == 2
+    assert (
+        manager.last_turn("fine").output_ids
+        == reference_turn(model, tokenizer, conversations[1], 6)[2]
+    )
+    again = manager.chat("broken", conversations[0], max_new_tokens=4)
+    assert (
+        manager.last_turn("broken").output_ids
+        == reference_turn(model, tokenizer, conversations[0], 4)[2]
+    )
+    assert again
+    manager.close()
