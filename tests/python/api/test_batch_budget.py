@@ -126,3 +126,30 @@ def test_the_decode_batch_evicts_the_idle_lru_session(tokenizer, tmp_path):
     assert manager.stats().spill_loads == 1
     assert manager.last_turn("A").reused_tokens > 0
     manager.close()
+
+
+def test_the_batch_reports_its_bytes_when_its_buffers_change_not_every_step(tokenizer):
+    manager = SessionManager(model_for("llama"), tokenizer, settle=False)
+    batch = manager._engine._loop.batch
+    core_setter, reports = batch.on_bytes, []
+
+    def record(nbytes: int) -> None:
+        reports.append(nbytes)
+        core_setter(nbytes)
+
+    batch.on_bytes = record
+    seen = {}
+
+    def inspect():
+        seen.update(batch=manager.stats().batch_bytes, core=manager._core.reserved_bytes)
+
+    run_turns(manager, inspect)
+    steps = manager.stats().decode_steps
+    # A and B alone: allocated, freed. C and D: C's row allocated, D's
+    # joining rebuilt it for two rows, freed when both left.
+    assert reports[:4] == [reports[0], 0, reports[2], 0]
+    assert reports[4:] == [reports[4], seen["batch"], 0]
+    assert reports[4] < seen["batch"] == seen["core"]
+    assert len(reports) == 7 < steps
+    assert manager._core.reserved_bytes == 0
+    manager.close()
