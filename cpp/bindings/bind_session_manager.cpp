@@ -11,6 +11,7 @@ void bind_session_manager(py::module_& m) {
       .def_readonly("evictions", &ManagerStats::evictions)
       .def_readonly("resident_bytes", &ManagerStats::resident_bytes)
       .def_readonly("checkpoint_bytes", &ManagerStats::checkpoint_bytes)
+      .def_readonly("reserved_bytes", &ManagerStats::reserved_bytes)
       .def_readonly("sessions", &ManagerStats::sessions)
       .def_readonly("resident_sessions", &ManagerStats::resident_sessions)
       .def_readonly("shared_prefixes", &ManagerStats::shared_prefixes)
@@ -97,6 +98,10 @@ void bind_session_manager(py::module_& m) {
       .def("clear", &SessionManager::clear, py::arg("session_id"), no_gil())
       .def("remove", &SessionManager::remove, py::arg("session_id"), no_gil())
       .def("stats", &SessionManager::stats, no_gil())
+      // Evicts under the manager's lock: the GIL is released first.
+      .def("set_reserved_bytes", &SessionManager::set_reserved_bytes, py::arg("bytes"), no_gil())
+      .def_property_readonly("reserved_bytes",
+                             py::cpp_function(&SessionManager::reserved_bytes, no_gil()))
       .def_property_readonly("max_sessions",
                              [](const SessionManager& s) { return s.limits().max_sessions; })
       .def_property_readonly("max_cache_bytes",

@@ -304,6 +304,7 @@ ManagerStats SessionManager::stats() const {
   out.shared_tokens = shared_tokens_;
   out.evictions = evictions_;
   out.resident_bytes = resident_bytes_locked();
+  out.reserved_bytes = reserved_bytes_;
   out.sessions = static_cast<int64_t>(entries_.size());
   return out;
 }
@@ -312,6 +313,19 @@ void SessionManager::enforce_limits() {
   Graveyard dead;
   std::lock_guard<std::mutex> lock(mutex_);
   enforce_limits_locked(&dead);
+}
+
+void SessionManager::set_reserved_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes >= 0, "reserved_bytes must be >= 0, got ", bytes);
+  Graveyard dead;
+  std::lock_guard<std::mutex> lock(mutex_);
+  reserved_bytes_ = bytes;
+  enforce_limits_locked(&dead);
+}
+
+int64_t SessionManager::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_bytes_;
 }
 
 void SessionManager::enforce_limits_locked(Graveyard* dead) {
@@ -345,7 +359,7 @@ void SessionManager::enforce_limits_locked(Graveyard* dead) {
   while (resident > limits_.max_sessions && evict_next()) {
   }
   if (limits_.max_cache_bytes > 0) {
-    while (resident_bytes_locked() > limits_.max_cache_bytes && evict_next()) {
+    while (resident_bytes_locked() + reserved_bytes_ > limits_.max_cache_bytes && evict_next()) {
     }
   }
 }

@@ -184,7 +184,16 @@ class SessionManager(SessionAdmin):
         # garbage collection, rather than freeing it when its user drops it.
         flush_evicted = evicted_to(self._core, self._tier)
         # Every forward of this model, from any thread, runs on the engine's.
-        self._engine = Engine(model, self._bridge, options.max_batch_size, options.max_step_tokens)
+        # The batch's buffers copy the decoding rows' caches: they count in
+        # max_cache_bytes, and what evicting for them queues is flushed as
+        # after any eviction, when the turns in the batch end.
+        self._engine = Engine(
+            model,
+            self._bridge,
+            options.max_batch_size,
+            options.max_step_tokens,
+            on_batch_bytes=self._core.set_reserved_bytes,
+        )
         self._settler = Settler(
             self._core,
             self._bridge,

@@ -169,7 +169,7 @@ class ManagerStats:
     prefix_tokens_copied: int = 0
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded
-    batch_bytes: int = 0  # the decode batch's buffers now
+    batch_bytes: int = 0  # the decode batch's buffers now; counted in max_cache_bytes
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

@@ -90,6 +90,77 @@ TEST(SessionManager, NeverEvictsASessionInUse) {
   EXPECT_EQ(mgr->stats().resident_sessions, 1);
 }
 
+TEST(SessionManager, ReservedBytesCountTowardTheByteBudget) {
+  auto mgr = make_manager(100, session_bytes(10) * 3);
+  fill(*mgr, "a", 10);
+  fill(*mgr, "b", 10);
+  fill(*mgr, "c", 10);
+  EXPECT_EQ(mgr->stats().evictions, 0);
+  // A batch's buffers as big as one session: the least recently used goes.
+  mgr->set_reserved_bytes(session_bytes(10));
+  EXPECT_FALSE(mgr->find("a")->resident());
+  EXPECT_TRUE(mgr->find("b")->resident());
+  EXPECT_TRUE(mgr->find("c")->resident());
+  auto stats = mgr->stats();
+  EXPECT_EQ(stats.evictions, 1);
+  EXPECT_EQ(stats.reserved_bytes, session_bytes(10));
+  EXPECT_EQ(stats.resident_bytes, session_bytes(10) * 2);  // reserved bytes are not resident
+  EXPECT_EQ(mgr->reserved_bytes(), session_bytes(10));
+  // Still reserved: a new session's turn pushes the next LRU one out.
+  fill(*mgr, "d", 10);
+  EXPECT_FALSE(mgr->find("b")->resident());
+  EXPECT_EQ(mgr->stats().evictions, 2);
+  // Freed: nothing more goes, and the next session fits beside the others.
+  mgr->set_reserved_bytes(0);
+  fill(*mgr, "e", 10);
+  EXPECT_TRUE(mgr->find("c")->resident());
+  EXPECT_TRUE(mgr->find("d")->resident());
+  EXPECT_TRUE(mgr->find("e")->resident());
+  EXPECT_EQ(mgr->stats().evictions, 2);
+  EXPECT_EQ(mgr->stats().reserved_bytes, 0);
+}
+
+TEST(SessionManager, ReservedBytesNeverEvictALeasedSession) {
+  auto mgr = make_manager(100, session_bytes(10) * 2);
+  fill(*mgr, "a", 10);
+  fill(*mgr, "b", 10);
+  auto held = mgr->acquire("a");  // a is now the most recently used, and leased
+  mgr->set_reserved_bytes(session_bytes(10) * 2);
+  EXPECT_TRUE(mgr->find("a")->resident());
+  EXPECT_FALSE(mgr->find("b")->resident());
+  auto stats = mgr->stats();
+  EXPECT_EQ(stats.evictions, 1);
+  EXPECT_EQ(stats.resident_bytes + stats.reserved_bytes, session_bytes(10) * 3);  // over, leased
+  // Once released, a is idle and over the budget, so it goes too.
+  held->release();
+  EXPECT_FALSE(mgr->find("a")->resident());
+  EXPECT_EQ(mgr->stats().evictions, 2);
+}
+
+TEST(SessionManager, ReservedBytesEvictionsAreKeptForSpilling) {
+  ManagerLimits limits{100, session_bytes(10) * 2, 2};
+  limits.keep_evicted = true;
+  auto mgr = std::make_shared<SessionManager>(limits);
+  fill(*mgr, "a", 10);
+  fill(*mgr, "b", 10);
+  mgr->set_reserved_bytes(session_bytes(10));
+  auto evicted = mgr->take_evicted();
+  ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_EQ(evicted[0].id, "a");
+  EXPECT_FALSE(evicted[0].state.layers.empty());
+  EXPECT_FALSE(mgr->find("a")->resident());
+}
+
+TEST(SessionManager, ReservedBytesWithoutAByteBudgetEvictNothing) {
+  auto mgr = make_manager(100);
+  fill(*mgr, "a", 10);
+  mgr->set_reserved_bytes(session_bytes(10) * 1000);
+  EXPECT_TRUE(mgr->find("a")->resident());
+  EXPECT_EQ(mgr->stats().reserved_bytes, session_bytes(10) * 1000);
+  EXPECT_THROW(mgr->set_reserved_bytes(-1), c10::ValueError);
+  EXPECT_EQ(mgr->reserved_bytes(), session_bytes(10) * 1000);  // a refused value changes nothing
+}
+
 TEST(SessionManager, UnknownIdsAndBusySessions) {
   auto mgr = make_manager(4);
   EXPECT_THROW(mgr->find("nobody"), UnknownSessionError);

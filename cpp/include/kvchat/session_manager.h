@@ -50,7 +50,7 @@ class SessionBusyError : public std::runtime_error {
 
 struct ManagerLimits {
   int64_t max_sessions = 16;     // sessions that may hold a cache at once
-  int64_t max_cache_bytes = 0;   // resident bytes; 0 means no limit
+  int64_t max_cache_bytes = 0;   // resident plus reserved bytes; 0 means no limit
   int64_t num_layers = 0;        // layers every commit must provide (0: any)
   CheckpointPolicy checkpoints;  // per session; checkpoint bytes count toward max_cache_bytes
   // Sessions share prefixes of at least this many tokens, cut at a message
@@ -74,6 +74,7 @@ struct ManagerStats {
   int64_t evictions = 0;
   int64_t resident_bytes = 0;
   int64_t checkpoint_bytes = 0;  // the part of resident_bytes held by checkpoints
+  int64_t reserved_bytes = 0;    // held outside the sessions (set_reserved_bytes)
   int64_t sessions = 0;
   int64_t resident_sessions = 0;
   int64_t shared_prefixes = 0;  // prefixes held once for several sessions
@@ -129,6 +130,12 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   const TurnSettings& settings() const { return settings_; }
   // Evicts least-recently-used idle sessions until the limits hold.
   void enforce_limits();
+  // Bytes held outside the sessions (the engine's decode batch, which copies
+  // every decoding row's cache) that count toward max_cache_bytes beside the
+  // resident caches. Setting them evicts idle sessions until resident plus
+  // reserved fits; what only leased sessions hold stays over the budget.
+  void set_reserved_bytes(int64_t bytes);
+  int64_t reserved_bytes() const;
 
   // The caches evicted since the last call (with limits.keep_evicted).
   std::vector<EvictedCache> take_evicted();
@@ -206,6 +213,7 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   std::unordered_map<std::string, Entry> entries_;
   uint64_t clock_ = 0;
   int64_t evictions_ = 0;
+  int64_t reserved_bytes_ = 0;      // see set_reserved_bytes
   SessionCounters removed_totals_;  // counters of sessions already removed
   // Sharing: what resident sessions hold (by session id) and the shared
   // prefixes (by their own keys). Both only narrow the search; every use

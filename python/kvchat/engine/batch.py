@@ -18,12 +18,19 @@ buffers that the model updates in place.
 - Columns run out rarely: the buffers are then rebuilt with headroom
   (amortized, like a growing array).
 
+The buffers copy every decoding row's cache, so they count toward the
+manager's ``max_cache_bytes``: ``on_bytes`` is told their size whenever they
+are allocated, rebuilt or freed (the manager reserves it in its core).
+
 Positions are each row's own token count, and the padded coordinates (what
 the model's cache reports as its length) are shared: exactly what ``generate``
 does for a left-padded batch, so every family's own mask code applies.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import (
@@ -34,6 +41,8 @@ from transformers.cache_utils import (
 )
 
 from ..bridge.layers import recurrent_slots
+
+logger = logging.getLogger("kvchat")
 
 _HEADROOM = 128  # columns added past the longest row when the buffers are (re)built
 
@@ -127,8 +136,19 @@ class DecodeBatch:
     """The rows decoding together and their merged cache (module docstring).
     Used by the engine's thread alone."""
 
-    def __init__(self, new_cache, cache_argument: str, takes_mask: bool, takes_positions: bool):
-        """``new_cache()``: an empty cache of the model's layer classes."""
+    def __init__(
+        self,
+        new_cache,
+        cache_argument: str,
+        takes_mask: bool,
+        takes_positions: bool,
+        on_bytes: Callable[[int], None] | None = None,
+    ):
+        """``new_cache()``: an empty cache of the model's layer classes.
+        ``on_bytes(n)``: called with ``nbytes()`` each time the buffers are
+        allocated, rebuilt or freed (never per step); may be set later."""
+        self.on_bytes = on_bytes
+        self._reported = 0
         self._new_cache = new_cache
         self._argument = cache_argument
         self._takes_mask, self._takes_positions = takes_mask, takes_positions
@@ -172,6 +192,7 @@ class DecodeBatch:
         self._mask = torch.zeros((row_capacity, columns), dtype=torch.long, device=device)
         self._positions = torch.zeros(row_capacity, dtype=torch.long, device=device)
         self._tokens = torch.zeros(row_capacity, dtype=torch.long, device=device)
+        self._report()
 
     def _buffers_of(self, cache):
         """The layers' per-row buffers, each with its column dim (None: none)."""
@@ -226,6 +247,20 @@ class DecodeBatch:
         self._columns, self._row_capacity = columns, row_capacity
         geo.lo, geo.hi = padded - used, padded
         self._link()
+        self._report()
+
+    def _report(self) -> None:
+        """Tells ``on_bytes`` the buffers' size when it changed. A callback
+        that fails is logged, not raised: accounting never fails the rows."""
+        nbytes = self.nbytes()
+        if self.on_bytes is None or nbytes == self._reported:
+            return
+        try:
+            self.on_bytes(nbytes)
+        except Exception:
+            logger.exception("kvchat: could not report the decode batch's %d bytes", nbytes)
+            return
+        self._reported = nbytes
 
     def _link(self) -> None:
         """Points the layers' recurrent states at the rows in use."""
@@ -306,6 +341,7 @@ class DecodeBatch:
             self._cache = None
             self._attention, self._recurrent = [], []
             self._mask = self._positions = self._tokens = None
+            self._report()
             return
         # The padding every row now has on its left is dropped from the mask.
         geo.lo = max(geo.lo, geo.hi - max(r.length for r in self.rows))

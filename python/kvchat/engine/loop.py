@@ -397,8 +397,12 @@ class Engine:
         bridge,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        on_batch_bytes: Callable[[int], None] | None = None,
     ):
+        """``on_batch_bytes(n)``: told the decode batch's buffer bytes each
+        time they change (the manager counts them in ``max_cache_bytes``)."""
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens)
+        self._loop.batch.on_bytes = on_batch_bytes
         _LIVE.add(self._loop)
 
     def __del__(self):

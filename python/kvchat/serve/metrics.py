@@ -33,7 +33,12 @@ STATS_METRICS = [
         "queue_wait_ms",
         "counter",
     ),
-    ("kvchat_batch_bytes", "Bytes of the decode batch's buffers now", "batch_bytes", "gauge"),
+    (
+        "kvchat_batch_bytes",
+        "Bytes of the decode batch's buffers now (counted in max_cache_bytes)",
+        "batch_bytes",
+        "gauge",
+    ),
     (
         "kvchat_prompts_prefilled_together",
         "Prompts prefilled in one forward beside other conversations' prompts",

@@ -421,23 +421,32 @@ def test_an_eviction_a_settle_causes_reaches_the_spill(tmp_path, tokenizer):
     a = [LONG_SYSTEM, user_message(0)]
     b = [LONG_SYSTEM, {"role": "user", "content": "Something else entirely, about cats."}]
 
+    # The budget's run loads b rather than running its turn: a turn's decode
+    # batch counts in max_cache_bytes too, and would evict a before b settles.
+    saved = tmp_path / "b.safetensors"
+
     def run(**options):
         mgr = SessionManager(model, tokenizer, share_prefixes=False, **options)
         reply = mgr.chat("a", a, max_new_tokens=MAX_NEW)
         mgr.wait_settled(timeout=60)
-        answer = mgr.chat("b", b, max_new_tokens=MAX_NEW, settle=False)
+        if saved.exists():
+            mgr.load(saved)
+        else:
+            mgr.chat("b", b, max_new_tokens=MAX_NEW, settle=False)
+            mgr.save("b", saved)
         before = mgr.stats()
-        mgr.settle("b", [*b, {"role": "assistant", "content": answer}])
+        mgr.settle("b", mgr.messages("b"))
         assert mgr.wait_settled(timeout=60)
         return mgr, reply, before
 
     probe, _, before = run()
     # A budget both sessions fit before b settles, and not after.
     budget = (before.resident_bytes + probe.stats().resident_bytes) // 2
-    mgr, reply, before = run(spill_dir=tmp_path, max_cache_bytes=budget)
+    spill = tmp_path / "spill"
+    mgr, reply, before = run(spill_dir=spill, max_cache_bytes=budget)
     assert before.evictions == 0 and mgr.stats().evictions == 1
     assert not mgr.info("a").resident
     # Written at once, not when some later turn happens to flush the queue.
-    assert mgr.stats().spill_writes == 1 and len(list(tmp_path.iterdir())) == 1
+    assert mgr.stats().spill_writes == 1 and len(list(spill.iterdir())) == 1
     messages = [*a, {"role": "assistant", "content": reply}, user_message(1)]
     _checked(mgr, model, tokenizer, messages)
