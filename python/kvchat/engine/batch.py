@@ -29,6 +29,7 @@ does for a left-padded batch, so every family's own mask code applies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -130,6 +131,45 @@ def _slots(layer) -> tuple[tuple[str, int], ...]:
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
         return ()
     return recurrent_slots(layer)
+
+
+@contextlib.contextmanager
+def _head_rows_padded(model, rows: int):
+    """Runs the model's output head (a CPU ``nn.Linear`` in float32 or
+    float64) on a multiple of four rows, the batch's rows then zeros.
+
+    On a CPU, torch's matrix product over a large vocabulary is much slower at
+    2, 3, 6 and 7 rows than at 4 or 8 (RESULTS.md, "The engine"): SmolLM2's
+    49,152-token head takes 9.8 ms at one row, 23 and 36 ms at two and
+    three, 17 at four. The padding rows' logits are dropped before anyone
+    sees them. One row, a GPU, and half precision run as they are."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    pad = -rows % 4
+    if (
+        rows == 1
+        or not pad
+        or not isinstance(head, torch.nn.Linear)
+        or head.weight.device.type != "cpu"
+        or head.weight.dtype not in (torch.float32, torch.float64)
+    ):
+        yield
+        return
+
+    def padded(module, args):
+        hidden = args[0]
+        if hidden.shape[0] != rows:  # not this step's rows: left alone
+            return None
+        return (torch.cat([hidden, hidden.new_zeros((pad, *hidden.shape[1:]))]), *args[1:])
+
+    def sliced(module, args, output):
+        return output[:rows] if output.shape[0] == rows + pad else output
+
+    handles = [head.register_forward_pre_hook(padded), head.register_forward_hook(sliced)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class DecodeBatch:
@@ -366,7 +406,8 @@ class DecodeBatch:
             kwargs["attention_mask"] = self._mask[:rows, geo.lo : geo.hi + 1]
         if self._takes_positions:
             kwargs["position_ids"] = self._positions[:rows, None]
-        outputs = model(input_ids=self._tokens[:rows, None], return_dict=True, **kwargs)
+        with _head_rows_padded(model, rows):
+            outputs = model(input_ids=self._tokens[:rows, None], return_dict=True, **kwargs)
         geo.hi += 1
         self._positions[:rows] += 1
         for row in self.rows:
