@@ -167,6 +167,7 @@ class ManagerStats:
     # tokens copied from a row that held them instead of computed.
     prompts_prefilled_together: int = 0
     prefix_tokens_copied: int = 0
+    gather_waits: int = 0  # passes the waiting prompts waited for turns on their way
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded
     batch_bytes: int = 0  # the decode batch's buffers now; counted in max_cache_bytes

@@ -171,7 +171,8 @@ class TurnPath:
                 "start it from another thread"
             )
         try:
-            return self._run(request)
+            with self._engine.expect():
+                return self._run(request)
         except _RunAgain as again:  # refused before its first token: run it plain
             refused = again.forward_refuses
         outcome = self._run(request, refused)

@@ -51,6 +51,11 @@ logger = logging.getLogger("kvchat")
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_STEP_TOKENS = 256
+# How long a prompt may wait for turns that have begun but not yet reached
+# the engine (their prompts being rendered, their sessions planned), so that
+# prompts arriving together prefill in one forward rather than one after
+# another (prompts.py). Each row waits at most this long, once.
+GATHER_S = 0.05
 
 
 class _Job:
@@ -106,6 +111,9 @@ class _Loop:
         self.thread: threading.Thread | None = None
         self.closed = False
         self.held = 0  # hold(): while positive, no new row starts
+        self.expected = 0  # turns begun (Engine.expect) that have not reached the engine
+        # Per thread: .pending, its turn is expected; .depth, turns begun in it.
+        self.announced = threading.local()
         self.counters = collections.Counter()
         self.queue_wait_s = 0.0
         self.max_rows = 0
@@ -172,6 +180,11 @@ class _Loop:
             # hold at most max_step_tokens tokens: several short ones in one
             # forward, a long one in chunks. With none decoding, the first
             # runs whole, as generate runs it.
+            if self._gathering():
+                if not self.batch.rows:
+                    with self.cond:  # woken by a submit; the loop takes it in
+                        self.cond.wait(GATHER_S)
+                continue  # with rows decoding: their next step first
             budget = self.max_step_tokens
             while self.prefilling:
                 limit = budget if self.batch.rows else None
@@ -190,6 +203,18 @@ class _Loop:
                     budget -= done
                 if row in self.prefilling:
                     break  # a chunk of a long prompt: the rows decode first
+
+    def _gathering(self) -> bool:
+        """Whether the waiting prompts wait for turns that have begun and not
+        yet arrived (GATHER_S): only where prompts can share a forward, and
+        only while the oldest waiting row has waited less than that."""
+        if not (self.together and self.prefilling and self.expected):
+            return False
+        oldest = min(row.submitted for row in self.prefilling)
+        if time.perf_counter() - oldest >= GATHER_S:
+            return False
+        self.counters["gather_waits"] += 1
+        return True
 
     def _has_work(self) -> bool:
         return bool(
@@ -419,11 +444,39 @@ class Engine:
     def cannot_batch(self, cache) -> str | None:
         return unsupported_layer(cache)
 
+    @contextlib.contextmanager
+    def expect(self):
+        """Around a turn, from its start to its end: until the turn submits
+        its row (or work that runs alone), the engine knows one more prompt
+        is on its way and lets the waiting ones gather for it (GATHER_S)."""
+        loop, local = self._loop, self._loop.announced
+        depth = getattr(local, "depth", 0)
+        if depth == 0:  # a turn started inside a turn counts once
+            with loop.cond:
+                loop.expected += 1
+            local.pending = True
+        local.depth = depth + 1
+        try:
+            yield
+        finally:
+            local.depth = depth
+            if depth == 0:
+                self._arrived()
+
+    def _arrived(self) -> None:
+        """This thread's expected turn reached the engine (or ended)."""
+        loop = self._loop
+        if getattr(loop.announced, "pending", False):
+            loop.announced.pending = False
+            with loop.cond:
+                loop.expected -= 1
+
     def decode(self, row) -> torch.Tensor:
         """Prefills and decodes ``row`` beside the others; its ids once finished."""
         if self.on_engine_thread:  # it would wait for itself
             raise RuntimeError("a turn cannot be decoded from the engine's own thread")
         self._loop.submit(self._loop.incoming, row)
+        self._arrived()
         return row.wait()
 
     def run(self, fn: Callable[[], object], why: str = ""):
@@ -435,6 +488,7 @@ class Engine:
             logger.debug("kvchat: a turn runs alone on the engine (%s)", why)
         job = _Job(with_callers_autocast(fn))
         self._loop.submit(self._loop.jobs, job)
+        self._arrived()
         return job.wait()
 
     def when_idle(self, fn: Callable[[], object]):
@@ -479,6 +533,7 @@ class Engine:
                 "prefill_chunks": loop.counters["prefill_chunks"],
                 "prompts_prefilled_together": loop.counters["prompts_prefilled_together"],
                 "prefix_tokens_copied": loop.counters["prefix_tokens_copied"],
+                "gather_waits": loop.counters["gather_waits"],
                 "jobs_run_alone": loop.counters["jobs_run_alone"],
                 "idle_jobs": loop.counters["idle_jobs"],
                 "batch_bytes": loop.batch.nbytes(),

@@ -159,3 +159,79 @@ def test_a_failing_reply_in_a_shared_forward_fails_only_its_turn(tokenizer):
     )
     assert again
     manager.close()
+
+
+def test_a_waiting_prompt_gathers_with_a_turn_on_its_way(tokenizer, monkeypatch):
+    """A turn that has begun (its prompt being rendered, its session planned)
+    but not reached the engine is expected: a prompt already waiting holds
+    its forward for it (here without a time limit), and both prefill in one
+    forward; the replies are plain generate's."""
+    from kvchat.engine import loop
+
+    monkeypatch.setattr(loop, "GATHER_S", 300.0)  # only the arrival ends the wait
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    first, second = own_system(0), own_system(1)
+    thread = threading.Thread(target=chat_call(manager, "first", first, 6))
+    with manager._engine.expect():  # the second turn has begun
+        thread.start()
+        wait_for(lambda: manager.stats().gather_waits > 0, "the first prompt waiting")
+        manager.chat("second", second, max_new_tokens=6, settle=False)
+    thread.join()
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 2, stats
+    assert manager._engine._loop.expected == 0
+    for session, messages in (("first", first), ("second", second)):
+        expected = reference_turn(model, tokenizer, messages, 6)[2]
+        assert manager.last_turn(session).output_ids == expected
+    manager.close()
+
+
+def test_a_turn_that_never_arrives_delays_a_prompt_once(tokenizer):
+    """A turn expected but never submitted (here: one that stays begun) holds
+    a waiting prompt back only GATHER_S; the prompt then runs, exactly."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    begun, done = threading.Event(), threading.Event()
+
+    def never_arrives():  # a turn begun on another thread that stays begun
+        with manager._engine.expect():
+            begun.set()
+            done.wait()
+
+    stuck = threading.Thread(target=never_arrives)
+    stuck.start()
+    begun.wait()
+    try:
+        reply = chat_call(manager, "alone", own_system(0), 5)()
+    finally:
+        done.set()
+        stuck.join()
+    assert reply.output_ids == reference_turn(model, tokenizer, own_system(0), 5)[2]
+    assert manager.stats().gather_waits > 0
+    assert manager._engine._loop.expected == 0
+    manager.close()
+
+
+def test_every_kind_of_turn_stops_being_expected(tokenizer):
+    """Turns that run alone (plain generate), that fail before reaching the
+    engine, that run inside another turn's thread, and batched ones: none
+    is left expected, so no later prompt waits for a turn that is gone."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    loop = manager._engine._loop
+    manager.chat("a", own_system(0), max_new_tokens=3)
+    assert loop.expected == 0
+    manager.chat("b", own_system(1), max_new_tokens=3, num_beams=2)  # plain generate
+    assert loop.expected == 0
+    with pytest.raises(ValueError):
+        manager.chat("c", own_system(0), max_new_tokens=-1)
+    assert loop.expected == 0
+    with manager._engine.expect():  # a turn begun inside another's thread
+        manager.chat("d", own_system(2), max_new_tokens=3)
+        assert loop.expected == 0  # its own submission cleared the one announcement
+    assert loop.expected == 0
+    stream = manager.stream_chat("e", own_system(0), max_new_tokens=3)
+    list(stream)
+    assert loop.expected == 0
+    manager.close()
