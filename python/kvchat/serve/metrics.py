@@ -52,6 +52,12 @@ STATS_METRICS = [
         "counter",
     ),
     (
+        "kvchat_gather_waits",
+        "Engine passes in which waiting prompts waited for requests on their way",
+        "gather_waits",
+        "counter",
+    ),
+    (
         "kvchat_prefix_shares",
         "Turns that started from another session's prefix",
         "prefix_shares",
