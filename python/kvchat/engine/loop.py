@@ -475,8 +475,8 @@ class Engine:
         """Prefills and decodes ``row`` beside the others; its ids once finished."""
         if self.on_engine_thread:  # it would wait for itself
             raise RuntimeError("a turn cannot be decoded from the engine's own thread")
+        self._arrived()  # first: the engine must never wait for this very row
         self._loop.submit(self._loop.incoming, row)
-        self._arrived()
         return row.wait()
 
     def run(self, fn: Callable[[], object], why: str = ""):
@@ -487,8 +487,8 @@ class Engine:
         if why:
             logger.debug("kvchat: a turn runs alone on the engine (%s)", why)
         job = _Job(with_callers_autocast(fn))
-        self._loop.submit(self._loop.jobs, job)
         self._arrived()
+        self._loop.submit(self._loop.jobs, job)
         return job.wait()
 
     def when_idle(self, fn: Callable[[], object]):

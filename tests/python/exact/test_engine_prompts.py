@@ -234,4 +234,6 @@ def test_every_kind_of_turn_stops_being_expected(tokenizer):
     stream = manager.stream_chat("e", own_system(0), max_new_tokens=3)
     list(stream)
     assert loop.expected == 0
+    # One conversation at a time: no prompt ever waited for its own turn.
+    assert manager.stats().gather_waits == 0
     manager.close()
