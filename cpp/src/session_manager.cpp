@@ -141,6 +141,7 @@ void SessionManager::clear(const std::string& id) {
   dead.caches.push_back(entry.session->take_cache());
   entry.session->clear_messages();
   forget_index_locked(id);
+  drop_evicted_locked(id, &dead);
 }
 
 void SessionManager::remove(const std::string& id) {
@@ -153,7 +154,23 @@ void SessionManager::remove(const std::string& id) {
   dead.sessions.push_back(std::move(entry.session));
   entries_.erase(id);
   forget_index_locked(id);
+  drop_evicted_locked(id, &dead);
   drop_unused_prefixes_locked(&dead);
+}
+
+void SessionManager::drop_evicted_locked(const std::string& id, Graveyard* dead) {
+  // A cache evicted while a turn ran (the decode batch's reservation) waits
+  // here for the spill; once its session is cleared or removed it must not
+  // reach the tier, where it would outlive the removal.
+  auto kept = evicted_.begin();
+  for (auto& evicted : evicted_) {
+    if (evicted.id == id) {
+      dead->caches.push_back(std::move(evicted.state));
+    } else {
+      *kept++ = std::move(evicted);
+    }
+  }
+  evicted_.erase(kept, evicted_.end());
 }
 
 int64_t SessionManager::resident_bytes_locked() const {

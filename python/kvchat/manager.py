@@ -25,6 +25,7 @@ from .bridge import CacheBridge
 from .bridge.static_cache import SMALLEST_BUCKET
 from .compiled import CompiledDecode
 from .engine import Engine
+from .engine.prompts import share_scope
 from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill
 from .prompting import turn_markers
@@ -193,6 +194,7 @@ class SessionManager(SessionAdmin):
             options.max_batch_size,
             options.max_step_tokens,
             on_batch_bytes=self._core.set_reserved_bytes,
+            min_shared_tokens=options.min_shared_tokens,
         )
         self._settler = Settler(
             self._core,
@@ -223,6 +225,11 @@ class SessionManager(SessionAdmin):
             wait=self._wait,
             settles=self._settles,
             max_context=self._max_context,
+            share_scope=functools.partial(
+                share_scope,
+                min_shared_tokens=options.min_shared_tokens,
+                isolate_namespaces=options.isolate_namespaces,
+            ),
         )
 
     # ------------------------------------------------------------------ turns

@@ -125,11 +125,14 @@ class TurnPath:
         wait: bool,
         settles: bool,
         max_context: int | None,
+        share_scope=lambda session_id: None,
     ):
         """The manager's parts a turn uses; ``flush_evicted`` hands what the
         core evicted to the tier; ``match``, ``wait`` (busy="wait"),
         ``settles`` and ``max_context`` are the manager's options;
-        ``reload_reason`` is what a turn from the tier's cache reports."""
+        ``reload_reason`` is what a turn from the tier's cache reports;
+        ``share_scope(session_id)``: whose prefixes its rows may copy in the
+        engine (engine/prompts.py; None: nobody's)."""
         self._model, self._tokenizer, self._core = model, tokenizer, core
         self._bridge, self._prefill, self._tier = bridge, prefill, tier
         self._settler, self._compiled, self._flush_evicted = settler, compiled, flush_evicted
@@ -137,6 +140,7 @@ class TurnPath:
         self._reload_reason = reload_reason
         self._match, self._wait, self._settles = match, wait, settles
         self._max_context = max_context
+        self._share_scope = share_scope
         # Why the model's own forward cannot run on kvchat's cache (a user's
         # torch.compile(fullgraph=True) cannot trace it): every turn is plain.
         self._forward_refuses_cache: str | None = None
@@ -171,7 +175,7 @@ class TurnPath:
                 "start it from another thread"
             )
         try:
-            with self._engine.expect():
+            with self._engine.expect(self._share_scope(request.session_id)):
                 return self._run(request)
         except _RunAgain as again:  # refused before its first token: run it plain
             refused = again.forward_refuses

@@ -151,6 +151,20 @@ TEST(SessionManager, ReservedBytesEvictionsAreKeptForSpilling) {
   EXPECT_FALSE(mgr->find("a")->resident());
 }
 
+TEST(SessionManager, AnEvictedCacheWaitingForItsSpillGoesWithItsSession) {
+  ManagerLimits limits{100, session_bytes(10) * 3, 2};
+  limits.keep_evicted = true;
+  auto mgr = std::make_shared<SessionManager>(limits);
+  fill(*mgr, "a", 10);
+  fill(*mgr, "b", 10);
+  fill(*mgr, "c", 10);
+  mgr->set_reserved_bytes(session_bytes(10) * 2);  // a and b evicted, not yet spilled
+  mgr->remove("a");
+  mgr->clear("b");
+  EXPECT_TRUE(mgr->take_evicted().empty());  // neither reaches the spill
+  EXPECT_TRUE(mgr->find("c")->resident());
+}
+
 TEST(SessionManager, ReservedBytesWithoutAByteBudgetEvictNothing) {
   auto mgr = make_manager(100);
   fill(*mgr, "a", 10);

@@ -204,6 +204,8 @@ class SessionManager : public std::enable_shared_from_this<SessionManager> {
   // limits.isolate_namespaces, else everything ("").
   std::string share_scope(const std::string& id) const;
   void forget_index_locked(const std::string& id);
+  // Drops the caches of `id` waiting in evicted_ (see take_evicted).
+  void drop_evicted_locked(const std::string& id, Graveyard* dead);
   void drop_unused_prefixes_locked(Graveyard* dead);
   int64_t resident_bytes_locked() const;
 

@@ -136,28 +136,32 @@ def _slots(layer) -> tuple[tuple[str, int], ...]:
 @contextlib.contextmanager
 def _head_rows_padded(model, rows: int):
     """Runs the model's output head (a CPU ``nn.Linear`` in float32 or
-    float64) on a multiple of four rows, the batch's rows then zeros.
+    float64) on 4 rows instead of 2 or 3, 8 instead of 6 or 7, and so on,
+    the batch's rows then zeros.
 
     On a CPU, torch's matrix product over a large vocabulary is much slower at
-    2, 3, 6 and 7 rows than at 4 or 8 (RESULTS.md, "The engine"): SmolLM2's
-    49,152-token head takes 9.8 ms at one row, 23 and 36 ms at two and
-    three, 17 at four. The padding rows' logits are dropped before anyone
-    sees them. One row, a GPU, and half precision run as they are."""
+    those row counts than at the next multiple of four (RESULTS.md §25):
+    SmolLM2's 49,152-token head takes 9.8 ms at one row, 23 and 36 ms at two
+    and three, 17 at four; 26 and 39 at six and seven, 16 at eight. The
+    padding rows' logits are dropped before anyone sees them. One row, a GPU,
+    half precision and a compiled forward (whose guards would see the hooks
+    come and go) run as they are."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     pad = -rows % 4
     if (
         rows == 1
-        or not pad
+        or pad not in (1, 2)
         or not isinstance(head, torch.nn.Linear)
         or head.weight.device.type != "cpu"
         or head.weight.dtype not in (torch.float32, torch.float64)
+        or _compiled(model)
     ):
         yield
         return
 
     def padded(module, args):
-        hidden = args[0]
-        if hidden.shape[0] != rows:  # not this step's rows: left alone
+        hidden = args[0] if args else None
+        if hidden is None or hidden.shape[0] != rows:  # not this step's rows: left alone
             return None
         return (torch.cat([hidden, hidden.new_zeros((pad, *hidden.shape[1:]))]), *args[1:])
 
@@ -170,6 +174,16 @@ def _head_rows_padded(model, rows: int):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _compiled(model) -> bool:
+    """Whether the user compiled the model (``torch.compile(model)`` or
+    ``model.compile()``)."""
+    return (
+        type(model).__name__ == "OptimizedModule"
+        or getattr(model, "_compiled_call_impl", None) is not None
+        or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+    )
 
 
 class DecodeBatch:
@@ -189,6 +203,9 @@ class DecodeBatch:
         allocated, rebuilt or freed (never per step); may be set later."""
         self.on_bytes = on_bytes
         self._reported = 0
+        # The buffers' bytes as last allocated, grown or freed: what other
+        # threads read (stats()), never the buffers the engine is changing.
+        self.bytes_now = 0
         self._new_cache = new_cache
         self._argument = cache_argument
         self._takes_mask, self._takes_positions = takes_mask, takes_positions
@@ -292,7 +309,7 @@ class DecodeBatch:
     def _report(self) -> None:
         """Tells ``on_bytes`` the buffers' size when it changed. A callback
         that fails is logged, not raised: accounting never fails the rows."""
-        nbytes = self.nbytes()
+        nbytes = self.bytes_now = self.nbytes()
         if self.on_bytes is None or nbytes == self._reported:
             return
         try:
@@ -420,6 +437,18 @@ class DecodeBatch:
                 buffer[:rows].copy_(states[i])
                 states[i] = buffer[:rows]
         return outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def reset(self) -> None:
+        """Forgets every row and frees the buffers: a batch a failure left in
+        a state no row can leave from."""
+        for row in self.rows:
+            row.slot = None
+        self.rows = []
+        self._geo.rows = self._geo.lo = self._geo.hi = 0
+        self._cache = None
+        self._attention, self._recurrent = [], []
+        self._mask = self._positions = self._tokens = None
+        self._report()
 
     def nbytes(self) -> int:
         if self._cache is None:

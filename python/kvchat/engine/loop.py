@@ -39,8 +39,10 @@ import torch
 from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
     SHARE_MIN_TOKENS,
+    LogitsNotKept,
     copy_prefix,
     full_attention_only,
+    length_dependent_rope,
     logits_to_keep_kind,
     prefill_together,
     waits_for,
@@ -51,11 +53,15 @@ logger = logging.getLogger("kvchat")
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_STEP_TOKENS = 256
-# How long a prompt may wait for turns that have begun but not yet reached
-# the engine (their prompts being rendered, their sessions planned), so that
-# prompts arriving together prefill in one forward rather than one after
-# another (prompts.py). Each row waits at most this long, once.
+# How long a prompt may wait, with nothing decoding, for turns that have
+# begun but not yet reached the engine (their prompts being rendered, their
+# sessions planned), so that prompts arriving together prefill in one forward
+# rather than one after another (prompts.py). Counted from the row's submit.
 GATHER_S = 0.05
+# A group of prompts merges every row's past, left-padded to the longest:
+# rows times that length stays under this many columns (a long history
+# prefills alone, where its attention is most of the cost anyway).
+GROUP_PAST_COLUMNS = 8192
 
 
 class _Job:
@@ -83,10 +89,11 @@ class _Job:
 class _Loop:
     """The engine's state and its thread's loop (module docstring)."""
 
-    def __init__(self, model, bridge, max_batch: int, max_step_tokens: int):
+    def __init__(self, model, bridge, max_batch: int, max_step_tokens: int, min_shared_tokens: int):
         self.model = model
         self.bridge = bridge
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
+        self.min_shared_tokens = max(1, min_shared_tokens)
         parameters = inspect.signature(model.forward).parameters
         self.batch = DecodeBatch(
             bridge.new_cache,
@@ -180,11 +187,11 @@ class _Loop:
             # hold at most max_step_tokens tokens: several short ones in one
             # forward, a long one in chunks. With none decoding, the first
             # runs whole, as generate runs it.
-            if self._gathering():
-                if not self.batch.rows:
-                    with self.cond:  # woken by a submit; the loop takes it in
-                        self.cond.wait(GATHER_S)
-                continue  # with rows decoding: their next step first
+            wait = self._gather_wait()
+            if wait > 0:
+                with self.cond:  # woken by a submit (the loop takes it in) or an arrival
+                    self.cond.wait(wait)
+                continue
             budget = self.max_step_tokens
             while self.prefilling:
                 limit = budget if self.batch.rows else None
@@ -204,17 +211,18 @@ class _Loop:
                 if row in self.prefilling:
                     break  # a chunk of a long prompt: the rows decode first
 
-    def _gathering(self) -> bool:
-        """Whether the waiting prompts wait for turns that have begun and not
-        yet arrived (GATHER_S): only where prompts can share a forward, and
-        only while the oldest waiting row has waited less than that."""
-        if not (self.together and self.prefilling and self.expected):
-            return False
+    def _gather_wait(self) -> float:
+        """How long the waiting prompts wait for turns that have begun and not
+        yet arrived (GATHER_S): only where prompts can share a forward, only
+        with no row decoding (a decoding row's next token never waits), and
+        only until the oldest waiting row has waited GATHER_S."""
+        if not (self.together and self.prefilling and self.expected) or self.batch.rows:
+            return 0.0
         oldest = min(row.submitted for row in self.prefilling)
-        if time.perf_counter() - oldest >= GATHER_S:
-            return False
-        self.counters["gather_waits"] += 1
-        return True
+        wait = GATHER_S - (time.perf_counter() - oldest)
+        if wait > 0:
+            self.counters["gather_waits"] += 1
+        return wait
 
     def _has_work(self) -> bool:
         return bool(
@@ -228,10 +236,20 @@ class _Loop:
     def _room(self) -> bool:
         return not self.held and len(self.batch.rows) + len(self.prefilling) < self.max_batch
 
-    def _fail_all(self, error: BaseException) -> None:
-        for row in list(self.batch.rows):  # none is left to decode with the next turn's
-            self.batch.leave(row, write_back=False)
+    def _drop_batch(self, error: BaseException) -> None:
+        """Every decoding row fails with ``error``; none is left to decode
+        with the next turn's, and each finishes even if the batch is broken."""
+        for row in list(self.batch.rows):
+            try:
+                if row.slot is not None:
+                    self.batch.leave(row, write_back=False)
+            except BaseException:
+                logger.exception("kvchat: a row could not leave the failed batch")
+                self.batch.reset()
             row.finish(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._drop_batch(error)
         for row in [*self.prefilling, *self.incoming]:
             row.finish(error)
         self.incoming.clear()
@@ -247,9 +265,7 @@ class _Loop:
         try:
             logits = batch.step(self.model, self.step_extra)
         except BaseException as error:  # the forward failed: every row in it fails
-            for row in list(batch.rows):
-                batch.leave(row, write_back=False)
-                row.finish(error)
+            self._drop_batch(error)
             return
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(batch.rows)
@@ -325,21 +341,32 @@ class _Loop:
         if not self.together:
             return []
         donors = [*self.batch.rows, *self.prefilling]
-        group, width = [], 0
+        group, width, longest = [], 0, 0
         for row in list(self.prefilling):
             if row.stops or not row.chunked:
                 break  # its prefill stops at checkpoints: alone, in order
-            if any(waits_for(row, other) for other in group):
+            if any(waits_for(row, other, self.min_shared_tokens) for other in group):
                 continue
-            self.counters["prefix_tokens_copied"] += copy_prefix(row, donors, SHARE_MIN_TOKENS)
+            try:
+                copied = copy_prefix(row, donors, self.min_shared_tokens)
+            except BaseException as error:  # this row's cache: only its turn fails
+                self.prefilling.remove(row)
+                donors.remove(row)
+                row.finish(error)
+                continue
+            self.counters["prefix_tokens_copied"] += copied
             new = row.prompt_tokens - row.prefilled
             if not group:
                 cap = limit if limit is not None else max(self.max_step_tokens, new)
             else:
                 cap = limit if limit is not None else self.max_step_tokens
-            if (len(group) + 1) * max(width, new) <= cap:
+            rows = len(group) + 1
+            if (
+                rows * max(width, new) <= cap
+                and rows * max(longest, row.prefilled) <= GROUP_PAST_COLUMNS
+            ):
                 group.append(row)
-                width = max(width, new)
+                width, longest = max(width, new), max(longest, row.prefilled)
             elif not group:
                 return [row]  # alone, in chunks
         return group
@@ -353,13 +380,33 @@ class _Loop:
             self._start(row)
         width = max(row.prompt_tokens - row.prefilled for row in rows)
         try:
-            logits = prefill_together(
-                self.model,
-                rows,
-                self.bridge.new_cache,
-                self.bridge.cache_argument,
-                self.keep_kind,
-            )
+            try:
+                logits = prefill_together(
+                    self.model,
+                    rows,
+                    self.bridge.new_cache,
+                    self.bridge.cache_argument,
+                    self.keep_kind,
+                )
+            except (LogitsNotKept, TypeError, IndexError, RuntimeError):
+                if self.keep_kind != "tensor":
+                    raise
+                # Its forward does not take positions to keep after all (its
+                # annotation said so): every position's logits, from now on.
+                # Nothing was written to the rows' caches yet.
+                logger.warning(
+                    "kvchat: the model's forward refused logits_to_keep as positions; "
+                    "prompts prefilled together now ask for every position's logits",
+                    exc_info=True,
+                )
+                self.keep_kind = "int"
+                logits = prefill_together(
+                    self.model,
+                    rows,
+                    self.bridge.new_cache,
+                    self.bridge.cache_argument,
+                    self.keep_kind,
+                )
         except BaseException as error:  # the forward failed: every row in it fails
             for row in rows:
                 row.finish(error)
@@ -423,11 +470,21 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         on_batch_bytes: Callable[[int], None] | None = None,
+        min_shared_tokens: int = SHARE_MIN_TOKENS,
     ):
         """``on_batch_bytes(n)``: told the decode batch's buffer bytes each
-        time they change (the manager counts them in ``max_cache_bytes``)."""
-        self._loop = _Loop(model, bridge, max_batch, max_step_tokens)
+        time they change (the manager counts them in ``max_cache_bytes``);
+        ``min_shared_tokens``: the shortest prefix a row copies from another
+        of its share scope (prompts.py)."""
+        self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
         self._loop.batch.on_bytes = on_batch_bytes
+        rope = length_dependent_rope(getattr(model, "config", None))
+        # Why no turn of this model decodes in the batch (None: they do).
+        self._model_problem = (
+            None
+            if rope is None
+            else f"rope_type {rope!r}: its frequencies follow the longest position in a forward"
+        )
         _LIVE.add(self._loop)
 
     def __del__(self):
@@ -442,19 +499,22 @@ class Engine:
         return threading.current_thread() is self._loop.thread
 
     def cannot_batch(self, cache) -> str | None:
-        return unsupported_layer(cache)
+        return self._model_problem or unsupported_layer(cache)
 
     @contextlib.contextmanager
-    def expect(self):
+    def expect(self, share_scope: str | None = None):
         """Around a turn, from its start to its end: until the turn submits
         its row (or work that runs alone), the engine knows one more prompt
-        is on its way and lets the waiting ones gather for it (GATHER_S)."""
+        is on its way and lets the waiting ones gather for it (GATHER_S).
+        ``share_scope``: the rows whose prefixes the turn's row may copy
+        (prompts.share_scope; None: none)."""
         loop, local = self._loop, self._loop.announced
         depth = getattr(local, "depth", 0)
-        if depth == 0:  # a turn started inside a turn counts once
+        if depth == 0:  # counted once, should a turn ever begin inside one
             with loop.cond:
                 loop.expected += 1
             local.pending = True
+            local.scope = share_scope
         local.depth = depth + 1
         try:
             yield
@@ -462,6 +522,7 @@ class Engine:
             local.depth = depth
             if depth == 0:
                 self._arrived()
+                local.scope = None
 
     def _arrived(self) -> None:
         """This thread's expected turn reached the engine (or ended)."""
@@ -470,11 +531,13 @@ class Engine:
             loop.announced.pending = False
             with loop.cond:
                 loop.expected -= 1
+                loop.cond.notify_all()  # a prompt gathering for it stops waiting
 
     def decode(self, row) -> torch.Tensor:
         """Prefills and decodes ``row`` beside the others; its ids once finished."""
         if self.on_engine_thread:  # it would wait for itself
             raise RuntimeError("a turn cannot be decoded from the engine's own thread")
+        row.share_scope = getattr(self._loop.announced, "scope", None)
         self._arrived()  # first: the engine must never wait for this very row
         self._loop.submit(self._loop.incoming, row)
         return row.wait()
@@ -536,5 +599,5 @@ class Engine:
                 "gather_waits": loop.counters["gather_waits"],
                 "jobs_run_alone": loop.counters["jobs_run_alone"],
                 "idle_jobs": loop.counters["idle_jobs"],
-                "batch_bytes": loop.batch.nbytes(),
+                "batch_bytes": loop.batch.bytes_now,
             }

@@ -22,7 +22,13 @@ between sessions only once a turn has committed, too late for these.
 Both need every layer to be full attention (``full_attention_only``): a
 sliding-window layer keeps only its window, so the columns a copy or a merge
 needs may be gone, and a conv or recurrent state exists only at the position
-its row reached.
+its row reached. Both assume a token's keys and values follow from the token
+ids before it and their positions (so no image placeholders: a turn with
+extra model inputs never reaches the engine's batch).
+
+A row copies only from rows of its own share scope (``share_scope``): the
+manager's ``share_prefixes`` and ``isolate_namespaces`` hold here as in the
+core, so one tenant's prompt never starts from another's.
 """
 
 from __future__ import annotations
@@ -32,8 +38,28 @@ import torch
 from ..bridge.layout import ATTENTION
 
 # A row waits for another row's forward, rather than prefilling beside it,
-# when that forward computes at least this many tokens of its prompt.
+# when that forward computes at least this many tokens of its prompt; and
+# copies a prefix only this long or longer (the manager's min_shared_tokens,
+# 32 by default, replaces it).
 SHARE_MIN_TOKENS = 32
+
+
+def share_scope(session_id: str, min_shared_tokens: int, isolate_namespaces: bool) -> str | None:
+    """Which rows a session's rows may copy prefixes from: those of the same
+    scope, as the core's sharing (``SessionManager::share_scope``): every
+    session's ("") or, with ``isolate_namespaces``, its namespace's ("a/" of
+    "a/b"; an id without one is its own). None: none (sharing is off)."""
+    if min_shared_tokens <= 0:
+        return None
+    if not isolate_namespaces:
+        return ""
+    slash = session_id.find("/")
+    return session_id + "/" if slash < 0 else session_id[: slash + 1]
+
+
+def shares_with(row, other) -> bool:
+    scope = getattr(row, "share_scope", None)
+    return scope is not None and scope == getattr(other, "share_scope", None)
 
 
 def full_attention_only(layout) -> bool:
@@ -68,7 +94,7 @@ def copy_prefix(row, donors, minimum: int = 1) -> int:
     needs); returns how many tokens it copied."""
     best, end = None, row.prefilled + minimum - 1
     for donor in donors:
-        if donor is row:
+        if donor is row or not shares_with(row, donor):
             continue
         shared = common_prefix(row, donor, min(held_tokens(donor), row.prompt_tokens - 1))
         if shared > end:
@@ -86,12 +112,41 @@ def copy_prefix(row, donors, minimum: int = 1) -> int:
     return end - begin
 
 
-def waits_for(row, other) -> bool:
+def waits_for(row, other, minimum: int = SHARE_MIN_TOKENS) -> bool:
     """Whether ``row`` should wait for ``other``'s forward and copy from it:
-    ``other`` will compute at least SHARE_MIN_TOKENS tokens of ``row``'s prompt
-    that ``row`` does not hold."""
+    ``other`` will compute at least ``minimum`` tokens of ``row``'s prompt
+    that ``row`` does not hold (and may copy them: ``shares_with``)."""
+    if not shares_with(row, other):
+        return False
     shared = common_prefix(row, other, row.prompt_tokens - 1)
-    return shared - max(row.prefilled, held_tokens(other)) >= SHARE_MIN_TOKENS
+    return shared - max(row.prefilled, held_tokens(other)) >= minimum
+
+
+class LogitsNotKept(RuntimeError):
+    """The forward did not give the logits ``logits_to_keep`` asked for."""
+
+
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def length_dependent_rope(config) -> str | None:
+    """The rotary embedding's type when its frequencies follow the longest
+    position in the forward ("dynamic", "longrope"): rows decoding or
+    prefilling together would change each other's. None otherwise."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return None
+    if "rope_type" in parameters or "type" in parameters:
+        candidates = [parameters]
+    else:  # per layer type (gemma3: full_attention, sliding_attention)
+        candidates = [value for value in parameters.values() if isinstance(value, dict)]
+    for candidate in candidates:
+        kind = candidate.get("rope_type", candidate.get("type"))
+        if kind in _LENGTH_DEPENDENT_ROPE:
+            return kind
+    return None
 
 
 def logits_to_keep_kind(parameters) -> str | None:
@@ -119,7 +174,10 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
         ids[i, : new[i]] = row.ids[0, past[i] : row.prompt_tokens]
         ids[i, new[i] :] = row.ids[0, row.prompt_tokens - 1]  # any token: nothing reads it
         mask[i, longest - past[i] : longest + new[i]] = 1
-        positions[i] = torch.arange(past[i], past[i] + width, device=device)
+        positions[i, : new[i]] = torch.arange(past[i], past[i] + new[i], device=device)
+        # The padding repeats the last position: never one past the model's
+        # table of learned positions, however long the other rows are.
+        positions[i, new[i] :] = past[i] + new[i] - 1
     cache = new_cache()
     for index, layer in enumerate(cache.layers):
         sources = [row.cache.layers[index] for row in rows]
@@ -128,7 +186,9 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
             continue
         shape = (len(rows), template.keys.shape[1], longest, template.keys.shape[3])
         keys = template.keys.new_zeros(shape)
-        values = template.values.new_zeros((*shape[:3], template.values.shape[3]))
+        values = template.values.new_zeros(
+            (len(rows), template.values.shape[1], longest, template.values.shape[3])
+        )
         for i, source in enumerate(sources):
             if past[i]:
                 keys[i, :, longest - past[i] :] = source.keys[0, :, : past[i]]
@@ -147,7 +207,7 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
             kwargs["logits_to_keep"] = 0
     outputs = model(input_ids=ids, use_cache=True, return_dict=True, **kwargs)
     if tuple(outputs.logits.shape[:2]) != (len(rows), len(keep)):
-        raise RuntimeError(
+        raise LogitsNotKept(
             f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
             f"{len(rows)} prompts and logits_to_keep={keep}: not one per position asked"
         )

@@ -60,6 +60,7 @@ class DecodeRow:
         # Checkpoint positions the prefill stops at; snapshot(cache, position)
         # gives each one's checkpoint, appended to ``checkpoints``.
         self.stops, self.checkpoints, self.snapshot = list(stops), checkpoints, snapshot
+        self.share_scope: str | None = None  # whose prefixes it may copy (prompts.py)
         self.slot: int | None = None
         self.joined_length = 0  # tokens its cache held when it joined the batch
         self.submitted = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import model_for, reference_turn, user_message
 from kvchat import SessionManager
-from kvchat.tiny import tiny_tokenizer
+from kvchat.tiny import tiny_model, tiny_tokenizer
 from test_engine import chat_call, together
 
 
@@ -57,7 +57,7 @@ def test_the_head_sees_four_rows_and_the_replies_stay_exact(rows):
 
 def test_half_precision_and_one_row_run_the_head_as_they_are():
     tokenizer = tiny_tokenizer()
-    model = model_for("llama").to(torch.bfloat16)
+    model = tiny_model("llama", dtype=torch.bfloat16)  # its own: the shared ones stay float64
     manager = SessionManager(model, tokenizer)
     head = model.get_output_embeddings()
     seen = []

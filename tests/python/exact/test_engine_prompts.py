@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from helpers import model_for, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
-from kvchat.tiny import tiny_tokenizer
+from kvchat.tiny import tiny_model, tiny_tokenizer
 from test_engine import chat_call, together, wait_for
 
 LONG_SYSTEM = {
@@ -85,7 +86,7 @@ def test_a_prefix_one_row_computes_is_copied_into_the_others(family, tokenizer):
     for k, report in enumerate(reports):
         assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 8)[2]
     prompts = [render_prompt(tokenizer, messages).tolist() for messages in conversations]
-    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
     stats = manager.stats()
     assert shared > 40
     assert stats.prefix_tokens_copied >= 2 * (shared - 8), (shared, stats)
@@ -236,4 +237,106 @@ def test_every_kind_of_turn_stops_being_expected(tokenizer):
     assert loop.expected == 0
     # One conversation at a time: no prompt ever waited for its own turn.
     assert manager.stats().gather_waits == 0
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "copying"),
+    [
+        ({}, {"t1/c": True, "t2/b": True}),
+        ({"isolate_namespaces": True}, {"t1/c": True, "t2/b": False}),
+        ({"share_prefixes": False}, {"t1/c": False, "t2/b": False}),
+    ],
+    ids=["shared", "namespaces", "off"],
+)
+def test_a_prefix_is_copied_only_where_the_manager_shares_prefixes(options, copying, tokenizer):
+    """The engine's prefix copy keeps the manager's sharing rules: with
+    isolate_namespaces a tenant's prompt never starts from another tenant's
+    keys and values, and share_prefixes=False copies nothing. Every reply is
+    plain generate's either way."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, **options)
+    sessions = ["t1/a", "t2/b", "t1/c"]
+    conversations = {s: [LONG_SYSTEM, user_message(k)] for k, s in enumerate(sessions)}
+    together(manager, [chat_call(manager, s, conversations[s], 5) for s in sessions])
+    for s in sessions:
+        expected = reference_turn(model, tokenizer, conversations[s], 5)[2]
+        assert manager.last_turn(s).output_ids == expected, s
+    prompts = {s: render_prompt(tokenizer, conversations[s]).tolist() for s in sessions}
+
+    def common(a, b):
+        return next(
+            i for i, (x, y) in enumerate(zip(prompts[a], prompts[b], strict=False)) if x != y
+        )
+
+    # A copying row takes the longest prefix a row before it (that it may
+    # copy from) holds: t2/b from t1/a, t1/c from t1/a (or t2/b, if shared).
+    best_for_c = common("t1/a", "t1/c")
+    if "isolate_namespaces" not in options:
+        best_for_c = max(best_for_c, common("t2/b", "t1/c"))
+    expected = copying["t2/b"] * common("t1/a", "t2/b") + copying["t1/c"] * best_for_c
+    assert manager.stats().prefix_tokens_copied == expected, (copying, expected)
+    manager.close()
+
+
+def test_a_rope_that_follows_the_longest_position_never_batches(tokenizer):
+    """Dynamic NTK rotary embeddings pick their frequencies from the longest
+    position in a forward, so rows decoding or prefilling together would
+    change each other's: such a model's turns run alone, and stay exact."""
+    model = tiny_model(
+        "llama",
+        dtype=torch.float64,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    manager = SessionManager(model, tokenizer)
+    conversations = [own_system(k) for k in range(2)]
+    reports = {}
+    threads = [
+        threading.Thread(
+            target=lambda k=k: reports.update(
+                {k: chat_call(manager, f"s{k}", conversations[k], 6)()}
+            )
+        )
+        for k in range(2)
+    ]
+    for thread in threads:  # at once; each runs alone on the engine's thread
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k in range(2):
+        assert reports[k].output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2]
+    stats = manager.stats()
+    assert stats.decode_steps == 0 and stats.jobs_run_alone >= 2, stats
+    manager.close()
+
+
+def test_a_gathering_prompt_goes_on_when_the_expected_turn_ends_elsewhere(tokenizer, monkeypatch):
+    """A turn that was expected but ends without reaching the engine (an
+    error before its row) releases the prompt that waits for it at once,
+    not after the gather's time (here unbounded)."""
+    from kvchat.engine import loop
+
+    monkeypatch.setattr(loop, "GATHER_S", 1e9)
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    release = threading.Event()
+
+    def fails_before_its_row():
+        try:
+            with manager._engine.expect(""):
+                release.wait()
+                raise ValueError("a bad request, found late")
+        except ValueError:
+            pass
+
+    other = threading.Thread(target=fails_before_its_row)
+    other.start()
+    waiting = threading.Thread(target=chat_call(manager, "waiting", own_system(0), 4))
+    waiting.start()
+    wait_for(lambda: manager.stats().gather_waits > 0, "the prompt gathering")
+    release.set()
+    other.join()
+    waiting.join()  # without the wake-up it would wait for ever
+    expected = reference_turn(model, tokenizer, own_system(0), 4)[2]
+    assert manager.last_turn("waiting").output_ids == expected
     manager.close()
