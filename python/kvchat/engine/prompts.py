@@ -119,7 +119,11 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
         ids[i, : new[i]] = row.ids[0, past[i] : row.prompt_tokens]
         ids[i, new[i] :] = row.ids[0, row.prompt_tokens - 1]  # any token: nothing reads it
         mask[i, longest - past[i] : longest + new[i]] = 1
-        positions[i] = torch.arange(past[i], past[i] + width, device=device)
+        # The padding repeats the row's last position: a later one could pass
+        # what the model's positions reach (GPT-2's learned embeddings).
+        positions[i] = torch.arange(past[i], past[i] + width, device=device).clamp_(
+            max=row.prompt_tokens - 1
+        )
     cache = new_cache()
     for index, layer in enumerate(cache.layers):
         sources = [row.cache.layers[index] for row in rows]

@@ -1,0 +1,304 @@
+"""Attacks on the prompts that start together (engine/prompts.py), in float64
+unless named: prompts of very different lengths in one forward, prompts that
+extend one another, raw ids, stop strings, grammars, seeds and penalties on a
+grouped row, a turn cancelled or a forward failing while grouped, half
+precision, a tight ``max_cache_bytes``, and a forward that takes
+``logits_to_keep`` only as an int. Every reply is its own plain ``generate``'s."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+from helpers import LONG_SYSTEM, model_for, reference_ids, reference_turn, user_message
+from kvchat import SessionManager
+from kvchat.agents.grammar import Grammars
+from kvchat.prompting import end_ids, render_prompt
+from kvchat.tiny import tiny_model, tiny_tokenizer
+from test_engine import chat_call, together, wait_for
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def many_turns(k: int, turns: int) -> list[dict]:
+    """A conversation of ``turns`` user messages (with replies between)."""
+    messages = [{"role": "system", "content": f"Agent {k}."}]
+    for turn in range(turns):
+        messages.append(user_message(10 * k + turn))
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"Done, step {turn}."})
+    return messages
+
+
+def generate_call(manager, session, ids, max_new_tokens, **kwargs):
+    def call():
+        out = manager.generate(
+            ids[None], session_id=session, max_new_tokens=max_new_tokens, **kwargs
+        )
+        return tuple(out[0, ids.numel() :].tolist())
+
+    return call
+
+
+def grouped(manager) -> int:
+    return manager.stats().prompts_prefilled_together
+
+
+def test_one_new_token_beside_two_hundred_in_one_forward(tokenizer):
+    """A row whose cache holds all its prompt but the last token (raw ids:
+    the previous prompt and reply) prefills beside a 200-token first turn and
+    a middling one: one forward, right-padded by 199 tokens; each is plain
+    generate's."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    first = render_prompt(tokenizer, many_turns(0, 1))
+    out = generate_call(manager, "n1", first, 5)()
+    assert out == reference_ids(model, first, 5)
+    again = torch.cat([first, torch.tensor(out)])
+    long = render_prompt(tokenizer, many_turns(1, 6))
+    middle = render_prompt(tokenizer, many_turns(2, 3))
+    assert long.numel() > 200 > middle.numel()
+    before = grouped(manager)
+    got = together(
+        manager,
+        [
+            generate_call(manager, "n1", again, 6),
+            generate_call(manager, "long", long, 6),
+            generate_call(manager, "middle", middle, 6),
+        ],
+    )
+    assert got == [reference_ids(model, p, 6) for p in (again, long, middle)]
+    assert grouped(manager) - before == 3
+    assert manager.info("n1").cached_tokens == again.numel() + 5
+    manager.close()
+
+
+def test_prompts_that_extend_one_another_start_together(tokenizer):
+    """C extends B extends A (each a later point of one conversation, in
+    three sessions), and two sessions send the very same prompt: each copies
+    what the one before it computed, never its own last prompt token, and
+    every reply is plain generate's."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    a = many_turns(3, 2)
+    b = [*a, {"role": "assistant", "content": "Fine."}, user_message(4)]
+    c = [*b, {"role": "assistant", "content": "Sure."}, user_message(5)]
+    calls = [
+        chat_call(manager, "c", c, 6),
+        chat_call(manager, "a", a, 6),
+        chat_call(manager, "b", b, 6),
+        chat_call(manager, "a-twin", a, 6),
+        chat_call(manager, "c-twin", c, 6),
+    ]
+    reports = together(manager, calls)
+    for report, messages in zip(reports, [c, a, b, a, c], strict=True):
+        assert report.output_ids == reference_turn(model, tokenizer, messages, 6)[2]
+    assert manager.stats().prefix_tokens_copied > 0
+    manager.close()
+
+
+def test_raw_ids_stop_strings_grammar_seed_and_penalty_on_grouped_rows(tokenizer):
+    """One forward for five prompts: raw ids, a stop string, a grammar, a
+    seeded sampled row and a repetition penalty; each is what the same turn
+    gives alone (plain generate, or a fresh manager for the seed)."""
+    model = model_for("llama")
+    grammars = Grammars(
+        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = grammars.json_schema(schema)
+    conversations = [many_turns(k, k % 3 + 1) for k in range(5)]
+    raw = render_prompt(tokenizer, conversations[0])
+    reply = tokenizer.decode(reference_turn(model, tokenizer, conversations[1], 16)[2])
+    # Plain letters the reply reaches midway (a byte-level piece may never match).
+    start = next(i for i in range(len(reply) // 3, len(reply)) if reply[i : i + 2].isalpha())
+    stop = reply[start : start + 2]
+    sampling = dict(do_sample=True, temperature=0.9, top_p=0.95, seed=77)
+    alone = SessionManager(model, tokenizer)
+    alone.chat("s", conversations[3], max_new_tokens=12, **sampling)
+    seeded = alone.last_turn("s").output_ids
+    alone.close()
+
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    stops = dict(stop_strings=[stop], tokenizer=tokenizer)
+    processor = grammars.processor(grammar, "response_format")
+    results = together(
+        manager,
+        [
+            generate_call(manager, "raw", raw, 8),
+            chat_call(manager, "stop", conversations[1], 16, **stops),
+            chat_call(manager, "json", conversations[2], 20, logits_processor=[processor]),
+            chat_call(manager, "seed", conversations[3], 12, **sampling),
+            chat_call(manager, "penalty", conversations[4], 12, repetition_penalty=1.8),
+        ],
+    )
+    assert results[0] == reference_ids(model, raw, 8)
+    expected_stop = reference_turn(model, tokenizer, conversations[1], 16, **stops)[2]
+    assert results[1].output_ids == expected_stop and len(expected_stop) < 16
+    fresh = grammars.processor(grammar, "response_format")
+    expected_json = reference_turn(model, tokenizer, conversations[2], 20, logits_processor=[fresh])
+    assert results[2].output_ids == expected_json[2]
+    assert expected_json[0].startswith("{")
+    assert results[3].output_ids == seeded
+    expected_penalty = reference_turn(
+        model, tokenizer, conversations[4], 12, repetition_penalty=1.8
+    )[2]
+    assert results[4].output_ids == expected_penalty
+    assert expected_penalty != reference_turn(model, tokenizer, conversations[4], 12)[2]
+    assert manager.stats().prompts_prefilled_together == 5
+    manager.close()
+
+
+def test_a_turn_cancelled_while_its_prompt_waits_to_prefill(tokenizer):
+    """A stream closed while its turn waits, grouped with two others: it ends
+    at its first token (what generate gives first), the others are exact,
+    and its session's next turn is exact."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    conversations = [many_turns(k, k + 1) for k in range(3)]
+    threads = [
+        threading.Thread(target=chat_call(manager, f"s{k}", conversations[k], 8)) for k in (1, 2)
+    ]
+    with manager._engine.hold():
+        stream = manager.stream_chat("cancelled", conversations[0], max_new_tokens=30)
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: manager.stats().queued == 3, "every turn queued")
+        stream.cancel()
+    pieces = list(stream)
+    for thread in threads:
+        thread.join()
+    assert manager.stats().prompts_prefilled_together == 3
+    expected = reference_turn(model, tokenizer, conversations[0], 30)[2]
+    got = manager.last_turn("cancelled").output_ids
+    assert 1 <= len(got) < len(expected) and got == expected[: len(got)], pieces
+    for k in (1, 2):
+        want = reference_turn(model, tokenizer, conversations[k], 8)[2]
+        assert manager.last_turn(f"s{k}").output_ids == want
+    reply = tokenizer.decode(got, skip_special_tokens=True)
+    after = [*conversations[0], {"role": "assistant", "content": reply}, user_message(5)]
+    chat_call(manager, "cancelled", after, 6)()
+    assert (
+        manager.last_turn("cancelled").output_ids == reference_turn(model, tokenizer, after, 6)[2]
+    )
+    manager.close()
+
+
+class FailOnce:
+    """Wraps a model's forward (its signature kept) to raise once on the
+    first forward over more than one row."""
+
+    def __init__(self, model):
+        self.armed = False
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if self.armed and ids is not None and ids.shape[0] > 1:
+                self.armed = False
+                raise RuntimeError("the grouped forward failed")
+            return original(*args, **kwargs)
+
+        model.forward = forward
+
+
+def test_a_grouped_forward_that_fails_fails_its_turns_and_nothing_else(tokenizer):
+    """Two second turns and a first turn that copies their system prompt, in
+    one forward that raises: each fails with that error; each session's next
+    turn is exact and holds what it reports; an idle session is untouched."""
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    failing = FailOnce(model)
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    conversations = {s: [LONG_SYSTEM, user_message(k)] for k, s in enumerate(["a", "b", "idle"])}
+    for session, messages in conversations.items():
+        chat_call(manager, session, messages, 5)()
+        reply = manager.last_turn(session).output_ids
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        messages += [{"role": "assistant", "content": text}, user_message(6)]
+    conversations["new"] = [LONG_SYSTEM, user_message(8)]
+    idle = manager.info("idle")
+    held = {s: manager.info(s).cached_tokens for s in ("a", "b")}
+    failing.armed = True
+    with pytest.raises(RuntimeError, match="the grouped forward failed"):
+        together(manager, [chat_call(manager, s, conversations[s], 5) for s in ("a", "b", "new")])
+    assert not failing.armed
+    assert manager.info("idle") == idle
+    # A failed turn leaves its session its history and no cache (turn.py).
+    for session in ("a", "b"):
+        assert manager.info(session).cached_tokens == 0 < held[session]
+    for session in ("a", "b", "new", "idle"):
+        report = chat_call(manager, session, conversations[session], 5)()
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[session], 5)[2]
+    manager.close()
+
+
+def test_a_forward_that_takes_logits_to_keep_as_an_int(tokenizer):
+    """A forward whose ``logits_to_keep`` is declared an int (and refuses a
+    tensor): grouped prompts still give plain generate's replies."""
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    original = model.forward
+
+    def forward(
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
+        if not isinstance(logits_to_keep, int):
+            raise TypeError(f"logits_to_keep must be an int, got {logits_to_keep!r}")
+        return original(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+    model.forward = forward
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    conversations = [many_turns(k, k + 1) for k in range(3)]
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", conversations[k], 6) for k in range(3)]
+    )
+    for report, messages in zip(reports, conversations, strict=True):
+        assert report.output_ids == reference_turn(model, tokenizer, messages, 6)[2]
+    assert manager.stats().prompts_prefilled_together == 3
+    manager.close()
+
+
+def test_padding_positions_stay_within_a_rows_own_positions(tokenizer):
+    """GPT-2 learns one embedding per position, up to ``n_positions``. A row
+    whose prompt ends one token before that limit, beside a row of 30 new
+    tokens: its padding must not take positions past its own (the embedding
+    would raise, failing both turns); both replies are plain generate's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=160, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config).to(torch.float64).eval()
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    draw = torch.Generator().manual_seed(0)
+    near_the_end = torch.randint(10, 400, (154,), generator=draw)
+    out = generate_call(manager, "near", near_the_end, 2)()
+    again = torch.cat([near_the_end, torch.tensor(out)])  # 156 tokens, 155 cached
+    short = torch.randint(10, 400, (30,), generator=draw)
+    got = together(
+        manager,
+        [generate_call(manager, "near", again, 3), generate_call(manager, "short", short, 3)],
+    )
+    assert got == [reference_ids(model, again, 3), reference_ids(model, short, 3)]
+    assert manager.stats().prompts_prefilled_together == 2
+    manager.close()
