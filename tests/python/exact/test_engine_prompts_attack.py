@@ -302,3 +302,67 @@ def test_padding_positions_stay_within_a_rows_own_positions(tokenizer):
     assert got == [reference_ids(model, again, 3), reference_ids(model, short, 3)]
     assert manager.stats().prompts_prefilled_together == 2
     manager.close()
+
+
+MIXES = {
+    # 44, 231 and 120 new tokens: one forward, padded to 231.
+    "lengths": [many_turns(0, 1), many_turns(1, 6), many_turns(2, 3)],
+    # A long system prompt computed once, copied into the others.
+    "shared": [[LONG_SYSTEM, user_message(k)] for k in range(3)],
+    # Both: a copy, and prompts of very different lengths in one forward.
+    "mixed": [
+        [LONG_SYSTEM, user_message(0)],
+        many_turns(1, 1),
+        [LONG_SYSTEM, user_message(1), {"role": "assistant", "content": "ok"}, user_message(2)],
+    ],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_first_turns_started_together_are_plain_generates(dtype, mix, tokenizer):
+    """test_bfloat16's promise (a first turn is plain generate's reply) for
+    first turns whose prompts share forwards and prefixes."""
+    model = tiny_model("llama", dtype=dtype, seed=0)
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    conversations = MIXES[mix]
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 12) for k, c in enumerate(conversations)]
+    )
+    for report, messages in zip(reports, conversations, strict=True):
+        assert report.output_ids == reference_turn(model, tokenizer, messages, 12)[2]
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together >= 2
+    assert (stats.prefix_tokens_copied > 0) == (mix != "lengths")
+    manager.close()
+
+
+@pytest.mark.parametrize("budget", [1, 400_000])
+def test_a_budget_the_batch_alone_exceeds(budget, tokenizer):
+    """max_cache_bytes below what the batch holds (1 byte), or below the
+    sessions plus the batch: turns that copy a prefix and share forwards
+    still give plain generate's replies, twice; nothing crashes; the resident
+    caches end within the budget and the batch's reservation at zero."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024, max_cache_bytes=budget)
+    conversations = {f"s{k}": [LONG_SYSTEM, user_message(k)] for k in range(4)}
+
+    def call(session, messages):
+        def run():
+            manager.chat(session, messages, max_new_tokens=6, settle=False)
+            return manager.last_turn(session)
+
+        return run
+
+    for _ in range(2):
+        reports = together(manager, [call(s, m) for s, m in conversations.items()])
+        for (session, messages), report in zip(conversations.items(), reports, strict=True):
+            expected = reference_turn(model, tokenizer, messages, 6)
+            assert report.output_ids == expected[2], session
+            reply = {"role": "assistant", "content": expected[0]}
+            conversations[session] = [*messages, reply, user_message(9)]
+    stats = manager.stats()
+    assert stats.prefix_tokens_copied > 0 and stats.prompts_prefilled_together > 0
+    assert stats.evictions > 0 and stats.resident_bytes <= budget
+    assert stats.batch_bytes == 0 == manager._core.reserved_bytes
+    manager.close()
