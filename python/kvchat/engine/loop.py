@@ -178,6 +178,8 @@ class _Loop:
                 if limit is not None and limit <= 0:
                     break
                 group = self._group(limit)
+                if not self.prefilling:  # each row left failed (its prefix copy)
+                    break
                 if len(group) > 1:
                     budget -= self._prefill_group(group)
                     continue
@@ -306,7 +308,14 @@ class _Loop:
                 break  # its prefill stops at checkpoints: alone, in order
             if any(waits_for(row, other) for other in group):
                 continue
-            self.counters["prefix_tokens_copied"] += copy_prefix(row, donors, SHARE_MIN_TOKENS)
+            try:
+                copied = copy_prefix(row, donors, SHARE_MIN_TOKENS)
+            except BaseException as error:  # its cache (out of memory): only its turn fails
+                self.prefilling.remove(row)
+                donors.remove(row)
+                row.finish(error)
+                continue
+            self.counters["prefix_tokens_copied"] += copied
             new = row.prompt_tokens - row.prefilled
             if not group:
                 cap = limit if limit is not None else max(self.max_step_tokens, new)

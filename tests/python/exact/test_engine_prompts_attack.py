@@ -366,3 +366,50 @@ def test_a_budget_the_batch_alone_exceeds(budget, tokenizer):
     assert stats.evictions > 0 and stats.resident_bytes <= budget
     assert stats.batch_bytes == 0 == manager._core.reserved_bytes
     manager.close()
+
+
+def test_a_prefix_copy_that_fails_fails_only_its_turn(tokenizer, monkeypatch):
+    """Copying a prefix allocates (on a GPU it can run out of memory): the
+    copy that raises fails its own turn (alone, or grouped), never the
+    engine's thread, so the row decoding meanwhile and the turn beside it are
+    plain generate's, and the failed session's next turn is exact."""
+    from kvchat.engine import loop
+
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    victim = [LONG_SYSTEM, user_message(1)]
+    victim_ids = render_prompt(tokenizer, victim).tolist()
+    copy = loop.copy_prefix
+
+    def copy_or_run_out(row, donors, minimum=1):
+        if row.ids[0].tolist() == victim_ids:
+            raise torch.OutOfMemoryError("out of memory copying a prefix")
+        return copy(row, donors, minimum)
+
+    monkeypatch.setattr(loop, "copy_prefix", copy_or_run_out)
+    decoding = [LONG_SYSTEM, user_message(0)]
+    stream = manager.stream_chat("decoding", decoding, max_new_tokens=30, settle=False)
+    next(stream)
+    other = [LONG_SYSTEM, user_message(2)]
+    failed = []
+
+    def victim_call():
+        try:
+            manager.chat("victim", victim, max_new_tokens=6, settle=False)
+        except torch.OutOfMemoryError as error:
+            failed.append(error)
+
+    victim_call()  # alone beside the decoding row, then beside another turn
+    together(manager, [victim_call, chat_call(manager, "other", other, 6)])
+    list(stream)
+    assert [str(error) for error in failed] == ["out of memory copying a prefix"] * 2
+    assert (
+        manager.last_turn("decoding").output_ids
+        == reference_turn(model, tokenizer, decoding, 30)[2]
+    )
+    assert manager.last_turn("other").output_ids == reference_turn(model, tokenizer, other, 6)[2]
+    assert manager.stats().prefix_tokens_copied > 0
+    monkeypatch.setattr(loop, "copy_prefix", copy)
+    report = chat_call(manager, "victim", victim, 6)()
+    assert report.output_ids == reference_turn(model, tokenizer, victim, 6)[2]
+    manager.close()
