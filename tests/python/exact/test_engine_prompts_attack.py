@@ -238,11 +238,8 @@ def test_a_grouped_forward_that_fails_fails_its_turns_and_nothing_else(tokenizer
     manager.close()
 
 
-def test_a_forward_that_takes_logits_to_keep_as_an_int(tokenizer):
-    """A forward whose ``logits_to_keep`` is declared an int (and refuses a
-    tensor): grouped prompts still give plain generate's replies."""
-    model = tiny_model("llama", dtype=torch.float64, seed=0)
-    original = model.forward
+def int_logits_to_keep(original):
+    """A forward that declares ``logits_to_keep`` an int and refuses a tensor."""
 
     def forward(
         input_ids=None,
@@ -267,7 +264,43 @@ def test_a_forward_that_takes_logits_to_keep_as_an_int(tokenizer):
             **kwargs,
         )
 
-    model.forward = forward
+    return forward
+
+
+def no_logits_to_keep(original):
+    """A forward without ``logits_to_keep``: logits at every position."""
+
+    def forward(
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        if "logits_to_keep" in kwargs:
+            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+        return original(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+    return forward
+
+
+@pytest.mark.parametrize("wrap", [int_logits_to_keep, no_logits_to_keep])
+def test_a_forward_that_takes_no_positions_for_logits_to_keep(wrap, tokenizer):
+    """A forward whose ``logits_to_keep`` is declared an int (and refuses a
+    tensor), or that has none: grouped prompts (their forward then gives
+    every position's logits) still give plain generate's replies."""
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    model.forward = wrap(model.forward)
     manager = SessionManager(model, tokenizer, max_step_tokens=1024)
     conversations = [many_turns(k, k + 1) for k in range(3)]
     reports = together(
