@@ -15,9 +15,9 @@ between sessions only once a turn has committed, too late for these.
 - **One forward for several prompts** (``prefill_together``). The rows' past
   is merged left-padded to the longest, their new tokens follow, and a row
   with fewer new tokens is padded on the right (at its last position, so no
-  position passes its own). No real token attends to that
-  padding (it comes after it), and the mask hides the left padding, so each
-  row's keys, values and logits are its own. The new keys and values are
+  position passes its own). No real token attends to that padding (it comes
+  after it), and the mask hides the left padding, so each row's keys, values
+  and logits are its own. The new keys and values are
   appended to each row's own cache, which then joins the decode batch.
 
 Both need every layer to be full attention (``full_attention_only``): a
