@@ -115,6 +115,20 @@ def test_prompts_that_extend_one_another_start_together(tokenizer):
     manager.close()
 
 
+def test_the_same_prompt_in_two_sessions_copies_all_but_its_last_token(tokenizer):
+    """Two sessions send the very same prompt at once: the second waits for
+    the first's forward, then copies every prompt token but the last, whose
+    logits it computes itself; both replies are plain generate's."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    messages = many_turns(4, 2)
+    reports = together(manager, [chat_call(manager, s, messages, 6) for s in ("one", "two")])
+    expected = reference_turn(model, tokenizer, messages, 6)[2]
+    assert [report.output_ids for report in reports] == [expected, expected]
+    assert manager.stats().prefix_tokens_copied == reports[1].prompt_tokens - 1
+    manager.close()
+
+
 def test_raw_ids_stop_strings_grammar_seed_and_penalty_on_grouped_rows(tokenizer):
     """One forward for five prompts: raw ids, a stop string, a grammar, a
     seeded sampled row and a repetition penalty; each is what the same turn
