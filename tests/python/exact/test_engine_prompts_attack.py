@@ -181,38 +181,45 @@ def test_raw_ids_stop_strings_grammar_seed_and_penalty_on_grouped_rows(tokenizer
     manager.close()
 
 
-def test_a_turn_cancelled_while_its_prompt_waits_to_prefill(tokenizer):
-    """A stream closed while its turn waits, grouped with two others: it ends
-    at its first token (what generate gives first), the others are exact,
-    and its session's next turn is exact."""
+def test_turns_cancelled_while_their_prompts_wait_to_prefill(tokenizer):
+    """Two streams left while their turns wait, grouped with two other turns
+    (one cancelled, one closed: ``close`` waits for the commit): each ends at
+    its first token, plain generate's; the others are exact, and each left
+    session's next turn is exact."""
     model = model_for("llama")
     manager = SessionManager(model, tokenizer, max_step_tokens=1024)
-    conversations = [many_turns(k, k + 1) for k in range(3)]
+    conversations = [many_turns(k, k + 1) for k in range(4)]
     threads = [
-        threading.Thread(target=chat_call(manager, f"s{k}", conversations[k], 8)) for k in (1, 2)
+        threading.Thread(target=chat_call(manager, f"s{k}", conversations[k], 8)) for k in (2, 3)
     ]
     with manager._engine.hold():
-        stream = manager.stream_chat("cancelled", conversations[0], max_new_tokens=30)
+        streams = {
+            name: manager.stream_chat(name, conversations[k], max_new_tokens=30)
+            for k, name in enumerate(("cancel", "close"))
+        }
         for thread in threads:
             thread.start()
-        wait_for(lambda: manager.stats().queued == 3, "every turn queued")
-        stream.cancel()
-    pieces = list(stream)
+        wait_for(lambda: manager.stats().queued == 4, "every turn queued")
+        streams["cancel"].cancel()
+        closing = threading.Thread(target=streams["close"].close)
+        closing.start()
+        wait_for(lambda: streams["close"]._cancel.is_set(), "the close under way")
+    closing.join()
+    list(streams["cancel"])
     for thread in threads:
         thread.join()
-    assert manager.stats().prompts_prefilled_together == 3
-    expected = reference_turn(model, tokenizer, conversations[0], 30)[2]
-    got = manager.last_turn("cancelled").output_ids
-    assert 1 <= len(got) < len(expected) and got == expected[: len(got)], pieces
-    for k in (1, 2):
+    assert manager.stats().prompts_prefilled_together == 4
+    for k, name in enumerate(("cancel", "close")):
+        expected = reference_turn(model, tokenizer, conversations[k], 30)[2]
+        got = manager.last_turn(name).output_ids
+        assert got == expected[:1], name
+        reply = tokenizer.decode(got, skip_special_tokens=True)
+        after = [*conversations[k], {"role": "assistant", "content": reply}, user_message(5)]
+        report = chat_call(manager, name, after, 6)()
+        assert report.output_ids == reference_turn(model, tokenizer, after, 6)[2], name
+    for k in (2, 3):
         want = reference_turn(model, tokenizer, conversations[k], 8)[2]
         assert manager.last_turn(f"s{k}").output_ids == want
-    reply = tokenizer.decode(got, skip_special_tokens=True)
-    after = [*conversations[0], {"role": "assistant", "content": reply}, user_message(5)]
-    chat_call(manager, "cancelled", after, 6)()
-    assert (
-        manager.last_turn("cancelled").output_ids == reference_turn(model, tokenizer, after, 6)[2]
-    )
     manager.close()
 
 
