@@ -95,6 +95,10 @@ def waits_for(row, other) -> bool:
     return shared - max(row.prefilled, held_tokens(other)) >= SHARE_MIN_TOKENS
 
 
+class LogitsShapeError(RuntimeError):
+    """The forward gave other logits than ``logits_to_keep`` asked for."""
+
+
 def logits_to_keep_kind(parameters) -> str | None:
     """How the forward takes ``logits_to_keep``: "tensor" (positions, as
     transformers' models declare it), "int" (a count from the end), or None."""
@@ -152,7 +156,7 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
             kwargs["logits_to_keep"] = 0
     outputs = model(input_ids=ids, use_cache=True, return_dict=True, **kwargs)
     if tuple(outputs.logits.shape[:2]) != (len(rows), len(keep)):
-        raise RuntimeError(
+        raise LogitsShapeError(
             f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
             f"{len(rows)} prompts and logits_to_keep={keep}: not one per position asked"
         )

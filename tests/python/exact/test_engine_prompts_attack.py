@@ -330,21 +330,57 @@ def no_logits_to_keep(original):
     return forward
 
 
-@pytest.mark.parametrize("wrap", [int_logits_to_keep, no_logits_to_keep])
+def count_only_logits_to_keep(original):
+    """A forward that declares ``logits_to_keep`` a tensor, as transformers'
+    models do, but slices by a count (older remote code): a tensor of
+    positions makes it raise."""
+
+    def forward(
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.numel() > 1:
+            raise TypeError("only integer tensors of a single element can be converted to an index")
+        return original(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            logits_to_keep=int(logits_to_keep),
+            **kwargs,
+        )
+
+    return forward
+
+
+@pytest.mark.parametrize("wrap", [int_logits_to_keep, no_logits_to_keep, count_only_logits_to_keep])
 def test_a_forward_that_takes_no_positions_for_logits_to_keep(wrap, tokenizer):
     """A forward whose ``logits_to_keep`` is declared an int (and refuses a
-    tensor), or that has none: grouped prompts (their forward then gives
-    every position's logits) still give plain generate's replies."""
+    tensor), that has none, or that declares a tensor but takes only a count:
+    grouped prompts (their forward then gives every position's logits) still
+    give plain generate's replies, twice."""
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     model.forward = wrap(model.forward)
     manager = SessionManager(model, tokenizer, max_step_tokens=1024)
     conversations = [many_turns(k, k + 1) for k in range(3)]
-    reports = together(
-        manager, [chat_call(manager, f"s{k}", conversations[k], 6) for k in range(3)]
-    )
-    for report, messages in zip(reports, conversations, strict=True):
-        assert report.output_ids == reference_turn(model, tokenizer, messages, 6)[2]
-    assert manager.stats().prompts_prefilled_together == 3
+    for turn in range(2):
+        reports = together(
+            manager, [chat_call(manager, f"s{k}", conversations[k], 6) for k in range(3)]
+        )
+        for k, report in enumerate(reports):
+            expected = reference_turn(model, tokenizer, conversations[k], 6)
+            assert report.output_ids == expected[2], (turn, k)
+            reply = {"role": "assistant", "content": expected[0]}
+            conversations[k] = [*conversations[k], reply, user_message(5)]
+    assert manager.stats().prompts_prefilled_together == 6
     manager.close()
 
 
@@ -481,4 +517,20 @@ def test_a_prefix_copy_that_fails_fails_only_its_turn(tokenizer, monkeypatch):
     monkeypatch.setattr(loop, "copy_prefix", copy)
     report = chat_call(manager, "victim", victim, 6)()
     assert report.output_ids == reference_turn(model, tokenizer, victim, 6)[2]
+    manager.close()
+
+
+def test_a_count_only_forward_given_one_position_is_caught_by_its_shape(tokenizer):
+    """Prompts of one length ask for one position, which a forward that
+    slices by a count takes as "the last n - 1": logits of another shape,
+    caught; the forward runs again for every position's, and each reply is
+    plain generate's."""
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    model.forward = count_only_logits_to_keep(model.forward)
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    draw = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 400, (20,), generator=draw) for _ in range(3)]
+    got = together(manager, [generate_call(manager, f"s{k}", p, 4) for k, p in enumerate(prompts)])
+    assert got == [reference_ids(model, p, 4) for p in prompts]
+    assert manager.stats().prompts_prefilled_together == 3
     manager.close()
