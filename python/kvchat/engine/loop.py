@@ -39,7 +39,7 @@ import torch
 from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
     SHARE_MIN_TOKENS,
-    LogitsNotKept,
+    LogitsShapeError,
     copy_prefix,
     full_attention_only,
     length_dependent_rope,
@@ -198,6 +198,8 @@ class _Loop:
                 if limit is not None and limit <= 0:
                     break
                 group = self._group(limit)
+                if not self.prefilling:  # each row left failed (its prefix copy)
+                    break
                 if len(group) > 1:
                     budget -= self._prefill_group(group)
                     continue
@@ -380,33 +382,7 @@ class _Loop:
             self._start(row)
         width = max(row.prompt_tokens - row.prefilled for row in rows)
         try:
-            try:
-                logits = prefill_together(
-                    self.model,
-                    rows,
-                    self.bridge.new_cache,
-                    self.bridge.cache_argument,
-                    self.keep_kind,
-                )
-            except (LogitsNotKept, TypeError, IndexError, RuntimeError):
-                if self.keep_kind != "tensor":
-                    raise
-                # Its forward does not take positions to keep after all (its
-                # annotation said so): every position's logits, from now on.
-                # Nothing was written to the rows' caches yet.
-                logger.warning(
-                    "kvchat: the model's forward refused logits_to_keep as positions; "
-                    "prompts prefilled together now ask for every position's logits",
-                    exc_info=True,
-                )
-                self.keep_kind = "int"
-                logits = prefill_together(
-                    self.model,
-                    rows,
-                    self.bridge.new_cache,
-                    self.bridge.cache_argument,
-                    self.keep_kind,
-                )
+            logits = self._forward_together(rows)
         except BaseException as error:  # the forward failed: every row in it fails
             for row in rows:
                 row.finish(error)
@@ -424,6 +400,29 @@ class _Loop:
                     self.batch.leave(row, write_back=False)
                 row.finish(error)
         return len(rows) * width
+
+    def _forward_together(self, rows: list) -> list:
+        """``prefill_together`` on ``rows``. A forward that declares
+        ``logits_to_keep`` a tensor yet slices by a count (older remote code)
+        raises on positions (a TypeError or IndexError) or gives other logits
+        than asked: the forward then runs again asking for every position's
+        logits (no row's cache has changed), and does from then on where that
+        works. Any other failure (out of memory) fails the rows at once."""
+        args = (self.model, rows, self.bridge.new_cache, self.bridge.cache_argument)
+        if self.keep_kind != "tensor":
+            return prefill_together(*args, self.keep_kind)
+        try:
+            return prefill_together(*args, "tensor")
+        except (TypeError, IndexError, LogitsShapeError) as error:
+            first = error
+        logits = prefill_together(*args, "int")
+        self.keep_kind = "int"
+        logger.warning(
+            "kvchat: the model's forward failed on logits_to_keep as positions (%s); "
+            "prompts prefilled together now take every position's logits",
+            first,
+        )
+        return logits
 
 
 def _graph_trees_for_this_thread(model) -> None:

@@ -14,9 +14,10 @@ between sessions only once a turn has committed, too late for these.
   would give.
 - **One forward for several prompts** (``prefill_together``). The rows' past
   is merged left-padded to the longest, their new tokens follow, and a row
-  with fewer new tokens is padded on the right. No real token attends to that
-  padding (it comes after it), and the mask hides the left padding, so each
-  row's keys, values and logits are its own. The new keys and values are
+  with fewer new tokens is padded on the right (at its last position, so no
+  position passes its own). No real token attends to that padding (it comes
+  after it), and the mask hides the left padding, so each row's keys, values
+  and logits are its own. The new keys and values are
   appended to each row's own cache, which then joins the decode batch.
 
 Both need every layer to be full attention (``full_attention_only``): a
@@ -122,10 +123,6 @@ def waits_for(row, other, minimum: int = SHARE_MIN_TOKENS) -> bool:
     return shared - max(row.prefilled, held_tokens(other)) >= minimum
 
 
-class LogitsNotKept(RuntimeError):
-    """The forward did not give the logits ``logits_to_keep`` asked for."""
-
-
 _LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
@@ -147,6 +144,10 @@ def length_dependent_rope(config) -> str | None:
         if kind in _LENGTH_DEPENDENT_ROPE:
             return kind
     return None
+
+
+class LogitsShapeError(RuntimeError):
+    """The forward gave other logits than ``logits_to_keep`` asked for."""
 
 
 def logits_to_keep_kind(parameters) -> str | None:
@@ -207,7 +208,7 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
             kwargs["logits_to_keep"] = 0
     outputs = model(input_ids=ids, use_cache=True, return_dict=True, **kwargs)
     if tuple(outputs.logits.shape[:2]) != (len(rows), len(keep)):
-        raise LogitsNotKept(
+        raise LogitsShapeError(
             f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
             f"{len(rows)} prompts and logits_to_keep={keep}: not one per position asked"
         )
