@@ -134,7 +134,7 @@ class ManagerOptions:
     isolate_namespaces: bool
     settle: bool
     max_batch_size: int = 16  # conversations decoding in one step
-    max_step_tokens: int = 256  # prompt tokens one prefill chunk runs beside them
+    max_step_tokens: int = 256  # prompt tokens prefilled between two decode steps
 
     @classmethod
     def check(

@@ -127,9 +127,10 @@ class SessionManager(SessionAdmin):
             first turn. See docs/compiled-decode.md.
         max_batch_size: at most this many conversations decode in one
             batched step (the engine, docs/ARCHITECTURE.md); more wait for a
-            row. max_step_tokens: a new turn's prompt is prefilled in chunks
-            of at most this many tokens while others decode, so their streams
-            pause for at most one chunk.
+            row. max_step_tokens: while others decode, at most this many
+            prompt tokens (padding included) are prefilled between two decode
+            steps: several short prompts in one forward, a long one in chunks;
+            so their streams pause for at most one such forward.
         """
         check_model(model)
         check_tokenizer(tokenizer)

@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-step-tokens",
         type=int,
         default=256,
-        help="prompt tokens a new turn prefills per chunk while others decode",
+        help="prompt tokens prefilled between two decode steps while others decode "
+        "(several short prompts in one forward, or a chunk of a long one)",
     )
     limits.add_argument(
         "--compile",
