@@ -81,10 +81,12 @@ def held_tokens(row) -> int:
 
 def common_prefix(row, other, limit: int) -> int:
     """How many of the first ``limit`` tokens ``row`` and ``other`` share."""
-    limit = min(limit, row.ids.shape[1], other.ids.shape[1])
+    # On the CPU: a comparison on a GPU would wait for it, every pass.
+    mine, theirs = row.prompt_ids, other.prompt_ids
+    limit = min(limit, mine.shape[0], theirs.shape[0])
     if limit <= 0:
         return 0
-    differ = (row.ids[0, :limit] != other.ids[0, :limit]).nonzero()
+    differ = (mine[:limit] != theirs[:limit]).nonzero()
     return int(differ[0, 0]) if differ.numel() else limit
 
 
