@@ -374,8 +374,9 @@ class DecodeBatch:
             for index in self._attention:
                 layer = self._cache.layers[index]
                 if decoded:
-                    keys = layer.kbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi].contiguous()
-                    values = layer.vbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi].contiguous()
+                    # Views: the session's layer copies them (an append or a cat).
+                    keys = layer.kbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi]
+                    values = layer.vbuf[slot : slot + 1, :, geo.hi - decoded : geo.hi]
                     cache.layers[index].update(keys, values)
             for index, kind, i, buffer in self._recurrent:
                 getattr(cache.layers[index], f"{kind}_states")[i].copy_(buffer[slot : slot + 1])

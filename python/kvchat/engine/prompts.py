@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _C
 from ..bridge.layout import ATTENTION
 
 # A row waits for another row's forward, rather than prefilling beside it,
@@ -59,8 +60,7 @@ def share_scope(session_id: str, min_shared_tokens: int, isolate_namespaces: boo
 
 
 def shares_with(row, other) -> bool:
-    scope = getattr(row, "share_scope", None)
-    return scope is not None and scope == getattr(other, "share_scope", None)
+    return row.share_scope is not None and row.share_scope == other.share_scope
 
 
 def full_attention_only(layout) -> bool:
@@ -81,13 +81,9 @@ def held_tokens(row) -> int:
 
 def common_prefix(row, other, limit: int) -> int:
     """How many of the first ``limit`` tokens ``row`` and ``other`` share."""
-    # On the CPU: a comparison on a GPU would wait for it, every pass.
-    mine, theirs = row.prompt_ids, other.prompt_ids
-    limit = min(limit, mine.shape[0], theirs.shape[0])
-    if limit <= 0:
-        return 0
-    differ = (mine[:limit] != theirs[:limit]).nonzero()
-    return int(differ[0, 0]) if differ.numel() else limit
+    # The CPU copies (a comparison on a GPU would wait for it, every pass).
+    limit = max(limit, 0)
+    return _C.common_prefix_length(row.prompt_ids[:limit], other.prompt_ids[:limit])
 
 
 def copy_prefix(row, donors, minimum: int = 1) -> int:
@@ -108,9 +104,8 @@ def copy_prefix(row, donors, minimum: int = 1) -> int:
     for mine, theirs in zip(row.cache.layers, best.cache.layers, strict=True):
         if getattr(theirs, "keys", None) is None:  # a layer with no cache
             continue
-        mine.update(
-            theirs.keys[:, :, begin:end].contiguous(), theirs.values[:, :, begin:end].contiguous()
-        )
+        # update copies (into the row's buffer): the views need no copy first.
+        mine.update(theirs.keys[:, :, begin:end], theirs.values[:, :, begin:end])
     row.prefilled = row.length = end
     return end - begin
 
@@ -219,9 +214,9 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
         for index, layer in enumerate(cache.layers):
             if getattr(layer, "keys", None) is None:  # a layer with no cache
                 continue
-            row.cache.layers[index].update(
-                layer.keys[i : i + 1, :, longest : longest + new[i]].contiguous(),
-                layer.values[i : i + 1, :, longest : longest + new[i]].contiguous(),
+            row.cache.layers[index].update(  # copies: the views need no copy first
+                layer.keys[i : i + 1, :, longest : longest + new[i]],
+                layer.values[i : i + 1, :, longest : longest + new[i]],
             )
         row.prefilled = row.length = row.prompt_tokens
         column = keep.index(new[i] - 1)

@@ -54,7 +54,8 @@ class DecodeRow:
         self.prefilled = held  # prompt tokens the cache holds
         self.length = held  # tokens the cache holds (decoding: all but the last picked)
         self.prompt_tokens = ids.shape[1]
-        self.prompt_ids = ids[0].cpu()  # compared with other rows' (engine/prompts.py)
+        # Compared with other rows' (engine/prompts.py), by the core, on the CPU.
+        self.prompt_ids = ids[0].to("cpu", torch.long).contiguous()
         self.processors, self.criteria = processors, criteria
         self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
         self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
