@@ -96,6 +96,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="kvchat's and transformers' device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--compile", action="store_true", help="kvchat serve --compile")
+    parser.add_argument(
+        "--pack-weights", choices=["auto", "all", "off"], default="auto", help="kvchat serve's"
+    )
     parser.add_argument("--out", type=Path, help="where the JSON and plot go (default: results/)")
     parser.add_argument(
         "--quick",
@@ -131,6 +134,7 @@ class Server(ServerProcess):
                 # its many starts skip the dequantization.
                 argv = [sys.executable, "-m", "kvchat.serve", str(folder), "--dtype", args.dtype]
                 argv += ["--device", args.device, "--served-model-name", "kvchat"]
+                argv += ["--pack-weights", args.pack_weights]
                 return argv + ["--port", str(port)] + (["--compile"] if args.compile else [])
             if kind == "llama-server":
                 # -c is shared by the slots: 2,048 tokens each.

@@ -25,6 +25,7 @@ from .bridge import CacheBridge
 from .bridge.static_cache import SMALLEST_BUCKET
 from .compiled import CompiledDecode
 from .engine import Engine
+from .engine.packed import check_mode as check_pack_weights
 from .engine.prompts import share_scope
 from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill
@@ -70,6 +71,7 @@ class SessionManager(SessionAdmin):
         compile: bool | CompileConfig = False,
         max_batch_size: int = 16,
         max_step_tokens: int = 256,
+        pack_weights: bool | str = "auto",
     ):
         """
         match: "tokens" (exact: the prompt is always a fresh tokenization) or
@@ -131,9 +133,20 @@ class SessionManager(SessionAdmin):
             prompt tokens (padding included) are prefilled between two decode
             steps: several short prompts in one forward, a long one in chunks;
             so their streams pause for at most one such forward.
+        pack_weights: on a CPU, the engine's forwards run the model's
+            ``nn.Linear`` layers through oneDNN on a copy of their weights
+            packed once, which makes a decode step over several
+            conversations cost about what one conversation's does
+            (docs/ARCHITECTURE.md; ``stats().packed_weight_bytes``). "auto"
+            (default): float32 weights of at least 2**18 elements, when the
+            copy fits in half the memory available; True: every float32
+            and bfloat16 linear layer; False: none. Never float64, a GPU
+            or ``compile``. Results differ from the unpacked model's by
+            float rounding; your own calls to the model are untouched.
         """
         check_model(model)
         check_tokenizer(tokenizer)
+        check_pack_weights(pack_weights)
         options = ManagerOptions.check(
             max_sessions=max_sessions,
             max_cache_bytes=max_cache_bytes,
@@ -196,6 +209,8 @@ class SessionManager(SessionAdmin):
             options.max_step_tokens,
             on_batch_bytes=self._core.set_reserved_bytes,
             min_shared_tokens=options.min_shared_tokens,
+            pack_weights=pack_weights,
+            compiled=self._compiled.requested,
         )
         self._settler = Settler(
             self._core,

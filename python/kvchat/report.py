@@ -171,6 +171,9 @@ class ManagerStats:
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded
     batch_bytes: int = 0  # the decode batch's buffers now; counted in max_cache_bytes
+    # The copy of the weights the engine packed for oneDNN (engine/packed.py;
+    # pack_weights); not counted in max_cache_bytes, which bounds caches.
+    packed_weight_bytes: int = 0
 
     @classmethod
     def from_core(cls, stats: _C.ManagerStats) -> ManagerStats:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import packed
 from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
     SHARE_MIN_TOKENS,
@@ -91,6 +92,7 @@ class _Loop:
 
     def __init__(self, model, bridge, max_batch: int, max_step_tokens: int, min_shared_tokens: int):
         self.model = model
+        self.packs = False  # whether this thread's forwards take packed weights (packed.py)
         self.bridge = bridge
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.min_shared_tokens = max(1, min_shared_tokens)
@@ -150,6 +152,7 @@ class _Loop:
     def work(self) -> None:
         try:
             _graph_trees_for_this_thread(self.model)
+            packed.on_this_thread(self.packs)
             with torch.no_grad():
                 self._serve()
         except BaseException as error:  # a fault here must never leave a caller waiting
@@ -470,12 +473,17 @@ class Engine:
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         on_batch_bytes: Callable[[int], None] | None = None,
         min_shared_tokens: int = SHARE_MIN_TOKENS,
+        pack_weights="auto",
+        compiled: bool = False,
     ):
         """``on_batch_bytes(n)``: told the decode batch's buffer bytes each
         time they change (the manager counts them in ``max_cache_bytes``);
         ``min_shared_tokens``: the shortest prefix a row copies from another
-        of its share scope (prompts.py)."""
+        of its share scope (prompts.py); ``pack_weights``: packed.py, not
+        for a ``compiled`` model."""
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
+        self._packed = packed.PackedWeights(model, pack_weights, compiled)
+        self._loop.packs = self._packed.packs
         self._loop.batch.on_bytes = on_batch_bytes
         rope = length_dependent_rope(getattr(model, "config", None))
         # Why no turn of this model decodes in the batch (None: they do).
@@ -487,6 +495,9 @@ class Engine:
         _LIVE.add(self._loop)
 
     def __del__(self):
+        weights = getattr(self, "_packed", None)
+        if weights is not None:
+            weights.release()
         loop = getattr(self, "_loop", None)
         if loop is not None:
             with loop.cond:
@@ -579,6 +590,8 @@ class Engine:
     def close(self) -> None:
         self._loop.close()
         _LIVE.discard(self._loop)
+        self._packed.release()  # after the thread ended: no forward is using them
+        self._loop.packs = False  # a turn after close() restarts the thread, unpacked
 
     def counters(self) -> dict:
         loop = self._loop
@@ -599,4 +612,5 @@ class Engine:
                 "jobs_run_alone": loop.counters["jobs_run_alone"],
                 "idle_jobs": loop.counters["idle_jobs"],
                 "batch_bytes": loop.batch.bytes_now,
+                "packed_weight_bytes": self._packed.nbytes,
             }

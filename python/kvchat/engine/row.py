@@ -26,6 +26,8 @@ import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from .processors import for_row
+
 # What generate passes its decoding loop that this loop understands.
 _KNOWN = {"attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 
@@ -56,7 +58,7 @@ class DecodeRow:
         self.prompt_tokens = ids.shape[1]
         # Compared with other rows' (engine/prompts.py), by the core, on the CPU.
         self.prompt_ids = ids[0].to("cpu", torch.long).contiguous()
-        self.processors, self.criteria = processors, criteria
+        self.processors, self.criteria = for_row(processors), criteria
         self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
         self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
         # Checkpoint positions the prefill stops at; snapshot(cache, position)

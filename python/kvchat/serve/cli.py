@@ -134,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(several short prompts in one forward, or a chunk of a long one)",
     )
     limits.add_argument(
+        "--pack-weights",
+        choices=["auto", "all", "off"],
+        default="auto",
+        help="on a CPU, run linear layers through oneDNN on a packed copy of their weights: "
+        "float32 ones of 2**18 elements or more (auto), every float32 and bfloat16 one (all), "
+        "or none (off)",
+    )
+    limits.add_argument(
         "--compile",
         action="store_true",
         help="decode compiled, in a pooled StaticCache (see docs/compiled-decode.md)",
@@ -279,6 +287,7 @@ def build_app(args: argparse.Namespace):
         compile=args.compile,
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,
+        pack_weights={"auto": "auto", "all": True, "off": False}[args.pack_weights],
         isolate_namespaces=True,  # one API key never starts from another's cache
     )
     if args.warm_up:

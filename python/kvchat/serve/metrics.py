@@ -40,6 +40,12 @@ STATS_METRICS = [
         "gauge",
     ),
     (
+        "kvchat_packed_weight_bytes",
+        "Bytes of the weights' copy packed for oneDNN (pack_weights)",
+        "packed_weight_bytes",
+        "gauge",
+    ),
+    (
         "kvchat_prompts_prefilled_together",
         "Prompts prefilled in one forward beside other conversations' prompts",
         "prompts_prefilled_together",

@@ -6,7 +6,8 @@ longest common prefix of what the session held and the new prompt.
 
 float32, as a user runs it: a real model's greedy choices lead the runner-up
 by far more than float32 rounding, unlike a random model's (the float64 tests
-cover those)."""
+cover those). Also as a user runs it, kvchat's forwards use weights packed for
+oneDNN (engine/packed.py), while plain generate's do not: asserted below."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from helpers import common_prefix, reference_ids
 from kvchat import SessionManager
+from kvchat.engine import packed
 from kvchat.pretrained import load_pretrained, smollm2_path
 from kvchat.prompting import render_prompt
 
@@ -62,6 +64,8 @@ def _converse(model, tokenizer, history: str) -> tuple[int, int]:
     again, sampled with one seed in both paths, and that reply.
     Returns (tokens reused, prompt tokens) of turns 2+."""
     manager = SessionManager(model, tokenizer)
+    # pack_weights="auto" on a CPU, float32
+    assert manager.stats().packed_weight_bytes > 0 or not packed.available()
     messages, held, reused, reusable = [SYSTEM], None, 0, 0
     for turn in range(TURNS):
         messages.append({"role": "user", "content": QUESTIONS[turn]})

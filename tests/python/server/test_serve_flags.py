@@ -131,3 +131,18 @@ def test_the_start_up_line_names_the_options_and_masks_the_store_password(monkey
         "compile on, 1 API key(s)"
     ]
     assert "s3cret" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "value"),
+    [((), "auto"), (("--pack-weights", "all"), True), (("--pack-weights", "off"), False)],
+)
+def test_pack_weights_flag_reaches_the_manager(monkeypatch, flags, value):
+    given = _manager_arguments(monkeypatch, *flags)["pack_weights"]
+    assert given is value or (value == "auto" and given == "auto")
+
+
+def test_a_bad_pack_weights_value_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        _args("--pack-weights", "yes")
+    assert "--pack-weights" in capsys.readouterr().err

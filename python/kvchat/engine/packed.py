@@ -1,0 +1,191 @@
+"""Linear layers run through oneDNN with their weights packed once, on the
+engine's thread, on a CPU.
+
+Why: this torch's default CPU matrix product (MKL) over a few rows costs far
+more than over one: SmolLM2's 576x1536 projection takes 72 us for one row and
+175 us for four, its 49,152-token output head 10 ms and 17 ms. oneDNN's
+linear over weights reordered once for it takes about 55 us and 4 ms at four
+rows, and no more at one. So the batched decode step, whose cost is mostly
+these products, costs about what a lone row's does (RESULTS §27).
+
+What it costs: a copy of each packed weight, held while a manager uses the
+model (``stats().packed_weight_bytes``), and results that differ from the
+default product's by float rounding (the same order as the batch's own shape
+already changes them): so only float32 is packed unless asked, never float64,
+which the exact tests use.
+
+The model's own modules get a ``forward`` that takes the packed path only on
+an engine's thread that packs (``on_this_thread``), with gradients off, for
+an input of the packed dtype, while the module's weight is the very tensor
+that was packed, unchanged (same object, data and version): a weight the user
+loads, trains or moves is repacked or, off the CPU, left to ``nn.Linear``.
+Everywhere else, including the user's own calls to the model, the module runs
+as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("kvchat")
+
+# "auto" packs weights of at least this many elements: below it oneDNN's
+# fixed cost per call outweighs what it saves (SmolLM2's 192x576 key and
+# value projections are slower packed at one row).
+AUTO_MIN_ELEMENTS = 1 << 18
+# oneDNN reorders for an expected number of rows; 4 suits 1 to 8 rows about
+# equally (measured: one row is no slower than the default product).
+ROWS_HINT = 4
+AUTO_DTYPES = (torch.float32,)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_thread = threading.local()
+
+
+def on_this_thread(packs: bool) -> None:
+    """Called by an engine's thread once: whether its forwards take the packed path."""
+    _thread.packs = packs
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def check_mode(pack_weights):
+    if isinstance(pack_weights, bool) or (isinstance(pack_weights, str) and pack_weights == "auto"):
+        return pack_weights
+    raise ValueError(f"pack_weights must be 'auto', True or False, got {pack_weights!r}")
+
+
+class _PackedForward:
+    """A Linear module's forward: packed where it may be (module docstring)."""
+
+    def __init__(self, module: nn.Linear):
+        self.module = module
+        self.users = 0
+        self._pack(module.weight)
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        self.weight, self.data_ptr, self.version = weight, weight.data_ptr(), weight._version
+        self.dtype = weight.dtype
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        weight = module.weight
+        if (
+            getattr(_thread, "packs", False)
+            and not torch.is_grad_enabled()
+            and x.dtype == self.dtype
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+            and weight.dtype == self.dtype
+        ):
+            if (
+                weight is not self.weight
+                or weight.data_ptr() != self.data_ptr
+                or weight._version != self.version
+            ):
+                logger.debug("kvchat: a packed weight changed; packing it again")
+                self._pack(weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+        return nn.Linear.forward(module, x)
+
+
+def _eligible(module: nn.Module, dtypes, min_elements: int) -> bool:
+    if type(module) is not nn.Linear:  # subclasses (quantized, LoRA) compute otherwise
+        return False
+    forward = module.__dict__.get("forward")
+    if forward is not None and not isinstance(forward, _PackedForward):
+        return False  # someone else's override (accelerate's hooks): theirs stands
+    weight = module.weight
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in dtypes
+        and weight.numel() >= min_elements
+        and (module.bias is None or module.bias.dtype == weight.dtype)
+    )
+
+
+def _available_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class PackedWeights:
+    """The packed forwards one engine installed on its model's modules."""
+
+    def __init__(self, model, pack_weights="auto", compiled: bool = False):
+        self.forwards: list[_PackedForward] = []
+        self.why_not = self._why_not(model, pack_weights, compiled)
+        if self.why_not is not None:
+            if pack_weights is True:
+                logger.info("kvchat: weights not packed: %s", self.why_not)
+            return
+        dtypes = DTYPES if pack_weights is True else AUTO_DTYPES
+        min_elements = 0 if pack_weights is True else AUTO_MIN_ELEMENTS
+        modules = [m for m in model.modules() if _eligible(m, dtypes, min_elements)]
+        new_bytes = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in modules
+            if not isinstance(m.__dict__.get("forward"), _PackedForward)
+        )
+        free = _available_bytes()
+        if pack_weights == "auto" and free is not None and new_bytes > free // 2:
+            self.why_not = (
+                f"a packed copy of the weights needs {new_bytes} bytes, "
+                f"more than half the {free} bytes of memory available"
+            )
+            logger.info("kvchat: weights not packed: %s", self.why_not)
+            return
+        for module in modules:
+            forward = module.__dict__.get("forward")
+            if not isinstance(forward, _PackedForward):  # another manager's is shared
+                forward = _PackedForward(module)
+                module.forward = forward
+            forward.users += 1
+            self.forwards.append(forward)
+        if not self.forwards:
+            self.why_not = "no linear layer qualifies"
+
+    @staticmethod
+    def _why_not(model, pack_weights, compiled: bool) -> str | None:
+        if pack_weights is False:
+            return "pack_weights=False"
+        if compiled or hasattr(model, "_orig_mod"):  # compile=True, or torch.compile(model)
+            return "a compiled model (torch.compile packs what it needs)"
+        if not available():
+            return "this torch has no oneDNN"
+        device = getattr(model, "device", None)
+        if not isinstance(device, torch.device) or device.type != "cpu":
+            return f"the model is on {device}, not the CPU"
+        return None
+
+    @property
+    def packs(self) -> bool:
+        return bool(self.forwards)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(forward.nbytes for forward in self.forwards)
+
+    def release(self) -> None:
+        """Removes this engine's forwards: the modules run as before, and
+        the copies are freed, once no other engine uses them."""
+        for forward in self.forwards:
+            forward.users -= 1
+            if forward.users == 0 and forward.module.__dict__.get("forward") is forward:
+                del forward.module.forward
+        self.forwards = []

@@ -1,0 +1,200 @@
+"""Packed weights (engine/packed.py): on a CPU the engine's thread runs the
+model's linear layers through oneDNN on a packed copy of their weights; every
+other thread runs them as before. The copy follows the weight when it
+changes, is shared by the managers of one model and goes with the last.
+
+These models are float32 and bfloat16 (float64 is never packed), so their
+replies are held to what test_bfloat16.py holds those dtypes to: plain
+generate's first token wherever it leads clearly. The real SmolLM2's float32
+replies, packed by default, are asserted token for token in test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import LONG_SYSTEM, MARGIN, MAX_NEW, plain_with_margin, user_message
+from kvchat import SessionManager
+from kvchat.engine import packed
+from kvchat.prompting import render_prompt
+from kvchat.tiny import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def _linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def _packed_product(x, weight, bias):
+    """What oneDNN gives for ``x`` on ``weight`` packed as the engine packs it."""
+    reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), packed.ROWS_HINT)
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, bias, "none", [], "")
+
+
+def _on_engine(manager, fn):
+    return manager._engine.run(fn)
+
+
+def test_the_engine_thread_runs_linears_packed_and_the_callers_thread_does_not(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    linears = _linears(model)
+    assert manager.stats().packed_weight_bytes == sum(
+        m.weight.numel() * m.weight.element_size() for m in linears
+    )
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    layer = model.model.layers[0].mlp.up_proj
+    on_engine = _on_engine(manager, lambda: layer(x))
+    with torch.no_grad():
+        here = layer(x)
+        assert torch.equal(on_engine, _packed_product(x, layer.weight, layer.bias))
+        assert torch.equal(here, F.linear(x, layer.weight, layer.bias))
+    # With gradients on, even the engine's thread computes as nn.Linear does.
+    with_grad = _on_engine(manager, lambda: torch.enable_grad()(layer)(x))
+    assert with_grad.requires_grad and torch.equal(with_grad.detach(), here)
+    manager.close()
+
+
+def test_a_weight_changed_in_place_or_replaced_is_packed_again(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[1].self_attn.o_proj
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    before = _on_engine(manager, lambda: layer(x))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # what an optimizer step or load_state_dict does
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        assert not torch.equal(_on_engine(manager, lambda: layer(x)), before)
+        layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        # Another dtype than the one packed: nn.Linear's own product.
+        layer.double()
+        x64 = x.double()
+        assert torch.equal(_on_engine(manager, lambda: layer(x64)), F.linear(x64, layer.weight))
+    manager.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_replies_decoded_together_on_packed_weights_keep_plain_generates_clear_tokens(
+    dtype, tokenizer
+):
+    """Three conversations, three turns, decoding in one batch on packed
+    weights: every turn's first token, the first turn's included (its
+    products are no longer plain generate's), is plain generate's wherever
+    that one leads clearly, and so are whole first-turn replies that lead
+    clearly at every step."""
+    model = tiny_model("llama", dtype=dtype)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes > 0
+    sessions = [[LONG_SYSTEM] + [user_message(10 * k + j) for j in range(k)] for k in range(3)]
+    checked = 0
+    for turn in range(3):
+        expected, reports = {}, {}
+        for k, messages in enumerate(sessions):
+            messages.append(user_message(turn))
+            expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
+
+        def run(k, reports=reports):
+            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
+            reports[k] = manager.last_turn(f"s{k}")
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        with manager._engine.hold():
+            for thread in threads:
+                thread.start()
+            while manager.stats().queued < 3 and len(reports) < 3:
+                threading.Event().wait(0.002)
+        for thread in threads:
+            thread.join()
+        for k, report in reports.items():
+            ids, margin = expected[k]
+            if margin > MARGIN:
+                assert report.output_ids[0] == ids[0], (k, turn, margin)
+                checked += 1
+            sessions[k].append(
+                {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+            )
+    assert manager.stats().max_batch_rows == 3
+    assert checked >= 4, f"only {checked} turns had a clear first token"
+    manager.close()
+
+
+def test_auto_packs_no_float64_and_no_small_layer_and_false_packs_nothing(tokenizer):
+    cases = [
+        (tiny_model("llama", dtype=torch.float64), True),  # never float64
+        (tiny_model("llama", dtype=torch.float32), "auto"),  # each weight under 2**18
+        (tiny_model("llama", dtype=torch.bfloat16), "auto"),  # auto: float32 only
+        (tiny_model("llama", dtype=torch.float32), False),
+    ]
+    for model, setting in cases:
+        manager = SessionManager(model, tokenizer, pack_weights=setting)
+        manager.chat("s", [user_message(0)], max_new_tokens=2)
+        assert manager.stats().packed_weight_bytes == 0, (model.dtype, setting)
+        assert not any("forward" in m.__dict__ for m in _linears(model))
+        manager.close()
+
+
+def test_auto_packs_float32_layers_of_two_to_the_eighteen_elements(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(  # its MLP's weights have 2**18 elements, its attention's fewer
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+    )
+    model = LlamaForCausalLM(config).eval()
+    manager = SessionManager(model, tokenizer)
+    big = [m for m in _linears(model) if m.weight.numel() >= packed.AUTO_MIN_ELEMENTS]
+    assert big and len(big) < len(_linears(model))
+    assert manager.stats().packed_weight_bytes == sum(4 * m.weight.numel() for m in big)
+    assert all(isinstance(m.__dict__.get("forward"), packed._PackedForward) for m in big)
+    manager.close()
+
+
+def test_managers_of_one_model_share_the_copy_and_the_last_one_removes_it(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    first = SessionManager(model, tokenizer, pack_weights=True)
+    second = SessionManager(model, tokenizer, pack_weights=True)
+    forwards = [m.__dict__["forward"] for m in _linears(model)]
+    assert all(f.users == 2 for f in forwards)
+    first.close()
+    assert [m.__dict__.get("forward") for m in _linears(model)] == forwards
+    second.chat("s", [user_message(1)], max_new_tokens=3)
+    second.close()
+    assert not any("forward" in m.__dict__ for m in _linears(model))
+    assert second.stats().packed_weight_bytes == 0
+
+
+def test_someone_elses_forward_and_a_compiled_manager_are_left_alone(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    theirs = model.lm_head
+    theirs.forward = lambda x: F.linear(x, theirs.weight)  # accelerate's hooks do this
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert not isinstance(theirs.__dict__["forward"], packed._PackedForward)
+    others = [m for m in _linears(model) if m is not theirs]
+    assert all(isinstance(m.__dict__.get("forward"), packed._PackedForward) for m in others)
+    manager.close()
+    compiled = SessionManager(model, tokenizer, compile=True, pack_weights=True)
+    assert compiled.stats().packed_weight_bytes == 0
+    assert "compiled" in compiled._engine._packed.why_not
+    compiled.close()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
+def test_pack_weights_takes_auto_true_or_false(tokenizer, value):
+    model = tiny_model("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"pack_weights.*{value!r}"):
+        SessionManager(model, tokenizer, pack_weights=value)
