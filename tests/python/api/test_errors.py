@@ -120,6 +120,12 @@ def test_past_key_values_is_refused(mgr, name):
         ({"min_shared_tokens": "8"}, ValueError, "min_shared_tokens"),
         ({"share_prefixes": "yes"}, TypeError, "share_prefixes"),
         ({"isolate_namespaces": 1}, TypeError, "isolate_namespaces"),
+        (
+            {"pack_weights": "all"},
+            ValueError,
+            r"pack_weights must be 'auto', True or False, got 'all'",
+        ),
+        ({"pack_weights": None}, ValueError, "pack_weights.*None"),
     ],
 )
 def test_bad_constructor_arguments(llama, tokenizer, kwargs, error, match):

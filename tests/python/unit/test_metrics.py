@@ -81,5 +81,6 @@ def test_the_counters_a_user_tunes_by_are_exported():
         "queued",
         "queue_wait_ms",
         "batch_bytes",
+        "packed_weight_bytes",
     ):
         assert field in exported, field
