@@ -25,7 +25,7 @@ from .bridge import CacheBridge
 from .bridge.static_cache import SMALLEST_BUCKET
 from .compiled import CompiledDecode
 from .engine import Engine
-from .engine.packed import check_mode as check_pack_weights
+from .engine.packed import check_pack_weights
 from .engine.prompts import share_scope
 from .fingerprint import model_fingerprint
 from .prefill import ChunkedPrefill

@@ -473,7 +473,7 @@ class Engine:
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         on_batch_bytes: Callable[[int], None] | None = None,
         min_shared_tokens: int = SHARE_MIN_TOKENS,
-        pack_weights="auto",
+        pack_weights: bool | str = "auto",
         compiled: bool = False,
     ):
         """``on_batch_bytes(n)``: told the decode batch's buffer bytes each

@@ -53,12 +53,14 @@ def on_this_thread(packs: bool) -> None:
 
 
 def available() -> bool:
+    """Whether this torch has oneDNN's packed linear (a CPU build with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def check_mode(pack_weights):
+def check_pack_weights(pack_weights: bool | str) -> None:
+    """``SessionManager(pack_weights=)``: "auto", True or False, else ValueError naming it."""
     if isinstance(pack_weights, bool) or (isinstance(pack_weights, str) and pack_weights == "auto"):
-        return pack_weights
+        return
     raise ValueError(f"pack_weights must be 'auto', True or False, got {pack_weights!r}")
 
 
@@ -67,7 +69,7 @@ class _PackedForward:
 
     def __init__(self, module: nn.Linear):
         self.module = module
-        self.users = 0
+        self.users = 0  # engines that use it: the last to release it removes it
         self._pack(module.weight)
 
     def _pack(self, weight: torch.Tensor) -> None:
@@ -127,7 +129,7 @@ def _available_bytes() -> int | None:
 class PackedWeights:
     """The packed forwards one engine installed on its model's modules."""
 
-    def __init__(self, model, pack_weights="auto", compiled: bool = False):
+    def __init__(self, model, pack_weights: bool | str = "auto", compiled: bool = False):
         self.forwards: list[_PackedForward] = []
         self.why_not = self._why_not(model, pack_weights, compiled)
         if self.why_not is not None:
@@ -161,7 +163,7 @@ class PackedWeights:
             self.why_not = "no linear layer qualifies"
 
     @staticmethod
-    def _why_not(model, pack_weights, compiled: bool) -> str | None:
+    def _why_not(model, pack_weights: bool | str, compiled: bool) -> str | None:
         if pack_weights is False:
             return "pack_weights=False"
         if compiled or hasattr(model, "_orig_mod"):  # compile=True, or torch.compile(model)

@@ -43,13 +43,14 @@ class _MinimumLength:
         return torch.where(mask, -math.inf, scores)
 
 
-def for_row(processors):
+# Exact types: a subclass may compute otherwise, so it is kept as it is.
+_REPLACED = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
+
+
+def for_row(processors: LogitsProcessorList | None) -> LogitsProcessorList | None:
     """``processors`` (generate's list) for one row: the same list, or a new
-    one where the minimum-length processors are the cheap ones. Subclasses,
-    which may compute otherwise, are kept as they are."""
-    if not processors or not any(type(p) in _CHEAP for p in processors):
+    one where the minimum-length processors are the cheap ones (generate's
+    own list is left as it is)."""
+    if not processors or not any(type(p) in _REPLACED for p in processors):
         return processors
-    return LogitsProcessorList(_CHEAP.get(type(p), lambda p: p)(p) for p in processors)
-
-
-_CHEAP = {MinLengthLogitsProcessor: _MinimumLength, MinNewTokensLengthLogitsProcessor: _MinimumLength}
+    return LogitsProcessorList(_MinimumLength(p) if type(p) in _REPLACED else p for p in processors)

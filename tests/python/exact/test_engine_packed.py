@@ -72,10 +72,14 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again(tokenizer):
     before = _on_engine(manager, lambda: layer(x))
     with torch.no_grad():
         layer.weight.mul_(2)  # what an optimizer step or load_state_dict does
-        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        assert torch.equal(
+            _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+        )
         assert not torch.equal(_on_engine(manager, lambda: layer(x)), before)
         layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
-        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        assert torch.equal(
+            _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+        )
         # Another dtype than the one packed: nn.Linear's own product.
         layer.double()
         x64 = x.double()

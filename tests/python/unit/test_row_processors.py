@@ -22,8 +22,12 @@ EOS = [3, 3, VOCAB + 5, VOCAB - 1]
 def _processors():
     return [
         MinLengthLogitsProcessor(9, EOS),
-        MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=4, min_new_tokens=6, eos_token_id=EOS),
-        MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=4, min_new_tokens=0, eos_token_id=3),
+        MinNewTokensLengthLogitsProcessor(
+            prompt_length_to_skip=4, min_new_tokens=6, eos_token_id=EOS
+        ),
+        MinNewTokensLengthLogitsProcessor(
+            prompt_length_to_skip=4, min_new_tokens=0, eos_token_id=3
+        ),
     ]
 
 
