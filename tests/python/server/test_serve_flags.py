@@ -139,7 +139,7 @@ def test_the_start_up_line_names_the_options_and_masks_the_store_password(monkey
 )
 def test_pack_weights_flag_reaches_the_manager(monkeypatch, flags, value):
     given = _manager_arguments(monkeypatch, *flags)["pack_weights"]
-    assert given is value or (value == "auto" and given == "auto")
+    assert given == value and type(given) is type(value)  # True, not the string "all"
 
 
 def test_a_bad_pack_weights_value_is_refused_by_name(capsys):
