@@ -1,5 +1,6 @@
 """The engine's cheap minimum-length processors (engine/processors.py) give
-transformers' own scores, bit for bit, below, at and past the minimum."""
+transformers' own scores, bit for bit, below, at and past the minimum, and
+are the ones an engine turn runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 
 import pytest
 import torch
+from helpers import reference_ids, user_message
+from kvchat import SessionManager
 from kvchat.engine.processors import for_row
+from kvchat.prompting import render_prompt
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
@@ -60,3 +64,30 @@ def test_for_row_keeps_everything_else_and_leaves_generates_list_alone():
     assert type(given[1]) is MinLengthLogitsProcessor
     plain = LogitsProcessorList([warper])
     assert for_row(plain) is plain and for_row(None) is None
+
+
+def test_an_engine_turn_with_a_minimum_length_never_calls_transformers_processors(
+    llama, tokenizer, monkeypatch
+):
+    """generate builds both processors for ``min_new_tokens``; the engine's
+    row runs the cheap ones instead, and the reply is plain generate's."""
+    called = []
+
+    def spy(original):  # input_ids and scores only: LogitsProcessorList reads the signature
+        def call(self, input_ids, scores):
+            called.append(type(self).__name__)
+            return original(self, input_ids, scores)
+
+        return call
+
+    for cls in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor):
+        monkeypatch.setattr(cls, "__call__", spy(cls.__call__))
+    manager = SessionManager(llama, tokenizer)
+    messages = [user_message(0)]
+    manager.chat("s", messages, max_new_tokens=8, min_new_tokens=8)
+    report = manager.last_turn("s")
+    assert manager.stats().decode_steps > 0 and called == []
+    want = reference_ids(llama, render_prompt(tokenizer, messages), 8, min_new_tokens=8)
+    assert "MinNewTokensLengthLogitsProcessor" in called  # the spy sees plain generate's
+    assert tuple(report.output_ids) == want
+    manager.close()
