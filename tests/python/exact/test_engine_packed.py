@@ -132,12 +132,30 @@ def test_replies_decoded_together_on_packed_weights_keep_plain_generates_clear_t
     manager.close()
 
 
+def _big_mlp_model(tokenizer, dtype):
+    """A one-layer Llama whose MLP weights have 2**18 elements, what "auto"
+    packs in float32, and whose attention weights have fewer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
 def test_auto_packs_no_float64_and_no_small_layer_and_false_packs_nothing(tokenizer):
     cases = [
         (tiny_model("llama", dtype=torch.float64), True),  # never float64
         (tiny_model("llama", dtype=torch.float32), "auto"),  # each weight under 2**18
-        (tiny_model("llama", dtype=torch.bfloat16), "auto"),  # auto: float32 only
-        (tiny_model("llama", dtype=torch.float32), False),
+        # Weights "auto" would pack in float32:
+        (_big_mlp_model(tokenizer, torch.bfloat16), "auto"),  # auto: float32 only
+        (_big_mlp_model(tokenizer, torch.float32), False),
     ]
     for model, setting in cases:
         manager = SessionManager(model, tokenizer, pack_weights=setting)
@@ -148,18 +166,7 @@ def test_auto_packs_no_float64_and_no_small_layer_and_false_packs_nothing(tokeni
 
 
 def test_auto_packs_float32_layers_of_two_to_the_eighteen_elements(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(  # its MLP's weights have 2**18 elements, its attention's fewer
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = _big_mlp_model(tokenizer, torch.float32)
     manager = SessionManager(model, tokenizer)
     big = [m for m in _linears(model) if m.weight.numel() >= packed.AUTO_MIN_ELEMENTS]
     assert big and len(big) < len(_linears(model))
