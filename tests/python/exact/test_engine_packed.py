@@ -175,6 +175,30 @@ def test_auto_packs_float32_layers_of_two_to_the_eighteen_elements(tokenizer):
     manager.close()
 
 
+def test_auto_packs_nothing_when_the_copy_would_take_over_half_the_free_memory(
+    tokenizer, monkeypatch
+):
+    model = _big_mlp_model(tokenizer, torch.float32)
+    needed = sum(
+        4 * m.weight.numel()
+        for m in _linears(model)
+        if m.weight.numel() >= packed.AUTO_MIN_ELEMENTS
+    )
+    monkeypatch.setattr(packed, "_available_bytes", lambda: 2 * needed)
+    fits = SessionManager(model, tokenizer)
+    assert fits.stats().packed_weight_bytes == needed
+    fits.close()
+    monkeypatch.setattr(packed, "_available_bytes", lambda: 2 * needed - 1)
+    short = SessionManager(model, tokenizer)
+    assert short.stats().packed_weight_bytes == 0
+    assert f"needs {needed} bytes" in short._engine._packed.why_not
+    assert not any("forward" in m.__dict__ for m in _linears(model))
+    short.close()
+    asked = SessionManager(model, tokenizer, pack_weights=True)  # True: asked, so packed
+    assert asked.stats().packed_weight_bytes == sum(4 * m.weight.numel() for m in _linears(model))
+    asked.close()
+
+
 def test_managers_of_one_model_share_the_copy_and_the_last_one_removes_it(tokenizer):
     model = tiny_model("llama", dtype=torch.float32)
     first = SessionManager(model, tokenizer, pack_weights=True)
