@@ -97,7 +97,10 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--compile", action="store_true", help="kvchat serve --compile")
     parser.add_argument(
-        "--pack-weights", choices=["auto", "all", "off"], default="auto", help="kvchat serve's"
+        "--pack-weights",
+        choices=["auto", "all", "off"],
+        default="auto",
+        help="kvchat serve --pack-weights (off: the unpacked product, to compare)",
     )
     parser.add_argument("--out", type=Path, help="where the JSON and plot go (default: results/)")
     parser.add_argument(
