@@ -41,6 +41,7 @@ AUTO_MIN_ELEMENTS = 1 << 18
 # oneDNN reorders for an expected number of rows; 4 suits 1 to 8 rows about
 # equally (measured: one row is no slower than the default product).
 ROWS_HINT = 4
+# The dtypes "auto" and True pack; never float64 (module docstring).
 AUTO_DTYPES = (torch.float32,)
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -139,6 +140,7 @@ class PackedWeights:
         dtypes = DTYPES if pack_weights is True else AUTO_DTYPES
         min_elements = 0 if pack_weights is True else AUTO_MIN_ELEMENTS
         modules = [m for m in model.modules() if _eligible(m, dtypes, min_elements)]
+        # What this engine would add: a copy another engine made is shared.
         new_bytes = sum(
             m.weight.numel() * m.weight.element_size()
             for m in modules
