@@ -19,8 +19,11 @@ an engine's thread that packs (``on_this_thread``), with gradients off, for
 an input of the packed dtype, while the module's weight is the very tensor
 that was packed, unchanged (same object, data and version): a weight the user
 loads, trains or moves is repacked or, off the CPU, left to ``nn.Linear``.
-Everywhere else, including the user's own calls to the model, the module runs
-as before.
+A change no version counter sees (``weight.data.copy_(...)``, peft's merge,
+an inference tensor's) is found by the sum of the weight's bits (``verify``),
+which the engine's thread checks as turns start, at about the cost of reading
+the weights once. Everywhere else, including the user's own calls to the
+model, the module runs as before.
 """
 
 from __future__ import annotations
@@ -68,21 +71,33 @@ class _PackedForward:
     def __init__(self, module: nn.Linear):
         self.module = module
         self.users = 0
+        self.dtype = module.weight.dtype  # packed; the weight's may change (model.double())
         self._pack(module.weight)
 
     def _pack(self, weight: torch.Tensor) -> None:
-        self.weight, self.data_ptr, self.version = weight, weight.data_ptr(), weight._version
-        self.dtype = weight.dtype
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+        # One assignment, after the reorder: another engine's thread sharing
+        # this forward never sees the new weight's marks with the old copy.
+        self.state = (weight, weight.data_ptr(), _version(weight), _bits(weight), packed)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return self.state[0].numel() * self.dtype.itemsize
+
+    def verify(self) -> None:
+        """Packs the weight again if its bits changed, also where no version
+        counter saw it (``weight.data.copy_(...)``, peft's merge)."""
+        bits = self.state[3]
+        now = self.module.weight
+        if now.device.type == "cpu" and now.dtype == self.dtype and _bits(now) != bits:
+            logger.debug("kvchat: a packed weight changed; packing it again")
+            self._pack(now)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module
         weight = module.weight
+        packed_weight, data_ptr, version, _, packed = self.state
         if (
             getattr(_thread, "packs", False)
             and not torch.is_grad_enabled()
@@ -92,14 +107,34 @@ class _PackedForward:
             and weight.dtype == self.dtype
         ):
             if (
-                weight is not self.weight
-                or weight.data_ptr() != self.data_ptr
-                or weight._version != self.version
+                weight is not packed_weight
+                or weight.data_ptr() != data_ptr
+                or _version(weight) != version
             ):
                 logger.debug("kvchat: a packed weight changed; packing it again")
                 self._pack(weight)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+                packed = self.state[4]
+            return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
         return nn.Linear.forward(module, x)
+
+
+def _version(weight: torch.Tensor) -> int:
+    # An inference tensor has no version counter (changed only in
+    # inference_mode, which verify's bits see).
+    return -1 if weight.is_inference() else weight._version
+
+
+def _bits(weight: torch.Tensor) -> int:
+    """A sum of the weight's bits, wrapping: one changed element changes it
+    (elements that trade places would not)."""
+    flat = weight.detach().contiguous().view(-1)
+    try:
+        return int(flat.view(torch.int64).sum())
+    except RuntimeError:  # a size or offset that is not a whole number of 8 bytes
+        return int(flat.view(_SAME_SIZE_INT[flat.element_size()]).sum(dtype=torch.int64))
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _eligible(module: nn.Module, dtypes, min_elements: int) -> bool:
@@ -180,6 +215,12 @@ class PackedWeights:
     @property
     def nbytes(self) -> int:
         return sum(forward.nbytes for forward in self.forwards)
+
+    def verify(self) -> None:
+        """Packs again the weights whose bits changed (_PackedForward.verify):
+        the engine's thread calls it as turns start (loop.py)."""
+        for forward in self.forwards:
+            forward.verify()
 
     def release(self) -> None:
         """Removes this engine's forwards: the modules run as before, and

@@ -72,10 +72,14 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again(tokenizer):
     before = _on_engine(manager, lambda: layer(x))
     with torch.no_grad():
         layer.weight.mul_(2)  # what an optimizer step or load_state_dict does
-        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        assert torch.equal(
+            _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+        )
         assert not torch.equal(_on_engine(manager, lambda: layer(x)), before)
         layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
-        assert torch.equal(_on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None))
+        assert torch.equal(
+            _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+        )
         # Another dtype than the one packed: nn.Linear's own product.
         layer.double()
         x64 = x.double()
@@ -198,3 +202,77 @@ def test_pack_weights_takes_auto_true_or_false(tokenizer, value):
     model = tiny_model("llama", dtype=torch.float32)
     with pytest.raises(ValueError, match=rf"pack_weights.*{value!r}"):
         SessionManager(model, tokenizer, pack_weights=value)
+
+
+def test_a_weight_changed_through_data_is_packed_again_before_the_next_turn(tokenizer):
+    """``weight.data.mul_(...)`` (peft's merge, an EMA copy) changes the bits
+    without the version counter: the engine still computes on the new ones,
+    in a layer it runs and in a whole reply."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(2))
+    before = _on_engine(manager, lambda: layer(x))
+    version = layer.weight._version
+    layer.weight.data.mul_(2)
+    layer.weight.data[3, 5] += 1  # one more element, alone
+    assert layer.weight._version == version  # what the fast check cannot see
+    after = _on_engine(manager, lambda: layer(x))
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _packed_product(x, layer.weight, None))
+    # A whole reply: a head of zeros scores every token alike, so greedy takes id 0.
+    manager.chat("s", [user_message(0)], max_new_tokens=3)
+    model.lm_head.weight.data.zero_()
+    manager.chat(
+        "s",
+        [user_message(0), {"role": "assistant", "content": "x"}, user_message(1)],
+        max_new_tokens=3,
+    )
+    assert set(manager.last_turn("s").output_ids) == {0}
+    manager.close()
+
+
+def test_model_weights_made_under_inference_mode_are_packed_and_followed(tokenizer):
+    with torch.inference_mode():
+        model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes > 0
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    layer = model.model.layers[1].mlp.up_proj
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():  # the only place an inference tensor changes
+        layer.weight.add_(1)
+    assert torch.equal(
+        _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+    )
+    manager.close()
+
+
+def test_two_managers_never_use_an_old_copy_while_the_other_packs_again(tokenizer, monkeypatch):
+    """Two engines share one layer's copy; while the first packs a changed
+    weight again, the second runs the layer: on the new weight, not on the
+    old copy beside the new weight's marks."""
+    model = tiny_model("llama", dtype=torch.float32)
+    first = SessionManager(model, tokenizer, pack_weights=True)
+    second = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(6))
+    _on_engine(first, lambda: layer(x))
+    _on_engine(second, lambda: layer(x))
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    seen, started = [], []
+
+    def reorder_while_the_other_runs(weight, rows):
+        if threading.current_thread() is first._engine._loop.thread and not started:
+            started.append(True)
+            seen.append(_on_engine(second, lambda: layer(x)))
+        return reorder(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder_while_the_other_runs)
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    first._engine.run(lambda: layer(x))
+    monkeypatch.undo()
+    assert seen and torch.equal(seen[0], _packed_product(x, layer.weight, None))
+    first.close()
+    second.close()
