@@ -15,15 +15,15 @@ already changes them): so only float32 is packed unless asked, never float64,
 which the exact tests use.
 
 The model's own modules get a ``forward`` that takes the packed path only on
-an engine's thread that packs (``on_this_thread``), with gradients off, for
-an input of the packed dtype, while the module's weight is the very tensor
-that was packed, unchanged (same object, data and version): a weight the user
-loads, trains or moves is repacked or, off the CPU, left to ``nn.Linear``.
-A change no version counter sees (``weight.data.copy_(...)``, peft's merge,
-an inference tensor's) is found by the sum of the weight's bits (``verify``),
-which the engine's thread checks as turns start, at about the cost of reading
-the weights once. Everywhere else, including the user's own calls to the
-model, the module runs as before.
+an engine's thread that packs (``on_this_thread``), with gradients and
+autocast off, for an input of the packed dtype, while the module's weight is
+the very tensor that was packed, unchanged (same object, data and version): a
+weight the user loads, trains or moves is repacked or, off the CPU, left to
+``nn.Linear``. A change no version counter sees (``weight.data.copy_(...)``,
+peft's merge, an inference tensor's) is found by the sum of the weight's bits
+(``verify``), which the engine's thread checks as turns start, at about the
+cost of reading the weights once. Everywhere else, including the user's own
+calls to the model, the module runs as before.
 """
 
 from __future__ import annotations
@@ -94,15 +94,16 @@ class _PackedForward:
             logger.debug("kvchat: a packed weight changed; packing it again")
             self._pack(now)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's name: input=
         module = self.module
         weight = module.weight
         packed_weight, data_ptr, version, _, packed = self.state
         if (
             getattr(_thread, "packs", False)
             and not torch.is_grad_enabled()
-            and x.dtype == self.dtype
-            and x.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")  # autocast's dtype, as nn.Linear
+            and input.dtype == self.dtype
+            and input.device.type == "cpu"
             and weight.device.type == "cpu"
             and weight.dtype == self.dtype
         ):
@@ -114,8 +115,8 @@ class _PackedForward:
                 logger.debug("kvchat: a packed weight changed; packing it again")
                 self._pack(weight)
                 packed = self.state[4]
-            return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
-        return nn.Linear.forward(module, x)
+            return torch.ops.mkldnn._linear_pointwise(input, packed, module.bias, "none", [], "")
+        return nn.Linear.forward(module, input)
 
 
 def _version(weight: torch.Tensor) -> int:

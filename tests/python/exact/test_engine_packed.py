@@ -248,6 +248,33 @@ def test_model_weights_made_under_inference_mode_are_packed_and_followed(tokeniz
     manager.close()
 
 
+def test_a_packed_module_is_still_called_with_input_by_name(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(layer(input=x), F.linear(x, layer.weight))
+    assert torch.equal(
+        _on_engine(manager, lambda: layer(input=x)), _packed_product(x, layer.weight, None)
+    )
+    manager.close()
+
+
+def test_under_autocast_the_engine_computes_in_autocasts_dtype(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(5))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    on_engine = _on_engine(manager, lambda: autocast(layer)(x))
+    with torch.no_grad():
+        here = autocast(layer)(x)
+    assert here.dtype == torch.bfloat16
+    assert on_engine.dtype == torch.bfloat16 and torch.equal(on_engine, here)
+    manager.close()
+
+
 def test_two_managers_never_use_an_old_copy_while_the_other_packs_again(tokenizer, monkeypatch):
     """Two engines share one layer's copy; while the first packs a changed
     weight again, the second runs the layer: on the new weight, not on the
