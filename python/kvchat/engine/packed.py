@@ -28,6 +28,7 @@ calls to the model, the module runs as before.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -118,6 +119,22 @@ class _PackedForward:
             return torch.ops.mkldnn._linear_pointwise(input, packed, module.bias, "none", [], "")
         return nn.Linear.forward(module, input)
 
+    def __reduce__(self):
+        # A copy of a module in use (copy.deepcopy, pickle as torch.save does)
+        # gets nn.Linear's own forward: no packed copy, nothing of kvchat.
+        return functools.partial, (nn.Linear.forward, self.module)
+
+
+def _plain(forward, module: nn.Module) -> bool:
+    """No forward of its own, or the one a copy of a packed module got."""
+    return forward is None or (
+        isinstance(forward, functools.partial)
+        and forward.func is nn.Linear.forward
+        and len(forward.args) == 1
+        and forward.args[0] is module
+        and not forward.keywords
+    )
+
 
 def _version(weight: torch.Tensor) -> int:
     # An inference tensor has no version counter (changed only in
@@ -142,7 +159,7 @@ def _eligible(module: nn.Module, dtypes, min_elements: int) -> bool:
     if type(module) is not nn.Linear:  # subclasses (quantized, LoRA) compute otherwise
         return False
     forward = module.__dict__.get("forward")
-    if forward is not None and not isinstance(forward, _PackedForward):
+    if not (_plain(forward, module) or isinstance(forward, _PackedForward)):
         return False  # someone else's override (accelerate's hooks): theirs stands
     weight = module.weight
     return (

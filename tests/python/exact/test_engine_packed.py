@@ -11,6 +11,9 @@ replies, packed by default, are asserted token for token in test_real_model.py.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import threading
 
 import pytest
@@ -303,3 +306,35 @@ def test_two_managers_never_use_an_old_copy_while_the_other_packs_again(tokenize
     assert seen and torch.equal(seen[0], _packed_product(x, layer.weight, None))
     first.close()
     second.close()
+
+
+def test_a_model_in_use_can_be_deep_copied_and_pickled_as_a_plain_model(tokenizer):
+    """copy.deepcopy (an EMA or swa_utils copy) and pickle (torch.save) of a
+    model a manager packs: they work, the copy's layers compute as the
+    original's, the pickle names nothing of kvchat, and a manager on the copy
+    packs it and leaves it plain when closed."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    copied = copy.deepcopy(model)
+    payload = pickle.dumps(model)
+    assert b"kvchat" not in payload
+    loaded = pickle.loads(payload)
+    saved = io.BytesIO()
+    torch.save(model, saved)  # pickle's protocol 2
+    saved.seek(0)
+    assert isinstance(torch.load(saved, weights_only=False), type(model))
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for other in (copied, loaded):
+            layer = other.model.layers[0].mlp.up_proj
+            assert torch.equal(layer(x), model.model.layers[0].mlp.up_proj(x))
+    manager.close()
+    on_copy = SessionManager(copied, tokenizer, pack_weights=True)
+    assert on_copy.stats().packed_weight_bytes == manager_bytes(model)
+    on_copy.chat("s", [user_message(0)], max_new_tokens=2)
+    on_copy.close()
+    assert not any("forward" in m.__dict__ for m in _linears(copied))
+
+
+def manager_bytes(model):
+    return sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
