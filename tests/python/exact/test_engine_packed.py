@@ -338,3 +338,27 @@ def test_a_model_in_use_can_be_deep_copied_and_pickled_as_a_plain_model(tokenize
 
 def manager_bytes(model):
     return sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+
+
+def test_a_peft_adapter_merged_between_turns_reaches_the_engine(tokenizer):
+    """peft's merge_adapter adds the LoRA product to the base layer's weight
+    through ``.data`` (no version counter): the engine's next turn computes
+    the merged layer on the merged weight, as the user's own call does."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model("llama", dtype=torch.float32),
+        peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False),
+    )
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    wrapper = model.base_model.model.model.layers[0].mlp.down_proj
+    assert isinstance(wrapper.base_layer.__dict__.get("forward"), packed._PackedForward)
+    x = torch.randn(2, wrapper.in_features, generator=torch.Generator().manual_seed(8))
+    model.merge_adapter()
+    with torch.no_grad():
+        merged = F.linear(x, wrapper.base_layer.weight)
+        assert torch.allclose(wrapper(x), merged)  # the user's call: adapters merged
+    on_engine = _on_engine(manager, lambda: wrapper(x))
+    assert torch.equal(on_engine, _packed_product(x, wrapper.base_layer.weight, None))
+    assert torch.allclose(on_engine, merged, atol=1e-5)
+    manager.close()
