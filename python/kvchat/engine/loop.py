@@ -183,7 +183,12 @@ class _Loop:
             if starts and self.packs:
                 # Before turns the user may have changed the weights where no
                 # version counter sees it (packed.py): checked as a turn starts.
-                self.check_weights()
+                try:
+                    self.check_weights()
+                except Exception:  # no memory for a new copy: unpacked, never stale
+                    logger.exception("kvchat: packed weights could not be packed again")
+                    self.packs = False
+                    packed.on_this_thread(False)
             woke = False
             if job is not None:
                 self.counters["jobs_run_alone"] += 1

@@ -362,3 +362,24 @@ def test_a_peft_adapter_merged_between_turns_reaches_the_engine(tokenizer):
     assert torch.equal(on_engine, _packed_product(x, wrapper.base_layer.weight, None))
     assert torch.allclose(on_engine, merged, atol=1e-5)
     manager.close()
+
+
+def test_a_weight_that_cannot_be_packed_again_runs_unpacked_not_stale(tokenizer, monkeypatch):
+    """The copy of a changed weight cannot be made (no memory): the engine
+    goes on with nn.Linear's product on the new weight, and the turn's
+    caller gets its answer."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(9))
+    _on_engine(manager, lambda: layer(x))
+
+    def no_memory(weight, rows):
+        raise MemoryError("no room for another copy")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_memory)
+    layer.weight.data.mul_(2)
+    with torch.no_grad():
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
+    monkeypatch.undo()
+    manager.close()
