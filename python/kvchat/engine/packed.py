@@ -16,14 +16,15 @@ which the exact tests use.
 
 The model's own modules get a ``forward`` that takes the packed path only on
 an engine's thread that packs (``on_this_thread``), with gradients and
-autocast off, for an input of the packed dtype, while the module's weight is
-the very tensor that was packed, unchanged (same object, data and version): a
-weight the user loads, trains or moves is repacked or, off the CPU, left to
-``nn.Linear``. A change no version counter sees (``weight.data.copy_(...)``,
-peft's merge, an inference tensor's) is found by the sum of the weight's bits
-(``verify``), which the engine's thread checks as turns start, at about the
-cost of reading the weights once. Everywhere else, including the user's own
-calls to the model, the module runs as before.
+autocast off and oneDNN on, for an input of the packed dtype, while the
+module's weight is the very tensor that was packed, unchanged (same object,
+data and version): a weight the user loads, trains or moves is repacked or,
+off the CPU, left to ``nn.Linear``. A change no version counter sees
+(``weight.data.copy_(...)``, peft's merge, an inference tensor's) is found
+by the sum of the weight's bits (``verify``), which the engine's thread
+checks as turns start, at about the cost of reading the weights once.
+Everywhere else, including the user's own calls to the model, the module
+runs as before.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class _PackedForward:
         if (
             getattr(_thread, "packs", False)
             and not torch.is_grad_enabled()
+            and torch.backends.mkldnn.enabled  # the user may turn oneDNN off
             and not torch.is_autocast_enabled("cpu")  # autocast's dtype, as nn.Linear
             and input.dtype == self.dtype
             and input.device.type == "cpu"
@@ -221,6 +223,8 @@ class PackedWeights:
             return "a compiled model (torch.compile packs what it needs)"
         if not available():
             return "this torch has no oneDNN"
+        if not torch.backends.mkldnn.enabled:
+            return "oneDNN is turned off (torch.backends.mkldnn.enabled)"
         device = getattr(model, "device", None)
         if not isinstance(device, torch.device) or device.type != "cpu":
             return f"the model is on {device}, not the CPU"

@@ -383,3 +383,21 @@ def test_a_weight_that_cannot_be_packed_again_runs_unpacked_not_stale(tokenizer,
         assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
     monkeypatch.undo()
     manager.close()
+
+
+def test_onednn_turned_off_in_torch_is_not_used(tokenizer):
+    """torch.backends.mkldnn's flag off (a user avoiding oneDNN): no copy is
+    packed, and a manager built before the flag went off runs nn.Linear's
+    product while it is off."""
+    model = tiny_model("llama", dtype=torch.float32)
+    with torch.backends.mkldnn.flags(enabled=False):
+        manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes == 0
+    assert "torch.backends.mkldnn" in manager._engine._packed.why_not
+    manager.close()
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(10))
+    with torch.backends.mkldnn.flags(enabled=False), torch.no_grad():
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
+    manager.close()
