@@ -61,6 +61,11 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _bfloat16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 (avx512bw/vl/dq or newer)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def check_mode(pack_weights):
     if isinstance(pack_weights, bool) or (isinstance(pack_weights, str) and pack_weights == "auto"):
         return pack_weights
@@ -190,6 +195,8 @@ class PackedWeights:
                 logger.info("kvchat: weights not packed: %s", self.why_not)
             return
         dtypes = DTYPES if pack_weights is True else AUTO_DTYPES
+        if not _bfloat16_supported():  # oneDNN refuses to pack it here
+            dtypes = tuple(d for d in dtypes if d != torch.bfloat16)
         min_elements = 0 if pack_weights is True else AUTO_MIN_ELEMENTS
         modules = [m for m in model.modules() if _eligible(m, dtypes, min_elements)]
         new_bytes = sum(

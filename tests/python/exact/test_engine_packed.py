@@ -401,3 +401,24 @@ def test_onednn_turned_off_in_torch_is_not_used(tokenizer):
     with torch.backends.mkldnn.flags(enabled=False), torch.no_grad():
         assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
     manager.close()
+
+
+def test_bfloat16_is_not_packed_on_a_cpu_whose_onednn_has_no_bfloat16(tokenizer, monkeypatch):
+    """pack_weights=True on a CPU without oneDNN's bfloat16 (no avx512bw/vl/dq):
+    the manager is built and answers, with the bfloat16 layers unpacked,
+    instead of raising oneDNN's error from the constructor."""
+    model = tiny_model("llama", dtype=torch.bfloat16)  # first: its imports read the real ops
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder_as_that_cpu(weight, rows):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
+        return reorder(weight, rows)
+
+    # What torch.ops.mkldnn._is_mkldnn_bf16_supported() says there.
+    monkeypatch.setattr(packed, "_bfloat16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder_as_that_cpu)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes == 0
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    manager.close()
