@@ -212,13 +212,17 @@ class PackedWeights:
             )
             logger.info("kvchat: weights not packed: %s", self.why_not)
             return
-        for module in modules:
-            forward = module.__dict__.get("forward")
-            if not isinstance(forward, _PackedForward):  # another manager's is shared
-                forward = _PackedForward(module)
-                module.forward = forward
-            forward.users += 1
-            self.forwards.append(forward)
+        try:
+            for module in modules:
+                forward = module.__dict__.get("forward")
+                if not isinstance(forward, _PackedForward):  # another manager's is shared
+                    forward = _PackedForward(module)
+                    module.forward = forward
+                forward.users += 1
+                self.forwards.append(forward)
+        except BaseException:  # no engine will hold these to release them
+            self.release()
+            raise
         if not self.forwards:
             self.why_not = "no linear layer qualifies"
 

@@ -422,3 +422,24 @@ def test_bfloat16_is_not_packed_on_a_cpu_whose_onednn_has_no_bfloat16(tokenizer,
     assert manager.stats().packed_weight_bytes == 0
     manager.chat("s", [user_message(0)], max_new_tokens=2)
     manager.close()
+
+
+def test_a_manager_that_cannot_pack_every_layer_leaves_none_packed(tokenizer, monkeypatch):
+    """The third copy cannot be made (no memory): SessionManager raises it,
+    and the two layers packed before it are left plain, not packed for good
+    with no manager to remove them."""
+    model = tiny_model("llama", dtype=torch.float32)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    made = []
+
+    def third_fails(weight, rows):
+        if len(made) == 2:
+            raise MemoryError("no room for another copy")
+        made.append(weight)
+        return reorder(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", third_fails)
+    with pytest.raises(MemoryError):
+        SessionManager(model, tokenizer, pack_weights=True)
+    assert len(made) == 2
+    assert not any("forward" in m.__dict__ for m in _linears(model))
