@@ -140,9 +140,11 @@ class SessionManager(SessionAdmin):
             (docs/ARCHITECTURE.md; ``stats().packed_weight_bytes``). "auto"
             (default): float32 weights of at least 2**18 elements, when the
             copy fits in half the memory available; True: every float32
-            and bfloat16 linear layer; False: none. Never float64, a GPU
-            or ``compile``. Results differ from the unpacked model's by
-            float rounding; your own calls to the model are untouched.
+            and bfloat16 (where this CPU's oneDNN has it) linear layer;
+            False: none. Never float64, a GPU, ``compile`` or oneDNN turned
+            off (``torch.backends.mkldnn``).
+            Results differ from the unpacked model's by float rounding;
+            your own calls to the model are untouched.
         """
         check_model(model)
         check_tokenizer(tokenizer)

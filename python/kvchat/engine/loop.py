@@ -93,6 +93,7 @@ class _Loop:
     def __init__(self, model, bridge, max_batch: int, max_step_tokens: int, min_shared_tokens: int):
         self.model = model
         self.packs = False  # whether this thread's forwards take packed weights (packed.py)
+        self.check_weights: Callable[[], None] = lambda: None  # PackedWeights.verify
         self.bridge = bridge
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.min_shared_tokens = max(1, min_shared_tokens)
@@ -170,12 +171,26 @@ class _Loop:
                     self._fail_all(RuntimeError("this SessionManager was closed mid-turn"))
                     self.thread = None
                     return
+                # Turns start with no row decoding or prefilling: the user may
+                # have changed weights since the last ones (rows that start
+                # beside running ones race the model's user anyway).
+                starts = not (self.batch.rows or self.prefilling) and bool(
+                    self.jobs or (self.incoming and self._room())
+                )
                 while self.incoming and self._room():
                     self.prefilling.append(self.incoming.popleft())
                 job = self.jobs.popleft() if self.jobs else None
                 idle = None
                 if job is None and not (self.batch.rows or self.prefilling) and self.idle:
                     idle = self.idle.popleft()
+            if starts and self.packs:
+                # Changed where no version counter sees it (packed.py ``verify``).
+                try:
+                    self.check_weights()
+                except Exception:  # no memory for a new copy: unpacked, never stale
+                    logger.exception("kvchat: packed weights could not be packed again")
+                    self.packs = False
+                    packed.on_this_thread(False)
             if job is not None:
                 self.counters["jobs_run_alone"] += 1
                 job.run()
@@ -484,6 +499,7 @@ class Engine:
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
         self._packed = packed.PackedWeights(model, pack_weights, compiled)
         self._loop.packs = self._packed.packs
+        self._loop.check_weights = self._packed.verify
         self._loop.batch.on_bytes = on_batch_bytes
         rope = length_dependent_rope(getattr(model, "config", None))
         # Why no turn of this model decodes in the batch (None: they do).

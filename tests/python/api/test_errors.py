@@ -317,6 +317,7 @@ README_ROWS = {
         "test_bad_constructor_arguments",
         "test_settling.py::test_settle_names_bad_arguments",
     ],
+    "`pack_weights` not": ["test_engine_packed.py::test_pack_weights_takes_auto_true_or_false"],
     "`settle()` with a history": ["test_settling.py::test_settle_refuses_what_chat_would"],
     "a call on a session in use": ["test_busy_session"],
     "`remove`/`clear` with a shared store": [

@@ -11,6 +11,11 @@ replies, packed by default, are asserted token for token in test_real_model.py.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +238,241 @@ def test_pack_weights_takes_auto_true_or_false(tokenizer, value):
     model = tiny_model("llama", dtype=torch.float32)
     with pytest.raises(ValueError, match=rf"pack_weights.*{value!r}"):
         SessionManager(model, tokenizer, pack_weights=value)
+
+
+def test_a_weight_changed_through_data_is_packed_again_before_the_next_turn(tokenizer):
+    """``weight.data.mul_(...)`` (peft's merge, an EMA copy) changes the bits
+    without the version counter: the engine still computes on the new ones,
+    in a layer it runs and in a whole reply."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(2))
+    before = _on_engine(manager, lambda: layer(x))
+    version = layer.weight._version
+    layer.weight.data.mul_(2)
+    layer.weight.data[3, 5] += 1  # one more element, alone
+    assert layer.weight._version == version  # what the fast check cannot see
+    after = _on_engine(manager, lambda: layer(x))
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _packed_product(x, layer.weight, None))
+    # A whole reply: a head of zeros scores every token alike, so greedy takes id 0.
+    manager.chat("s", [user_message(0)], max_new_tokens=3)
+    model.lm_head.weight.data.zero_()
+    manager.chat(
+        "s",
+        [user_message(0), {"role": "assistant", "content": "x"}, user_message(1)],
+        max_new_tokens=3,
+    )
+    assert set(manager.last_turn("s").output_ids) == {0}
+    manager.close()
+
+
+def test_model_weights_made_under_inference_mode_are_packed_and_followed(tokenizer):
+    with torch.inference_mode():
+        model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes > 0
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    layer = model.model.layers[1].mlp.up_proj
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():  # the only place an inference tensor changes
+        layer.weight.add_(1)
+    assert torch.equal(
+        _on_engine(manager, lambda: layer(x)), _packed_product(x, layer.weight, None)
+    )
+    manager.close()
+
+
+def test_a_packed_module_is_still_called_with_input_by_name(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(layer(input=x), F.linear(x, layer.weight))
+    assert torch.equal(
+        _on_engine(manager, lambda: layer(input=x)), _packed_product(x, layer.weight, None)
+    )
+    manager.close()
+
+
+def test_under_autocast_the_engine_computes_in_autocasts_dtype(tokenizer):
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(5))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    on_engine = _on_engine(manager, lambda: autocast(layer)(x))
+    with torch.no_grad():
+        here = autocast(layer)(x)
+    assert here.dtype == torch.bfloat16
+    assert on_engine.dtype == torch.bfloat16 and torch.equal(on_engine, here)
+    manager.close()
+
+
+def test_two_managers_never_use_an_old_copy_while_the_other_packs_again(tokenizer, monkeypatch):
+    """Two engines share one layer's copy; while the first packs a changed
+    weight again, the second runs the layer: on the new weight, not on the
+    old copy beside the new weight's marks."""
+    model = tiny_model("llama", dtype=torch.float32)
+    first = SessionManager(model, tokenizer, pack_weights=True)
+    second = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(6))
+    _on_engine(first, lambda: layer(x))
+    _on_engine(second, lambda: layer(x))
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    seen, started = [], []
+
+    def reorder_while_the_other_runs(weight, rows):
+        if threading.current_thread() is first._engine._loop.thread and not started:
+            started.append(True)
+            seen.append(_on_engine(second, lambda: layer(x)))
+        return reorder(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder_while_the_other_runs)
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    first._engine.run(lambda: layer(x))
+    monkeypatch.undo()
+    assert seen and torch.equal(seen[0], _packed_product(x, layer.weight, None))
+    first.close()
+    second.close()
+
+
+def test_a_model_in_use_can_be_deep_copied_and_pickled_as_a_plain_model(tokenizer):
+    """copy.deepcopy (an EMA or swa_utils copy) and pickle (torch.save) of a
+    model a manager packs: they work, the copy's layers compute as the
+    original's, the pickle names nothing of kvchat, and a manager on the copy
+    packs it and leaves it plain when closed."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    copied = copy.deepcopy(model)
+    payload = pickle.dumps(model)
+    assert b"kvchat" not in payload
+    loaded = pickle.loads(payload)
+    saved = io.BytesIO()
+    torch.save(model, saved)  # pickle's protocol 2
+    saved.seek(0)
+    assert isinstance(torch.load(saved, weights_only=False), type(model))
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for other in (copied, loaded):
+            layer = other.model.layers[0].mlp.up_proj
+            assert torch.equal(layer(x), model.model.layers[0].mlp.up_proj(x))
+    manager.close()
+    on_copy = SessionManager(copied, tokenizer, pack_weights=True)
+    assert on_copy.stats().packed_weight_bytes == manager_bytes(model)
+    on_copy.chat("s", [user_message(0)], max_new_tokens=2)
+    on_copy.close()
+    assert not any("forward" in m.__dict__ for m in _linears(copied))
+
+
+def manager_bytes(model):
+    return sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+
+
+def test_a_peft_adapter_merged_between_turns_reaches_the_engine(tokenizer):
+    """peft's merge_adapter adds the LoRA product to the base layer's weight
+    through ``.data`` (no version counter): the engine's next turn computes
+    the merged layer on the merged weight, as the user's own call does."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model("llama", dtype=torch.float32),
+        peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False),
+    )
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    wrapper = model.base_model.model.model.layers[0].mlp.down_proj
+    assert isinstance(wrapper.base_layer.__dict__.get("forward"), packed._PackedForward)
+    x = torch.randn(2, wrapper.in_features, generator=torch.Generator().manual_seed(8))
+    model.merge_adapter()
+    with torch.no_grad():
+        merged = F.linear(x, wrapper.base_layer.weight)
+        assert torch.allclose(wrapper(x), merged)  # the user's call: adapters merged
+    on_engine = _on_engine(manager, lambda: wrapper(x))
+    assert torch.equal(on_engine, _packed_product(x, wrapper.base_layer.weight, None))
+    assert torch.allclose(on_engine, merged, atol=1e-5)
+    manager.close()
+
+
+def test_a_weight_that_cannot_be_packed_again_runs_unpacked_not_stale(tokenizer, monkeypatch):
+    """The copy of a changed weight cannot be made (no memory): the engine
+    goes on with nn.Linear's product on the new weight, and the turn's
+    caller gets its answer."""
+    model = tiny_model("llama", dtype=torch.float32)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(9))
+    _on_engine(manager, lambda: layer(x))
+
+    def no_memory(weight, rows):
+        raise MemoryError("no room for another copy")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_memory)
+    layer.weight.data.mul_(2)
+    with torch.no_grad():
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
+    monkeypatch.undo()
+    manager.close()
+
+
+def test_onednn_turned_off_in_torch_is_not_used(tokenizer):
+    """torch.backends.mkldnn's flag off (a user avoiding oneDNN): no copy is
+    packed, and a manager built before the flag went off runs nn.Linear's
+    product while it is off."""
+    model = tiny_model("llama", dtype=torch.float32)
+    with torch.backends.mkldnn.flags(enabled=False):
+        manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes == 0
+    assert "torch.backends.mkldnn" in manager._engine._packed.why_not
+    manager.close()
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features, generator=torch.Generator().manual_seed(10))
+    with torch.backends.mkldnn.flags(enabled=False), torch.no_grad():
+        assert torch.equal(_on_engine(manager, lambda: layer(x)), F.linear(x, layer.weight))
+    manager.close()
+
+
+def test_bfloat16_is_not_packed_on_a_cpu_whose_onednn_has_no_bfloat16(tokenizer, monkeypatch):
+    """pack_weights=True on a CPU without oneDNN's bfloat16 (no avx512bw/vl/dq):
+    the manager is built and answers, with the bfloat16 layers unpacked,
+    instead of raising oneDNN's error from the constructor."""
+    model = tiny_model("llama", dtype=torch.bfloat16)  # first: its imports read the real ops
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+
+    def reorder_as_that_cpu(weight, rows):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
+        return reorder(weight, rows)
+
+    # What torch.ops.mkldnn._is_mkldnn_bf16_supported() says there.
+    monkeypatch.setattr(packed, "_bfloat16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", reorder_as_that_cpu)
+    manager = SessionManager(model, tokenizer, pack_weights=True)
+    assert manager.stats().packed_weight_bytes == 0
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    manager.close()
+
+
+def test_a_manager_that_cannot_pack_every_layer_leaves_none_packed(tokenizer, monkeypatch):
+    """The third copy cannot be made (no memory): SessionManager raises it,
+    and the two layers packed before it are left plain, not packed for good
+    with no manager to remove them."""
+    model = tiny_model("llama", dtype=torch.float32)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    made = []
+
+    def third_fails(weight, rows):
+        if len(made) == 2:
+            raise MemoryError("no room for another copy")
+        made.append(weight)
+        return reorder(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", third_fails)
+    with pytest.raises(MemoryError):
+        SessionManager(model, tokenizer, pack_weights=True)
+    assert len(made) == 2
+    assert not any("forward" in m.__dict__ for m in _linears(model))
