@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--pack-weights", choices=["auto", "all", "off", "both"], default="off")
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
@@ -148,6 +149,52 @@ def main() -> None:
             line += f"   unpacked: {entry['unpacked_step_ms']:7.1f}"
         result["sweep"].append(entry)
         print(line)
+    # The matrix products themselves: each distinct linear layer shape of the
+    # model, nn.Linear's product against oneDNN's on the packed weight.
+    result["products"] = []
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    on_cpu = packed.available() and str(args.device) == "cpu"
+    shapes = {tuple(m.weight.shape): m for m in linears} if on_cpu else {}
+    print("\nlinear layers, us per product at 1 / 4 / 8 rows: nn.Linear's, then packed")
+    for shape, module in sorted(shapes.items()):
+        weight = module.weight.detach()
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight, packed.ROWS_HINT)
+        entry = dict(shape=list(shape), plain_us=[], packed_us=[])
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, shape[1], dtype=weight.dtype, device=weight.device)
+            repeats = 20 if weight.numel() > 1 << 24 else 200
+            plain = functools.partial(torch.nn.functional.linear, x, weight)
+            fast = functools.partial(
+                torch.ops.mkldnn._linear_pointwise, x, reordered, None, "none", [], ""
+            )
+            entry["plain_us"].append(timed(plain, repeats) * 1e3)
+            entry["packed_us"].append(timed(fast, repeats) * 1e3)
+        result["products"].append(entry)
+        plain_us = " / ".join(f"{us:.0f}" for us in entry["plain_us"])
+        packed_us = " / ".join(f"{us:.0f}" for us in entry["packed_us"])
+        print(f"  {shape[0]:>6} x {shape[1]:<5} {plain_us:>20}   {packed_us:>20}")
+    # Prompts that arrive together prefill in one forward (engine/prompts.py):
+    # what N prompts of --prompt-tokens cost against one, on this machine.
+    result["prompts"] = []
+    tokens = args.prompt_tokens
+    print(
+        f"\nprompts of {tokens} tokens in one forward, no cache, ms (and against the first line):"
+    )
+    single = None
+    for rows in args.sweep:
+        ids = torch.randint(
+            100, 1000, (rows, tokens), generator=torch.Generator().manual_seed(rows)
+        )
+        ids = ids.to(model.device)
+
+        def forward(ids=ids):
+            with torch.no_grad():
+                model(input_ids=ids, logits_to_keep=1)
+
+        ms = timed(forward, max(3, args.steps // 4))
+        single = single or ms
+        result["prompts"].append(dict(rows=rows, tokens=tokens, forward_ms=ms))
+        print(f"  {rows:>3} prompts: {ms:7.1f}  ({ms / single:4.2f}x)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"batch-layout-{args.model}-{args.device}.json"

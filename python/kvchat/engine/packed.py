@@ -2,10 +2,10 @@
 engine's thread, on a CPU.
 
 Why: this torch's default CPU matrix product (MKL) over a few rows costs far
-more than over one: SmolLM2's 576x1536 projection takes 72 us for one row and
-175 us for four, its 49,152-token output head 10 ms and 17 ms. oneDNN's
-linear over weights reordered once for it takes about 55 us and 4 ms at four
-rows, and no more at one. So the batched decode step, whose cost is mostly
+more than over one: SmolLM2's 1536x576 projection takes 70 us for one row and
+175 us for four, its 49,152-token output head 9.7 ms and 14.9 ms. oneDNN's
+linear over weights reordered once for it takes 45 and 61 us, 3.2 and 2.6 ms
+(``benchmarks/batch_layout.py``). So the batched decode step, whose cost is mostly
 these products, costs about what a lone row's does (RESULTS §27).
 
 What it costs: a copy of each packed weight, held while a manager uses the
@@ -159,7 +159,8 @@ def _bits(weight: torch.Tensor) -> int:
     each row (at most 4,096 rows), so that a change to the whole weight (a
     checkpoint written through ``.data``, an adapter merged) or to any
     column moves it. Summing every element would cost about a decode step
-    each time turns start (SmolLM2: 20 ms); these picks, about 2 ms. A change
+    each time turns start (SmolLM2: 20 ms); these picks, about 6 ms for its
+    151 packed weights. A change
     to a few elements can go unseen: a changed weight needs a new manager
     anyway, as its sessions' caches do (docs/how-it-works.md)."""
     flat = weight.detach().reshape(-1)
@@ -195,6 +196,15 @@ def _eligible(module: nn.Module, dtypes, min_elements: int) -> bool:
 
 
 def _available_bytes() -> int | None:
+    """Memory available for a new copy: Linux's MemAvailable (free memory
+    plus the page cache it can drop), else the free pages, else unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -245,6 +255,12 @@ class PackedWeights:
             raise
         if not self.forwards:
             self.why_not = "no linear layer qualifies"
+        else:
+            logger.info(
+                "kvchat: %d linear layers run on weights packed for oneDNN (%d bytes)",
+                len(self.forwards),
+                self.nbytes,
+            )
 
     @staticmethod
     def _why_not(model, pack_weights: bool | str, compiled: bool) -> str | None:
