@@ -20,6 +20,7 @@ from . import _C
 from .arguments import check_path, check_session_id
 from .bridge.layout import ModelLayout
 from .conversation import as_dicts, core_messages
+from .engine.threads import normal_tensors
 from .prompting import validate_messages
 from .report import ManagerStats, SessionInfo, TurnReport
 from .tiers.session_file import SessionFileError, read_session, write_session
@@ -226,7 +227,8 @@ class SessionAdmin:
         path = check_path(path)
         if not path.is_file():
             raise FileNotFoundError(f"path {str(path)!r} is not a file")
-        saved = read_session(path, self._fingerprint, self._model.device, self._bridge.layout)
+        with normal_tensors():  # the engine updates them in place (engine/threads.py)
+            saved = read_session(path, self._fingerprint, self._model.device, self._bridge.layout)
         try:
             messages = validate_messages(saved.messages) if saved.messages else []
             if saved.state is not None:

@@ -35,6 +35,7 @@ from .arguments import ContextLengthError
 from .bridge.windows import WindowCheckpoints
 from .conversation import SendBack, as_dicts, core_messages
 from .engine import decoding_method, seeded, seeded_generator, stop_strings_as_criteria
+from .engine.threads import normal_tensors
 from .generate_args import GenerateArgs
 from .prediction import predicted_prefix
 from .prefill import FeedOnlyTail, PromptEndSnapshot
@@ -174,12 +175,13 @@ class TurnPath:
                 "processor or stopping criterion of another turn called the manager); "
                 "start it from another thread"
             )
-        try:
-            with self._engine.expect(self._share_scope(request.session_id)):
-                return self._run(request)
-        except _RunAgain as again:  # refused before its first token: run it plain
-            refused = again.forward_refuses
-        outcome = self._run(request, refused)
+        with normal_tensors():
+            try:
+                with self._engine.expect(self._share_scope(request.session_id)):
+                    return self._run(request)
+            except _RunAgain as again:  # refused before its first token: run it plain
+                refused = again.forward_refuses
+            outcome = self._run(request, refused)
         if self._forward_refuses_cache is None:
             # Plain generate ran that forward: so will every later turn.
             self._forward_refuses_cache = refused

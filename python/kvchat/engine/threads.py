@@ -1,4 +1,5 @@
-"""What a caller's thread has that the engine's thread must be given: autocast."""
+"""What a caller's thread has that the engine's thread must be given
+(autocast), and what it must not hand over (inference tensors)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def with_callers_autocast(run: Callable[[], object]) -> Callable[[], object]:
             return run()
 
     return under_autocast
+
+
+@contextlib.contextmanager
+def normal_tensors():
+    """Within: tensors made on this thread are normal ones, even under the
+    caller's ``torch.inference_mode()``. The caches and checkpoints a turn
+    builds here are updated in place on the engine's thread, which is not in
+    inference mode, and an inference tensor refuses that."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
