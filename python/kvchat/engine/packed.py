@@ -53,6 +53,9 @@ AUTO_DTYPES = (torch.float32,)
 DTYPES = (torch.float32, torch.bfloat16)
 
 _thread = threading.local()
+# Installing and removing forwards, and their users counts: managers of one
+# model may be built or closed on several threads at once.
+_INSTALL = threading.RLock()  # reentrant: a collected engine may release inside an install
 
 
 def on_this_thread(packs: bool) -> None:
@@ -240,19 +243,20 @@ class PackedWeights:
             )
             logger.info("kvchat: weights not packed: %s", self.why_not)
             return
-        try:
-            for module in modules:
-                forward = module.__dict__.get("forward")
-                if not isinstance(forward, _PackedForward):
-                    forward = _PackedForward(module)
-                    module.forward = forward
-                else:  # another manager's, shared: its weights may have changed since
-                    forward.verify()
-                forward.users += 1
-                self.forwards.append(forward)
-        except BaseException:  # no engine will hold these to release them
-            self.release()
-            raise
+        with _INSTALL:
+            try:
+                for module in modules:
+                    forward = module.__dict__.get("forward")
+                    if not isinstance(forward, _PackedForward):
+                        forward = _PackedForward(module)
+                        module.forward = forward
+                    else:  # another manager's, shared: its weights may have changed since
+                        forward.verify()
+                    forward.users += 1
+                    self.forwards.append(forward)
+            except BaseException:  # no engine will hold these to release them
+                self._release_locked()
+                raise
         if not self.forwards:
             self.why_not = "no linear layer qualifies"
         else:
@@ -294,6 +298,10 @@ class PackedWeights:
     def release(self) -> None:
         """Removes this engine's forwards: the modules run as before, and
         the copies are freed, once no other engine uses them."""
+        with _INSTALL:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
         for forward in self.forwards:
             forward.users -= 1
             if forward.users == 0 and forward.module.__dict__.get("forward") is forward:

@@ -476,3 +476,36 @@ def test_a_manager_that_cannot_pack_every_layer_leaves_none_packed(tokenizer, mo
         SessionManager(model, tokenizer, pack_weights=True)
     assert len(made) == 2
     assert not any("forward" in m.__dict__ for m in _linears(model))
+
+
+def test_managers_built_at_once_on_threads_share_one_copy(tokenizer, monkeypatch):
+    """Two managers of one model built on two threads at once: each layer is
+    packed once and both use that copy (before, each packed its own and the
+    later one replaced the earlier's on the module, two copies held)."""
+    import time
+
+    model = tiny_model("llama", dtype=torch.float32)
+    pack = packed._PackedForward._pack
+
+    def slow_pack(self, weight):  # widens the window between looking and installing
+        time.sleep(0.002)
+        pack(self, weight)
+
+    monkeypatch.setattr(packed._PackedForward, "_pack", slow_pack)
+    managers = [None, None]
+
+    def build(k):
+        managers[k] = SessionManager(model, tokenizer, pack_weights=True)
+
+    threads = [threading.Thread(target=build, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first, second = (m._engine._packed.forwards for m in managers)
+    installed = [m.__dict__["forward"] for m in _linears(model)]
+    assert [id(f) for f in first] == [id(f) for f in second] == [id(f) for f in installed]
+    assert all(f.users == 2 for f in installed)
+    for manager in managers:
+        manager.close()
+    assert not any("forward" in m.__dict__ for m in _linears(model))
