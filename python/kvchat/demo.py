@@ -135,7 +135,11 @@ def replay(
         )
         messages.append({"role": "assistant", "content": reply})
     layer_classes = manager._bridge.layer_classes
-    return Replay(family, layer_classes, rows, manager.stats())
+    stats = manager.stats()
+    # Its engine and settle threads end here, not while the interpreter
+    # exits: a thread still in torch then aborts the process.
+    manager.close()
+    return Replay(family, layer_classes, rows, stats)
 
 
 def format_conversation(rows: list[DemoRow]) -> str:

@@ -93,6 +93,7 @@ class _Loop:
     def __init__(self, model, bridge, max_batch: int, max_step_tokens: int, min_shared_tokens: int):
         self.model = model
         self.packs = False  # whether this thread's forwards take packed weights (packed.py)
+        self.release_weights: Callable[[], None] = lambda: None  # PackedWeights.release
         self.check_weights: Callable[[], None] = lambda: None  # PackedWeights.verify
         self.bridge = bridge
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
@@ -132,6 +133,11 @@ class _Loop:
     def submit(self, queue: collections.deque, item) -> None:
         with self.cond:
             if self.thread is None:  # the first turn, or the first after close()
+                if _EXITING.is_set():
+                    # A settle handed over after _close_all would start a
+                    # thread in the model while the interpreter tears it
+                    # down (oneDNN's state: "terminate called", an abort).
+                    raise RuntimeError("the interpreter is exiting: the engine takes no work")
                 self.closed = False
                 self.thread = threading.Thread(target=self.work, name="kvchat-engine", daemon=True)
                 self.thread.start()
@@ -471,10 +477,15 @@ def _graph_trees_for_this_thread(model) -> None:
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+_EXITING = threading.Event()  # set at interpreter exit: no engine thread starts again
+
+
 @atexit.register
 def _close_all() -> None:  # a thread inside the model at interpreter exit aborts it
+    _EXITING.set()
     for loop in list(_LIVE):
         loop.close()
+        loop.release_weights()  # oneDNN's copies freed while the interpreter still runs
 
 
 class Engine:
@@ -499,6 +510,7 @@ class Engine:
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
         self._packed = packed.PackedWeights(model, pack_weights, compiled)
         self._loop.packs = self._packed.packs
+        self._loop.release_weights = self._packed.release
         self._loop.check_weights = self._packed.verify
         self._loop.batch.on_bytes = on_batch_bytes
         rope = length_dependent_rope(getattr(model, "config", None))

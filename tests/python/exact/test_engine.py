@@ -342,3 +342,24 @@ def test_a_turn_started_from_the_engines_thread_is_refused_by_name(tokenizer):
     expected = reference_turn(model, tokenizer, conversation(2), 6)[2]
     assert manager.last_turn("after").output_ids == expected
     manager.close()
+
+
+def test_no_engine_thread_starts_once_the_interpreter_exits(tokenizer, monkeypatch):
+    """After atexit closed every engine, work handed over (a settle, a turn
+    on a daemon thread) must not start a thread in the model while the
+    interpreter tears it down: it is refused by name instead."""
+    import threading as _threading
+
+    from kvchat.engine import loop
+
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    exiting = _threading.Event()
+    exiting.set()
+    monkeypatch.setattr(loop, "_EXITING", exiting)
+    with pytest.raises(RuntimeError, match="interpreter is exiting"):
+        manager.chat("s", [user_message(0)], max_new_tokens=2)
+    assert manager._engine._loop.thread is None
+    monkeypatch.setattr(loop, "_EXITING", _threading.Event())
+    manager.chat("s", [user_message(0)], max_new_tokens=2)  # and the manager goes on
+    manager.close()
