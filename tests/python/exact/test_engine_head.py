@@ -46,7 +46,9 @@ def test_the_head_sees_four_rows_and_the_replies_stay_exact(rows):
     # Every decode step of several rows (one token each): the head took four
     # rows, and the engine got back one row of logits per conversation.
     assert len(heads) == len(forwards)
-    steps = [(tuple(shape), logits, took) for (shape, logits), took in zip(forwards, heads)]
+    steps = [
+        (tuple(shape), logits, took) for (shape, logits), took in zip(forwards, heads, strict=True)
+    ]
     batched = [step for step in steps if step[0][1] == 1 and step[0][0] > 1]
     assert any(shape[0] == rows for shape, _, _ in batched), steps
     assert all(took == 4 and logits == shape[0] for shape, logits, took in batched), steps
