@@ -67,7 +67,12 @@ class CompiledDecode:
         self._turns_lock = threading.Lock()
         # What torch.compile did in compiled turns and warm-ups (compile_watch.py).
         self._compiled = dict(compiles=0, recompiles=0, compile_ms=0.0, cuda_graph_records=0)
-        self._capacities: set[int] = set()  # those a turn or a warm-up decoded in
+        self._capacities: set = set()  # those a turn or a warm-up decoded in
+        # The decode batch's compiled forward (``batch_forward``), built at its first use.
+        self._batch_forward = None
+        self._warming = (
+            False  # a warm-up runs: batch steps compiling are not turns' (engine thread)
+        )
         # The model's own (generation_config.json's): read at each turn, as generate does.
         self._model_generation_config = generation_config
         if self.enabled and static_problem is not None:
@@ -95,6 +100,34 @@ class CompiledDecode:
         if config is None:
             config = getattr(base, "compile_config", None)
         return compile_everywhere(config)
+
+    def batches(self, kwargs: dict) -> bool:
+        """Whether this turn decodes in the engine's compiled batch: the
+        manager compiles, and the turn neither turns it off nor brings its
+        own ``CompileConfig`` (that one decodes alone, in a pooled
+        ``StaticCache``, as generate would), nor asks for generate's returned
+        dict (a cache returned with it is the pool's)."""
+        return (
+            self.enabled
+            and self.config_for(kwargs) is not None
+            and kwargs.get("compile_config") is None
+            and not kwargs.get("return_dict_in_generate")
+        )
+
+    def batch_forward(self, model, kwargs: dict, shape: tuple[int, int]):
+        """The decode batch's step (engine/batch.py, a static batch of
+        ``shape``, rows by columns): ``model(**kwargs)`` compiled with the
+        manager's config, what it compiled counted as a turn's is. One
+        ``torch.compile`` for every shape: the first shape compiles, the next
+        ones once more with the rows and the columns as dynamic sizes, and no
+        later shape compiles again (a batch of one row is its own: dynamo
+        specializes sizes of 1)."""
+        if self._batch_forward is None:
+            self._batch_forward = torch.compile(_forward, **self.config_for({}).to_dict())
+        label = f"{shape[0]} rows x {shape[1]} columns"
+        return self.watched(
+            shape, lambda: self._batch_forward(model, kwargs), self._warming, label
+        )()
 
     def record_turn(self) -> None:
         with self._turns_lock:
@@ -153,7 +186,9 @@ class CompiledDecode:
         if config is None:
             logger.warning("kvchat: warm_up: this manager decodes eagerly; nothing to compile")
             return []
-        token = _ordinary_token(model)
+        if engine.model_problem is None:  # turns decode in the engine's batch
+            return self._warm_up_batch(engine, capacities, bridge.static_pool)
+        token = ordinary_token(model)
         done = []
         for capacity in capacities:
             prompts = [WARM_UP_TOKENS] + [
@@ -188,22 +223,39 @@ class CompiledDecode:
             done.append(cache.layers_capacity)
         return done
 
-    def watched(self, capacity: int, fn, warming: bool = False):
-        """``fn`` (a compiled decode in a cache of ``capacity``), counting what
-        it compiles on the thread that runs it: into ``stats()``, and a log
-        line when it compiled (a warning if this capacity had run before,
-        unless ``warming``: a warm-up's generates)."""
+    def _warm_up_batch(self, engine, capacities: list[int], pool) -> list[int]:
+        """``warm_up`` for a manager whose turns decode in the engine's batch:
+        its step for every row count it can hold, in each of ``capacities``
+        columns (a batch of rows as long as a capacity's turns has as many)."""
+        done = []
+        self._warming = True
+        try:
+            for capacity in capacities:
+                engine.warm_up_batch(self, capacity, WARM_UP_TOKENS, WARM_UP_TOKENS)
+                done.append(capacity)
+        except torch._dynamo.exc.TorchDynamoException:
+            self.failed(pool)  # as a turn whose compile fails
+            raise
+        finally:
+            self._warming = False
+        return done
+
+    def watched(self, capacity, fn, warming: bool = False, label: str | None = None):
+        """``fn`` (a compiled decode in a cache of ``capacity``, or a batch
+        step of a shape), counting what it compiles on the thread that runs
+        it: into ``stats()``, and a log line when it compiled (a warning if
+        this capacity had run before, unless ``warming``: a warm-up's)."""
 
         def run():
             with CompileWatch() as watch:
                 try:
                     return fn()
                 finally:
-                    self._record(capacity, watch, warming)
+                    self._record(capacity, watch, warming, label or f"capacity {capacity}")
 
         return run
 
-    def _record(self, capacity: int, watch: CompileWatch, warming: bool) -> None:
+    def _record(self, capacity, watch: CompileWatch, warming: bool, label: str) -> None:
         with self._turns_lock:
             seen = capacity in self._capacities and not warming
             self._capacities.add(capacity)
@@ -216,17 +268,17 @@ class CompiledDecode:
             return
         if seen:  # a shape already run compiled again: what should never happen
             logger.warning(
-                "kvchat: compiled the decode again for capacity %d, which had run before, "
+                "kvchat: compiled the decode again for %s, which had run before, "
                 "in %.1f s (%d graphs, %d recompiles; TORCH_LOGS=recompiles says why)",
-                capacity,
+                label,
                 watch.seconds,
                 watch.compiles,
                 watch.recompiles,
             )
         else:
             logger.info(
-                "kvchat: compiled the decode for capacity %d in %.1f s (%d graphs, %d recompiles)",
-                capacity,
+                "kvchat: compiled the decode for %s in %.1f s (%d graphs, %d recompiles)",
+                label,
                 watch.seconds,
                 watch.compiles,
                 watch.recompiles,
@@ -253,6 +305,13 @@ class CompiledDecode:
         return capacity
 
 
+def _forward(model, kwargs: dict):
+    """What the decode batch compiles: its own function, so that its graphs
+    and recompile limit are not those of ``model.__call__`` that generate
+    compiles for a turn decoding alone."""
+    return model(**kwargs)
+
+
 def _windows(bridge, capacity: int) -> set[int]:
     """The sliding-window layers' windows in a cache of ``capacity``."""
     cache = bridge.to_static_cache([], capacity)
@@ -266,7 +325,7 @@ def _windows(bridge, capacity: int) -> set[int]:
         bridge.give_back(cache)
 
 
-def _ordinary_token(model) -> int:
+def ordinary_token(model) -> int:
     """A token id that is no special token of the model (no padding, which
     generate would mask, and no end of sequence)."""
     config = model.generation_config

@@ -212,7 +212,7 @@ class SessionManager(SessionAdmin):
             on_batch_bytes=self._core.set_reserved_bytes,
             min_shared_tokens=options.min_shared_tokens,
             pack_weights=pack_weights,
-            compiled=self._compiled.requested,
+            compiled=self._compiled,
         )
         self._settler = Settler(
             self._core,

@@ -344,6 +344,17 @@ class TurnPath:
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
         compile_config = self._compiled.config_for(kwargs)
+        batches = self._engine.model_problem is None
+        # Decoded by the engine's batch, whose steps the manager's config compiles.
+        in_batch = batches and compile_config is not None and self._compiled.batches(kwargs)
+        # A turn that turned compiling off decodes alone rather than in that batch.
+        alone = (
+            "disable_compile"
+            if batches and self._compiled.enabled and compile_config is None
+            else None
+        )
+        if in_batch:
+            compile_config = None
         if compile_config is None:
             # Consumed: a buffer that moves to a larger arena frees the old one.
             cache = bridge.to_cache(plan.take_layers(), reserve=plan.reserve)
@@ -367,7 +378,7 @@ class TurnPath:
                         why="compiled decode",
                     )
                 else:
-                    run = self._run_on(cache, plan, model_input, kwargs, seed)
+                    run = self._run_on(cache, plan, model_input, kwargs, seed, alone)
             except _DYNAMO_ERRORS as error:
                 if timer.first_at is None:
                     # Before the first token: not kvchat's compiled decode
@@ -380,11 +391,11 @@ class TurnPath:
                     if isinstance(error, _CANNOT_TRACE):
                         raise _RunAgain(_first_line(error)) from error
                     raise
-                if pooled:  # kvchat's compiled decode failed
+                if pooled or in_batch:  # kvchat's compiled decode failed
                     pooled = False
                     self._compiled.failed(bridge.static_pool)  # eager from now on
                 raise
-            if pooled:
+            if pooled or in_batch:
                 self._compiled.record_turn()
             returned = not isinstance(run.output, torch.Tensor) and (
                 run.output.get(bridge.cache_argument) is cache
@@ -397,9 +408,12 @@ class TurnPath:
             bridge.detach_recurrent(cache)
         return run
 
-    def _run_on(self, cache, plan, model_input, kwargs, seed: int | None = None) -> ModelRun:
+    def _run_on(
+        self, cache, plan, model_input, kwargs, seed: int | None = None, alone: str | None = None
+    ) -> ModelRun:
         """Prefills to each checkpoint (or reads them off generate's forward,
-        ``WindowCheckpoints``), runs generate on ``cache``, reads it back."""
+        ``WindowCheckpoints``), runs generate on ``cache``, reads it back;
+        ``alone``: why the decode must run alone, not in the batch."""
         prompt_tokens = model_input.shape[-1]
         bridge = self._bridge
         positions = plan.checkpoint_positions
@@ -443,6 +457,7 @@ class TurnPath:
                     stops=stops,
                     checkpoints=checkpoints,  # filled at each stop
                     prefill=self._prefill,
+                    alone=alone,
                 ),
             )
             feed_only_tail = contextlib.nullcontext()

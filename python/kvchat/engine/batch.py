@@ -42,6 +42,7 @@ from transformers.cache_utils import (
 )
 
 from ..bridge.layers import recurrent_slots
+from ..bridge.static_cache import bucket
 
 logger = logging.getLogger("kvchat")
 
@@ -49,12 +50,14 @@ _HEADROOM = 128  # columns added past the longest row when the buffers are (re)b
 
 
 class _Geometry:
-    """What every batched layer shares: rows in use, and columns [lo, hi)."""
+    """What every batched layer shares: rows in use, and columns [lo, hi);
+    in a static batch also ``hi`` as a tensor, which its step writes at."""
 
-    __slots__ = ("rows", "lo", "hi")
+    __slots__ = ("rows", "lo", "hi", "hi_t")
 
     def __init__(self):
         self.rows = self.lo = self.hi = 0
+        self.hi_t: torch.Tensor | None = None
 
 
 class _PaddedAttention:
@@ -99,13 +102,40 @@ class _PaddedAttention:
         raise NotImplementedError("rows join a decode batch through DecodeBatch.join")
 
 
-_CLASSES: dict[type, type] = {}
+class _StaticPaddedAttention(_PaddedAttention):
+    """The compiled batch's attention layer: the same buffers and columns,
+    but every forward sees the same shapes (what a compiled step and a CUDA
+    graph need). It writes the new column at a position tensor (``hi_t``) and
+    returns every row and column of the buffers; the mask hides the columns
+    a row has not written, a sliding layer's window included (the model's
+    mask code draws it over the columns from the position)."""
+
+    is_compileable = True  # the model's mask code then never looks at the mask's values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        position = self._geo.hi_t.reshape(1)
+        self.kbuf.index_copy_(2, position, key_states)
+        self.vbuf.index_copy_(2, position, value_states)
+        self.keys, self.values = self.kbuf, self.vbuf
+        return self.kbuf, self.vbuf
+
+    def get_seq_length(self):
+        # A tensor, as a StaticLayer's: a compiled step must not specialize on it.
+        return self._geo.hi_t
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kbuf.shape[2], 0
 
 
-def _batched_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Batched{cls.__name__}", (_PaddedAttention, cls), {})
-    return _CLASSES[cls]
+_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _batched_class(cls: type, static: bool) -> type:
+    if (cls, static) not in _CLASSES:
+        mixin = _StaticPaddedAttention if static else _PaddedAttention
+        prefix = "StaticBatched" if static else "Batched"
+        _CLASSES[cls, static] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _CLASSES[cls, static]
 
 
 def unsupported_layer(cache) -> str | None:
@@ -212,16 +242,26 @@ class DecodeBatch:
         self.rows: list = []  # DecodeRow, by slot
         self._cache = None
         self._geo = _Geometry()
+        # The manager's ``CompiledDecode`` (compiled.py) when it compiles;
+        # buffers allocated while it is enabled are static
+        # (``_StaticPaddedAttention``) until freed, and its steps compiled.
+        self.compiled = None
+        self.static = False
 
     # ------------------------------------------------------------ layout
-    def _allocate(self, template, row_capacity: int, columns: int) -> None:
-        """Empty buffers shaped after ``template`` (a row's cache)."""
+    def _allocate(
+        self, template, row_capacity: int, padded: int, columns: int | None = None
+    ) -> None:
+        """Empty buffers shaped after ``template`` (a row's cache), with room
+        for ``padded`` columns and headroom (or exactly ``columns``)."""
         cache = self._new_cache()
+        self.static = self.compiled is not None and self.compiled.enabled
+        columns = columns or self._columns_for(padded)
         self._attention, self._recurrent = [], []  # (layer index) / (layer index, kind, idx)
         for index, (layer, source) in enumerate(zip(cache.layers, template.layers, strict=True)):
             if _attention(source):
                 keys, values = source.keys, source.values
-                batched = object.__new__(_batched_class(type(layer)))
+                batched = object.__new__(_batched_class(type(layer), self.static))
                 batched.__dict__.update(layer.__dict__)
                 cache.layers[index] = layer = batched
                 layer._geo = self._geo
@@ -247,9 +287,26 @@ class DecodeBatch:
         self._cache = cache
         self._columns, self._row_capacity = columns, row_capacity
         self._mask = torch.zeros((row_capacity, columns), dtype=torch.long, device=device)
-        self._positions = torch.zeros(row_capacity, dtype=torch.long, device=device)
-        self._tokens = torch.zeros(row_capacity, dtype=torch.long, device=device)
+        self._positions = torch.zeros((row_capacity, 1), dtype=torch.long, device=device)
+        self._tokens = torch.zeros((row_capacity, 1), dtype=torch.long, device=device)
+        if self.static:
+            self._geo.hi_t = torch.zeros((), dtype=torch.long, device=device)
+            self._mark_static()
         self._report()
+
+    def _columns_for(self, padded: int) -> int:
+        """Room for ``padded`` columns and headroom: a static batch's from the
+        compiled decode's buckets, so its shapes (and graphs) recur."""
+        if self.static:
+            return bucket(padded + _HEADROOM)
+        return padded + max(_HEADROOM, padded // 2)
+
+    def _mark_static(self) -> None:
+        """A static batch's tensors keep their addresses from step to step:
+        said to torch.compile, so CUDA graphs replay on them without copies."""
+        for buffer, _ in self._buffers():
+            torch._dynamo.mark_static_address(buffer)
+        torch._dynamo.mark_static_address(self._geo.hi_t)
 
     def _buffers_of(self, cache):
         """The layers' per-row buffers, each with its column dim (None: none)."""
@@ -272,7 +329,7 @@ class DecodeBatch:
         """New buffers of ``row_capacity`` rows and room for ``padded`` columns
         plus headroom, the rows copied in ending at the new ``hi``."""
         geo, old = self._geo, list(self._buffers())
-        columns = padded + max(_HEADROOM, padded // 2)
+        columns = self._columns_for(padded)
         used = geo.hi - geo.lo
         # The recurrent buffers are replaced in place in their layers below.
         replaced = []
@@ -304,6 +361,8 @@ class DecodeBatch:
         self._columns, self._row_capacity = columns, row_capacity
         geo.lo, geo.hi = padded - used, padded
         self._link()
+        if self.static:
+            self._mark_static()
         self._report()
 
     def _report(self) -> None:
@@ -320,10 +379,20 @@ class DecodeBatch:
         self._reported = nbytes
 
     def _link(self) -> None:
-        """Points the layers' recurrent states at the rows in use."""
-        rows = self._geo.rows
+        """Points the layers' recurrent states at the rows in use (a static
+        batch's forward runs every row)."""
+        rows = self._row_capacity if self.static else self._geo.rows
         for index, kind, i, buffer in self._recurrent:
             getattr(self._cache.layers[index], f"{kind}_states")[i] = buffer[:rows]
+
+    def shape(self, template, rows: int, columns: int, length: int) -> None:
+        """An empty batch's buffers, made for ``rows`` rows of ``length``
+        tokens (each cache like ``template``) in ``columns`` columns: a
+        warm-up's, so that its steps run the shape it compiles for."""
+        if self._cache is not None:
+            raise RuntimeError("only an empty batch is shaped")
+        self._allocate(template, rows, length, columns)
+        self._geo.rows, self._geo.lo, self._geo.hi = 0, length, length
 
     # ------------------------------------------------------------ rows
     def join(self, row) -> None:
@@ -331,7 +400,7 @@ class DecodeBatch:
         length, cache = row.length, row.cache
         geo = self._geo
         if self._cache is None:
-            self._allocate(cache, 1, length + max(_HEADROOM, length // 2))
+            self._allocate(cache, 1, length)
             geo.rows, geo.lo, geo.hi = 0, length, length
         full = geo.rows == self._row_capacity
         if full or length > geo.hi:  # rows or left columns run out: rebuilt, rarely
@@ -354,7 +423,8 @@ class DecodeBatch:
                 buffer[slot, :, geo.hi - n : geo.hi] = part[0]
         for index, kind, i, buffer in self._recurrent:
             buffer[slot] = getattr(cache.layers[index], f"{kind}_states")[i][0]
-        self._mask[slot, geo.lo : start] = 0
+        # The whole row: a static step reads every column of the mask.
+        self._mask[slot, :start] = 0
         self._mask[slot, start : geo.hi] = 1
         self._positions[slot] = length
         self._tokens[slot] = row.ids[0, -1]
@@ -386,8 +456,8 @@ class DecodeBatch:
             for buffer, column_dim in self._buffers():
                 if column_dim == 2:
                     buffer[slot, :, geo.lo : geo.hi] = buffer[last, :, geo.lo : geo.hi]
-                elif column_dim == 1:
-                    buffer[slot, geo.lo : geo.hi] = buffer[last, geo.lo : geo.hi]
+                elif column_dim == 1:  # the whole mask row (see join)
+                    buffer[slot] = buffer[last]
                 else:
                     buffer[slot] = buffer[last]
             self.rows[slot] = moved
@@ -396,17 +466,23 @@ class DecodeBatch:
         row.slot = None
         geo.rows -= 1
         if not self.rows:  # nothing decodes: the memory goes back
-            self._cache = None
-            self._attention, self._recurrent = [], []
-            self._mask = self._positions = self._tokens = None
-            self._report()
+            self._free()
             return
         # The padding every row now has on its left is dropped from the mask.
         geo.lo = max(geo.lo, geo.hi - max(r.length for r in self.rows))
+        if self.static and geo.rows <= self._row_capacity // 4:
+            # A static step runs every row it has room for: fewer, once most left.
+            self._rebuild(1 << (geo.rows - 1).bit_length(), geo.hi - geo.lo)
         self._link()
 
+    def _free(self) -> None:
+        self._cache = None
+        self._attention, self._recurrent = [], []
+        self._mask = self._positions = self._tokens = self._geo.hi_t = None
+        self._report()
+
     def set_token(self, row, token: torch.Tensor) -> None:
-        self._tokens[row.slot] = token.reshape(())
+        self._tokens[row.slot] = token.reshape(1)
 
     # ------------------------------------------------------------ the step
     def step(self, model, extra: dict) -> torch.Tensor:
@@ -415,29 +491,50 @@ class DecodeBatch:
         if geo.hi == self._columns:
             self._rebuild(self._row_capacity, geo.hi - geo.lo)
         rows = geo.rows
-        self._mask[:rows, geo.hi] = 1
         kwargs = {self._argument: self._cache, "use_cache": True, **extra}
-        # No row padded: no mask, as generate passes none (and the model's
-        # mask code then needs no look at it, a device sync on a GPU).
-        padded = any(row.length < geo.hi - geo.lo for row in self.rows)
-        if self._takes_mask and padded:
-            kwargs["attention_mask"] = self._mask[:rows, geo.lo : geo.hi + 1]
-        if self._takes_positions:
-            kwargs["position_ids"] = self._positions[:rows, None]
-        with _head_rows_padded(model, rows):
-            outputs = model(input_ids=self._tokens[:rows, None], return_dict=True, **kwargs)
+        if self.static:
+            outputs = self._static_forward(model, kwargs)
+        else:
+            self._mask[:rows, geo.hi] = 1
+            # No row padded: no mask, as generate passes none (and the model's
+            # mask code then needs no look at it, a device sync on a GPU).
+            padded = any(row.length < geo.hi - geo.lo for row in self.rows)
+            if self._takes_mask and padded:
+                kwargs["attention_mask"] = self._mask[:rows, geo.lo : geo.hi + 1]
+            if self._takes_positions:
+                kwargs["position_ids"] = self._positions[:rows]
+            with _head_rows_padded(model, rows):
+                outputs = model(input_ids=self._tokens[:rows], return_dict=True, **kwargs)
         geo.hi += 1
         self._positions[:rows] += 1
         for row in self.rows:
             row.length += 1
         # A model that assigns its states rather than copying into them
         # leaves the batch's buffers behind: copied back, so none is lost.
+        linked = self._row_capacity if self.static else rows
         for index, kind, i, buffer in self._recurrent:
             states = getattr(self._cache.layers[index], f"{kind}_states")
             if states[i].data_ptr() != buffer.data_ptr():
-                buffer[:rows].copy_(states[i])
-                states[i] = buffer[:rows]
-        return outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+                buffer[:linked].copy_(states[i])
+                states[i] = buffer[:linked]
+        return outputs.logits[:rows, -1].to(copy=True, dtype=torch.float32)
+
+    def _static_forward(self, model, kwargs: dict):
+        """The step of a static batch: every row of the buffers, every column
+        (the rows past ``rows`` are padding whose logits nobody reads; each
+        attends at least to its own column, so none divides by zero), and
+        only tensors whose shapes and addresses stay, the mask always given."""
+        geo = self._geo
+        self._mask[:, geo.hi] = 1
+        geo.hi_t.fill_(geo.hi)
+        if self._takes_mask:
+            kwargs["attention_mask"] = self._mask
+        if self._takes_positions:
+            kwargs["position_ids"] = self._positions
+        kwargs.update(input_ids=self._tokens, return_dict=True)
+        if self.compiled is not None and self.compiled.enabled:  # not after a failed compile
+            return self.compiled.batch_forward(model, kwargs, tuple(self._mask.shape))
+        return model(**kwargs)
 
     def reset(self) -> None:
         """Forgets every row and frees the buffers: a batch a failure left in
@@ -446,10 +543,7 @@ class DecodeBatch:
             row.slot = None
         self.rows = []
         self._geo.rows = self._geo.lo = self._geo.hi = 0
-        self._cache = None
-        self._attention, self._recurrent = [], []
-        self._mask = self._positions = self._tokens = None
-        self._report()
+        self._free()
 
     def nbytes(self) -> int:
         if self._cache is None:

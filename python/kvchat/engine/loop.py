@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compiled import ordinary_token
 from . import packed
 from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
@@ -99,12 +100,13 @@ class _Loop:
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.min_shared_tokens = max(1, min_shared_tokens)
         parameters = inspect.signature(model.forward).parameters
-        self.batch = DecodeBatch(
-            bridge.new_cache,
-            bridge.cache_argument,
+        self._batch_arguments = dict(
+            new_cache=bridge.new_cache,
+            cache_argument=bridge.cache_argument,
             takes_mask="attention_mask" in parameters,
             takes_positions="position_ids" in parameters,
         )
+        self.batch = DecodeBatch(**self._batch_arguments)
         self.step_extra = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
         # Whether rows may share prompts (prompts.py): every layer full
         # attention, and a forward that takes each row's mask and positions.
@@ -291,6 +293,8 @@ class _Loop:
         try:
             logits = batch.step(self.model, self.step_extra)
         except BaseException as error:  # the forward failed: every row in it fails
+            if batch.static and isinstance(error, torch._dynamo.exc.TorchDynamoException):
+                batch.compiled.failed(self.bridge.static_pool)  # eager from the next step
             self._drop_batch(error)
             return
         self.counters["decode_steps"] += 1
@@ -310,6 +314,25 @@ class _Loop:
                 continue
             if finished:
                 row.finish()
+
+    def warm_up(self, compiled, columns: int, rows: int, tokens: int, steps: int) -> None:
+        """Compiles the batch step for ``rows`` rows in ``columns`` columns:
+        a batch of its own (the live one is left alone), of rows holding the
+        same ``tokens`` ordinary tokens, decoding ``steps`` steps."""
+        cache = self.bridge.new_cache()
+        ids = torch.full((1, tokens), ordinary_token(self.model), device=self.model.device)
+        self.model(input_ids=ids, use_cache=True, **{self.bridge.cache_argument: cache})
+        batch = DecodeBatch(**self._batch_arguments)
+        batch.compiled = compiled
+        batch.shape(cache, rows, columns, tokens)
+        warm = [_WarmRow(cache, ids) for _ in range(rows)]
+        try:
+            for row in warm:
+                batch.join(row)
+            for _ in range(steps):
+                batch.step(self.model, self.step_extra)
+        finally:
+            batch.reset()
 
     def _prefill_chunk(self, row, budget: int | None) -> int:
         """Prefills ``row``'s prompt up to ``budget`` tokens more (None: to its
@@ -449,6 +472,14 @@ class _Loop:
         return logits
 
 
+class _WarmRow:
+    """What a row of a warm-up batch needs to join it."""
+
+    def __init__(self, cache, ids):
+        self.cache, self.ids, self.length = cache, ids, ids.shape[1]
+        self.slot, self.joined_length = None, 0
+
+
 def _graph_trees_for_this_thread(model) -> None:
     """torch.compile's CUDA graph trees keep their managers in thread-local
     state that only the importing thread (and autograd's) gets; a compiled
@@ -500,15 +531,20 @@ class Engine:
         on_batch_bytes: Callable[[int], None] | None = None,
         min_shared_tokens: int = SHARE_MIN_TOKENS,
         pack_weights: bool | str = "auto",
-        compiled: bool = False,
+        compiled=None,
     ):
         """``on_batch_bytes(n)``: told the decode batch's buffer bytes each
         time they change (the manager counts them in ``max_cache_bytes``);
         ``min_shared_tokens``: the shortest prefix a row copies from another
         of its share scope (prompts.py); ``pack_weights``: packed.py, not
-        for a ``compiled`` model."""
+        for a model the manager compiles; ``compiled``: the manager's
+        ``CompiledDecode`` (compiled.py), whose config compiles the batch's
+        steps while it is enabled."""
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
-        self._packed = packed.PackedWeights(model, pack_weights, compiled)
+        requested = compiled is not None and compiled.requested
+        self._packed = packed.PackedWeights(model, pack_weights, requested)
+        if compiled is not None and compiled.enabled:
+            self._loop.batch.compiled = compiled
         self._loop.packs = self._packed.packs
         self._loop.release_weights = self._packed.release
         self._loop.check_weights = self._packed.verify
@@ -538,6 +574,22 @@ class Engine:
 
     def cannot_batch(self, cache) -> str | None:
         return self._model_problem or unsupported_layer(cache)
+
+    @property
+    def model_problem(self) -> str | None:
+        """Why no turn of this model decodes in the batch (None: they do)."""
+        return self._model_problem
+
+    def warm_up_batch(self, compiled, columns: int, tokens: int, steps: int) -> list[int]:
+        """Compiles the batch step (``compiled``'s) for each row count a
+        batch can hold (1, 2, 4, ... up to the maximum) in ``columns``
+        columns, on the engine's thread; the row counts warmed."""
+        counts = [1]  # the row capacities a batch takes: it doubles them
+        while counts[-1] < self._loop.max_batch:
+            counts.append(2 * counts[-1])
+        for rows in counts:
+            self.run(lambda rows=rows: self._loop.warm_up(compiled, columns, rows, tokens, steps))
+        return counts
 
     @contextlib.contextmanager
     def expect(self, share_scope: str | None = None):

@@ -117,12 +117,14 @@ def decoding_method(
     stops=(),
     checkpoints=None,
     prefill=None,
+    alone: str | None = None,
 ):
     """A ``custom_generate`` for one turn: its loop runs on ``engine``.
     ``held``: the prompt tokens the cache holds; ``stops``: checkpoint
     positions in the tail, whose checkpoints go to ``checkpoints`` (taken by
     ``prefill``, a ``ChunkedPrefill``); ``fallback_context``: entered around
-    generate's own loop where the engine cannot batch the turn."""
+    generate's own loop where the engine cannot batch the turn; ``alone``:
+    why it runs that loop alone even so."""
     snapshot = None
     if prefill is not None:
         snapshot = prefill.checkpoint
@@ -133,8 +135,10 @@ def decoding_method(
         cache = model_kwargs.pop(cache_argument, None)
         mask = model_kwargs.get("attention_mask")
         extra = set(model_kwargs) - _KNOWN
-        why = None
-        if generation_config.return_dict_in_generate:
+        why = alone
+        if why is not None:
+            pass
+        elif generation_config.return_dict_in_generate:
             why = "return_dict_in_generate"
         elif extra:
             why = f"model inputs {sorted(extra)}"

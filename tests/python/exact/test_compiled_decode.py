@@ -1,6 +1,9 @@
-"""Compiled decode: a turn decodes in a StaticCache that generate compiles
-(docs/compiled-decode.md), exactly as plain generate with a compiled
-StaticCache does, and compiles once, not once a turn.
+"""Compiled decode (docs/compiled-decode.md): a turn of a manager that
+compiles decodes in the engine's batch, whose step is compiled once for
+every shape; a turn with its own ``compile_config`` decodes alone in a
+pooled StaticCache that generate compiles. Both give plain generate's
+tokens and compile once, not once a turn. (Several conversations decoding
+compiled together: test_compiled_batch.py.)
 
 The exactness tests compile with inductor, as users run it, in float64 on the
 CPU (``compile=True``), one family per layer kind: attention, sliding window
@@ -82,8 +85,8 @@ def test_compiled_turns_match_compiled_static_cache(family, tokenizer):
     _conversation(manager, model, tokenizer, check)
     stats = manager.stats()
     assert stats.compiled_turns == TURNS
-    assert stats.static_caches_built == 1  # one bucket, reused every turn
-    assert stats.static_cache_bytes > 0
+    assert stats.static_caches_built == 0  # each decoded in the engine's compiled batch
+    assert stats.compiles >= 1
 
 
 @pytest.mark.slow
@@ -131,22 +134,30 @@ class CountingBackend:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
-def test_next_turns_and_sessions_never_recompile(family, tokenizer):
+def test_next_turns_and_sessions_never_recompile(family, tokenizer, caplog):
+    """The batch step compiles for the first turn's shape (one row, 256
+    columns); the conversation outgrows those columns once, which compiles
+    once more (the columns a dynamic size); no later turn, and no other
+    session, compiles anything, and no shape compiles twice."""
     torch._dynamo.reset()
     backend = CountingBackend()
     model = model_for(family)
     manager = SessionManager(model, tokenizer, compile=backend.config())
     compiled = []
-    _conversation(manager, model, tokenizer, lambda *_: compiled.append(backend.graphs))
+    with caplog.at_level("INFO", logger="kvchat"):
+        _conversation(manager, model, tokenizer, lambda *_: compiled.append(backend.graphs))
     first = compiled[0]
     assert first >= 1, "the first turn's decode did not compile"
-    # The same bucket: the next turns replay the first turn's graphs.
-    assert compiled == [first] * TURNS, compiled
-    # Another session in the same bucket too.
+    assert "compiled the decode for 1 rows x 256 columns" in caplog.text
+    grew = compiled.index(compiled[-1])
+    assert compiled[:grew] == [first] * grew and compiled[-1] <= 2 * first, compiled
+    assert compiled[grew:] == [compiled[-1]] * (TURNS - grew), compiled
+    # Another session, in shapes already run.
     manager.chat("other", [SYSTEM, user_message(5)], max_new_tokens=MAX_NEW)
-    assert backend.graphs == first
+    assert backend.graphs == compiled[-1]
+    assert "compiled the decode again" not in caplog.text
     stats = manager.stats()
-    assert stats.compiled_turns == TURNS + 1
+    assert stats.compiled_turns == TURNS + 1 and stats.static_caches_built == 0
     # stats() counts what the backend was given: each graph dynamo compiled.
     assert stats.compiles == backend.graphs and stats.compile_ms > 0
 
@@ -164,14 +175,15 @@ def test_turns_in_a_used_bucket_compile_nothing(family, tokenizer, caplog):
     def check(turn, messages, reply):
         stats = manager.stats()
         counts.append((stats.compiles, stats.recompiles, stats.compile_ms))
-        assert manager.last_turn("s").prompt_tokens + MAX_NEW <= 256  # one bucket
+        # The batch's columns: what it holds and 128 more, in 256s.
+        assert manager.last_turn("s").prompt_tokens + MAX_NEW <= 128  # one shape
 
     with caplog.at_level("INFO", logger="kvchat"):
-        _conversation(manager, model, tokenizer, check, turns=3)
+        _conversation(manager, model, tokenizer, check, turns=2)
     compiles, recompiles, compile_ms = counts[0]
     assert compiles >= 1 and recompiles == 0 and compile_ms > 0, counts
-    assert counts == [counts[0]] * 3, counts
-    assert "compiled the decode for capacity 256" in caplog.text
+    assert counts == [counts[0]] * 2, counts
+    assert "compiled the decode for 1 rows x 256 columns" in caplog.text
     assert "compiled the decode again" not in caplog.text
 
 
@@ -197,11 +209,10 @@ def _exact_generate_turns(manager, model, session, steps):
 def test_warm_up_compiles_what_the_next_turns_use(family, tokenizer):
     """warm_up for two buckets, then turns in them: none compiles, and each
     is exact. Gemma 3's first turn stays inside its 16-token window and the
-    next crosses it (a branch dynamo compiles apart); the last decodes in
-    the second bucket."""
+    next crosses it; the last decodes in the second bucket."""
     torch._dynamo.reset()
     model = model_for(family)
-    manager = SessionManager(model, tokenizer, compile=True)
+    manager = SessionManager(model, tokenizer, compile=True, max_batch_size=4)
     assert manager.warm_up([200, 400]) == [256, 512]
     warmed = manager.stats()
     assert warmed.compiles >= 2 and warmed.compile_ms > 0 and warmed.compiled_turns == 0
@@ -213,7 +224,7 @@ def test_warm_up_compiles_what_the_next_turns_use(family, tokenizer):
     assert _exact_generate_turns(manager, model, "s", steps) == [0, 0, 0]
     stats = manager.stats()
     assert stats.compiles == warmed.compiles and stats.compiled_turns == 3
-    assert stats.static_caches_built == 2
+    assert stats.static_caches_built == 0  # decoded in the batch
 
 
 def test_warm_up_checks_its_arguments(tokenizer):
@@ -253,16 +264,20 @@ def test_default_decodes_eagerly_on_every_device(tokenizer):
 
 
 def test_a_second_capacity_compiles_once_and_no_later_one_does(tokenizer):
-    """A conversation that outgrows its bucket: the second capacity compiles
-    once more (the capacity becomes a dynamic size), the third not at all."""
+    """Turns that bring their own compile_config decode alone in a pooled
+    StaticCache: a conversation that outgrows its bucket compiles once more
+    for the second capacity (a dynamic size), the third not at all."""
     torch._dynamo.reset()
     backend = CountingBackend()
     model = model_for("llama")
-    manager = SessionManager(model, tokenizer, compile=backend.config())
+    config = backend.config()
+    manager = SessionManager(model, tokenizer, compile=config)
     messages = [SYSTEM, user_message(0)]
     graphs = []
     for max_new in (12, 300, 560):  # capacities 256, 512 and 768 for this prompt
-        manager.chat("s", messages, max_new_tokens=max_new, eos_token_id=None)
+        manager.chat(
+            "s", messages, max_new_tokens=max_new, eos_token_id=None, compile_config=config
+        )
         graphs.append(backend.graphs)
         assert manager.last_turn("s").generated_tokens == max_new
     assert manager.stats().static_caches_built == 3
@@ -313,7 +328,8 @@ def test_returned_cache_is_never_reused_by_the_pool(tokenizer):
     )
     kept = out.past_key_values
     keys = kept.layers[0].keys.clone()
-    manager.generate(ids + 1, "t", max_new_tokens=4, do_sample=False)
+    manager.generate(ids + 1, "t", max_new_tokens=4, do_sample=False)  # in the batch
+    manager.generate(ids + 2, "u", max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(kept.layers[0].keys, keys)
     assert manager.stats().static_caches_built == 2
 
@@ -496,13 +512,16 @@ def test_the_models_generation_config_is_read_as_generate_reads_it():
 
 @pytest.mark.slow  # traces a graph for each of three capacities
 def test_pool_keeps_a_cache_for_each_of_a_few_capacities(tokenizer):
-    """Clients asking for several capacities in turn do not rebuild a cache
-    every turn."""
+    """Turns with their own compile_config asking for several capacities in
+    turn do not rebuild a cache every turn."""
     model = model_for("llama")
-    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend="eager", mode=None))
+    config = CompileConfig(backend="eager", mode=None)
+    manager = SessionManager(model, tokenizer, compile=config)
     for _ in range(3):
         for session, max_new in (("a", 100), ("b", 400), ("c", 700)):
-            manager.chat(session, [SYSTEM, user_message(0)], max_new_tokens=max_new)
+            manager.chat(
+                session, [SYSTEM, user_message(0)], max_new_tokens=max_new, compile_config=config
+            )
     assert manager.stats().static_caches_built == 3
     assert manager.stats().static_cache_bytes > 0
 
