@@ -226,7 +226,10 @@ class CompiledDecode:
     def _warm_up_batch(self, engine, capacities: list[int], pool) -> list[int]:
         """``warm_up`` for a manager whose turns decode in the engine's batch:
         its step for every row count it can hold, in each of ``capacities``
-        columns (a batch of rows as long as a capacity's turns has as many)."""
+        columns and in two at least (the next bucket up), so that the rows
+        and the columns both become dynamic sizes: no later shape compiles."""
+        if len(capacities) == 1:
+            capacities = [capacities[0], bucket(capacities[0] + 1)]
         done = []
         self._warming = True
         try:

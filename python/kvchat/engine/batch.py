@@ -470,8 +470,13 @@ class DecodeBatch:
             return
         # The padding every row now has on its left is dropped from the mask.
         geo.lo = max(geo.lo, geo.hi - max(r.length for r in self.rows))
-        if self.static and geo.rows <= self._row_capacity // 4:
-            # A static step runs every row it has room for: fewer, once most left.
+        if (
+            self.static
+            and self._row_capacity > 1
+            and (geo.rows == 1 or 4 * geo.rows <= self._row_capacity)
+        ):
+            # A static step runs every row it has room for: fewer once most
+            # left, and one alone (a lone conversation's every step).
             self._rebuild(1 << (geo.rows - 1).bit_length(), geo.hi - geo.lo)
         self._link()
 
