@@ -27,6 +27,7 @@ from helpers import (
     user_message,
 )
 from kvchat import SessionManager
+from kvchat.bridge import CacheBridge
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_tokenizer
 from test_engine import chat_call, conversation, together, wait_for
@@ -593,9 +594,12 @@ def test_no_forward_longer_than_max_step_tokens_while_rows_decode(family, tokeni
     manager.close()
 
 
-@pytest.mark.parametrize("placement", ["last", "every"])
+@pytest.mark.parametrize(
+    ("family", "placement"),
+    [("lfm2", "last"), ("lfm2", "every"), ("lfm2_moe", "last"), ("lfm3", "last")],
+)
 def test_a_conv_window_turn_chunked_beside_decoding_rows_keeps_its_checkpoints(
-    placement, tokenizer
+    family, placement, tokenizer
 ):
     """LFM2 reads a turn's checkpoints off one forward over its tail (conv
     windows). Here each turn's prompt starts while two rows decode: the tail
@@ -606,8 +610,15 @@ def test_a_conv_window_turn_chunked_beside_decoding_rows_keeps_its_checkpoints(
     restores the last checkpoint before it departs and equals plain generate
     (float64), and windows are still read (nothing was recorded as failing).
     With ``checkpoints="every"`` the second turn's tail, after a restored
-    cache, has checkpoints of its own and is chunked too."""
-    model = model_for("lfm2")
+    cache, has checkpoints of its own and is chunked too. LFM2-MoE and LFM3
+    keep conv windows as LFM2 does."""
+    if family == "lfm2":
+        model = model_for(family)
+    else:
+        from families import CONV_WINDOWS, tiny_from_config
+
+        model = tiny_from_config(family, torch.float64, CONV_WINDOWS[family], tokenizer)
+    assert CacheBridge(model).checkpoints_from_windows
     first, second = [LONG_SYSTEM, user_message(0)], [LONG_SYSTEM, user_message(1)]
     alone = SessionManager(model, tokenizer, checkpoints=placement, settle=False)
     exact_turn(alone, "s", first, model, tokenizer)
