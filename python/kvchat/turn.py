@@ -449,7 +449,8 @@ class TurnPath:
                     cache_argument=argument,
                     streamer=kwargs.get("streamer"),
                     held=start,
-                    chunked=not isinstance(windows, WindowCheckpoints),
+                    # The engine stops it where it prefills the tail in chunks.
+                    windows=windows if isinstance(windows, WindowCheckpoints) else None,
                     generator=None if seed is None else seeded_generator(seed, model_input.device),
                     # The engine feeds the cache only what it lacks; generate's
                     # own loop, where the engine cannot batch, needs the cut.
@@ -463,7 +464,7 @@ class TurnPath:
             feed_only_tail = contextlib.nullcontext()
         with feed_only_tail, windows:
             output = self._model.generate(model_input, **{argument: cache}, **kwargs)
-        if isinstance(windows, WindowCheckpoints):
+        if isinstance(windows, WindowCheckpoints) and not windows.stopped:
             try:
                 checkpoints, problem = windows.finish()
             except Exception as error:  # a checkpoint never fails a turn

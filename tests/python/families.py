@@ -90,6 +90,26 @@ FAMILIES = {
     ),
 }
 
+# Conv windows beside attention, as kvchat's tiny lfm2 (helpers.WINDOW_FAMILIES):
+# every state that cannot crop is a conv window, so checkpoints come off the
+# prefill's forward (bridge/windows.py). model type: config fields.
+CONV_WINDOWS = {
+    "lfm2_moe": dict(
+        SHAPE,
+        **MOE,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3,
+        num_experts=2,
+        moe_intermediate_size=64,
+        num_dense_layers=1,
+        # The grouped kernel takes no float64.
+        experts_implementation="eager",
+    ),
+    "lfm3": dict(
+        SHAPE, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, conv_L_cache=3
+    ),
+}
 
 # Caches of recurrent layers alone, which cannot count their tokens: kvchat
 # does, and cuts generate's first forward to the tokens the cache lacks.

@@ -17,6 +17,14 @@ inputs this way is checked on every use, not assumed: the window at the
 prompt's end must equal, bit for bit, what the layer itself kept. If it does
 not (a model that writes its state another way), the turn keeps no inner
 checkpoint and the bridge goes back to stopping the forward.
+
+The one forward is the engine's when no other row decodes. While rows decode
+the engine prefills a long tail in chunks of ``max_step_tokens`` instead
+(engine/loop.py), and a chunk may be a single token, which LFM2 runs through
+its decode path without ``update_conv_state``: windows cannot be read across
+such chunks. The engine then calls ``stop()`` before the tail's first
+forward, and its prefill stops at each position and snapshots the state
+there, as for any layer that cannot crop.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class WindowCheckpoints:
         self._differs: dict[tuple[int, int], torch.Tensor] = {}
         self._problem: str | None = None  # why the windows cannot be trusted
         self._patched: dict[int, tuple] = {}  # id(layer) -> (layer, state indexes due)
+        # stop(): this turn's checkpoints are taken by stopping the prefill.
+        self.stopped = False
 
     def __enter__(self):
         try:
@@ -87,6 +97,16 @@ class WindowCheckpoints:
             update = functools.partial(self._update, layer, j, widths, original)
             layer.update_conv_state = torch.compiler.disable(update)
             self._patched[id(layer)] = (layer, set(widths))
+
+    def stop(self) -> list[int]:
+        """Reads no window (the tail is to be prefilled in several forwards,
+        module docstring) and returns the positions, where the prefill must
+        stop instead. Call before the first forward over the tail."""
+        if self._seen:
+            raise RuntimeError("the windows were stopped after a forward over the tail began")
+        self._unpatch_all()
+        self.stopped = True
+        return list(self._positions)
 
     def _unpatch_all(self) -> None:
         for layer, _ in list(self._patched.values()):

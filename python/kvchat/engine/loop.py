@@ -339,6 +339,16 @@ class _Loop:
         end, in one forward, as generate runs it); returns the tokens run."""
         self._start(row)
         begin, end = row.prefilled, row.prompt_tokens
+        try:
+            if not row.chunked and budget is not None and end - begin > budget:
+                # Its checkpoints would come off one forward over the tail
+                # (conv windows), longer than rows decoding may wait for: it
+                # goes in chunks, stopping at each checkpoint instead.
+                row.stop_reading_windows()
+        except BaseException as error:
+            self.prefilling.remove(row)
+            row.finish(error)
+            return 0
         stop = next((p for p in row.stops if p > begin), None)
         if stop is not None:  # a checkpoint's position ends a forward
             end = min(end, stop)

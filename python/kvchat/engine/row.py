@@ -46,7 +46,7 @@ class DecodeRow:
         do_sample,
         streamer,
         generator=None,
-        chunked: bool = True,
+        windows=None,
         stops=(),
         checkpoints=None,
         snapshot=None,
@@ -60,7 +60,9 @@ class DecodeRow:
         self.prompt_ids = ids[0].to("cpu", torch.long).contiguous()
         self.processors, self.criteria = for_row(processors), criteria
         self.do_sample, self.streamer, self.generator = do_sample, streamer, generator
-        self.chunked = chunked  # False: one forward over the prompt's tail (conv windows)
+        # A WindowCheckpoints reading the checkpoints off one forward over the
+        # prompt's tail (conv windows), or None.
+        self.windows = windows
         # Checkpoint positions the prefill stops at; snapshot(cache, position)
         # gives each one's checkpoint, appended to ``checkpoints``.
         self.stops, self.checkpoints, self.snapshot = list(stops), checkpoints, snapshot
@@ -71,6 +73,19 @@ class DecodeRow:
         self.started: float | None = None  # when its first forward ran
         self._done = threading.Event()
         self._error: BaseException | None = None
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the prompt's tail may be prefilled in several forwards:
+        not while its checkpoints are read off one (``windows``)."""
+        return self.windows is None
+
+    def stop_reading_windows(self) -> None:
+        """The tail is to be prefilled in chunks (rows decode beside it): its
+        checkpoints are taken by stopping there instead (bridge/windows.py).
+        Before the tail's first forward."""
+        self.stops = self.windows.stop()
+        self.windows = None
 
     def pick(self, logits: torch.Tensor) -> bool:
         """generate's ``_sample`` step for this row on its float32 ``logits``
@@ -111,7 +126,7 @@ def decoding_method(
     cache_argument: str,
     streamer,
     held: int,
-    chunked: bool,
+    windows=None,
     generator=None,
     fallback_context=None,
     stops=(),
@@ -122,9 +137,12 @@ def decoding_method(
     """A ``custom_generate`` for one turn: its loop runs on ``engine``.
     ``held``: the prompt tokens the cache holds; ``stops``: checkpoint
     positions in the tail, whose checkpoints go to ``checkpoints`` (taken by
-    ``prefill``, a ``ChunkedPrefill``); ``fallback_context``: entered around
-    generate's own loop where the engine cannot batch the turn; ``alone``:
-    why it runs that loop alone even so."""
+    ``prefill``, a ``ChunkedPrefill``); ``windows``: a ``WindowCheckpoints``
+    reading them off the tail's one forward instead (the engine stops it,
+    and stops at its positions, where it prefills the tail in chunks);
+    ``fallback_context``: entered around generate's own loop where the
+    engine cannot batch the turn; ``alone``: why it runs that loop alone
+    even so."""
     snapshot = None
     if prefill is not None:
         snapshot = prefill.checkpoint
@@ -178,7 +196,7 @@ def decoding_method(
             do_sample=generation_config.do_sample,
             streamer=streamer,
             generator=generator,
-            chunked=chunked,
+            windows=windows,
             stops=stops,
             checkpoints=checkpoints,
             snapshot=snapshot,

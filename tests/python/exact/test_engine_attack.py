@@ -16,8 +16,18 @@ import weakref
 
 import pytest
 import torch
-from helpers import LONG_SYSTEM, SYSTEM, model_for, reference_ids, reference_turn, user_message
+from helpers import (
+    LONG_SYSTEM,
+    SYSTEM,
+    common_prefix,
+    exact_turn,
+    model_for,
+    reference_ids,
+    reference_turn,
+    user_message,
+)
 from kvchat import SessionManager
+from kvchat.bridge import CacheBridge
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_tokenizer
 from test_engine import chat_call, conversation, together, wait_for
@@ -554,26 +564,14 @@ def test_dsa_indexed_turns_run_alone_beside_each_other_exactly(tokenizer, monkey
     manager.close()
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "llama",
-        "gemma3",
-        pytest.param(
-            "lfm2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a conv-window row (chunked=False) prefills its whole tail in one "
-                "forward even while others decode (loop.py _prefill_chunk)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
 def test_no_forward_longer_than_max_step_tokens_while_rows_decode(family, tokenizer):
     """The issue's bound: while any row decodes, no forward takes more than
     ``max_step_tokens`` tokens, so a long prompt never stalls the others'
     streams for longer than a chunk. A forward hook records each forward's
-    tokens and whether rows were decoding."""
+    tokens and whether rows were decoding. LFM2's row, whose checkpoints
+    would come off one forward over its tail (conv windows), goes in chunks
+    too, stopping at its checkpoints."""
     model = model_for(family)
     manager = SessionManager(model, tokenizer, max_step_tokens=8, settle=False)
     loop = manager._engine._loop
@@ -593,6 +591,82 @@ def test_no_forward_longer_than_max_step_tokens_while_rows_decode(family, tokeni
     _finish_exact(manager, model, tokenizer, streams)
     stalls = [tokens for tokens, decoding in seen if decoding and tokens > 8]
     assert not stalls, f"forwards of {stalls} tokens while rows decoded"
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "placement"),
+    [("lfm2", "last"), ("lfm2", "every"), ("lfm2_moe", "last"), ("lfm3", "last")],
+)
+def test_a_conv_window_turn_chunked_beside_decoding_rows_keeps_its_checkpoints(
+    family, placement, tokenizer
+):
+    """LFM2 reads a turn's checkpoints off one forward over its tail (conv
+    windows). Here each turn's prompt starts while two rows decode: the tail
+    goes in chunks of ``max_step_tokens``, stopping at each checkpoint. The
+    first turn's (333 tokens) checkpoints are at the positions, and hold what
+    the one forward gives a session whose first turn ran with nothing
+    decoding; the second turn, which departs after the system prompt,
+    restores the last checkpoint before it departs and equals plain generate
+    (float64), and windows are still read (nothing was recorded as failing).
+    With ``checkpoints="every"`` the second turn's tail, after a restored
+    cache, has checkpoints of its own and is chunked too. LFM2-MoE and LFM3
+    keep conv windows as LFM2 does."""
+    if family == "lfm2":
+        model = model_for(family)
+    else:
+        from families import CONV_WINDOWS, tiny_from_config
+
+        model = tiny_from_config(family, torch.float64, CONV_WINDOWS[family], tokenizer)
+    assert CacheBridge(model).checkpoints_from_windows
+    first, second = [LONG_SYSTEM, user_message(0)], [LONG_SYSTEM, user_message(1)]
+    alone = SessionManager(model, tokenizer, checkpoints=placement, settle=False)
+    exact_turn(alone, "s", first, model, tokenizer)
+    want = alone._core.find("s").cached_state().checkpoints
+    alone.close()
+
+    manager = SessionManager(
+        model, tokenizer, checkpoints=placement, max_step_tokens=8, settle=False
+    )
+    loop = manager._engine._loop
+    seen = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and threading.current_thread() is loop.thread:
+            seen.append((ids.shape[1], len(loop.batch.rows)))
+
+    reports = []
+    for messages in (first, second):
+        streams = _decoding_streams(manager, max_new_tokens=64)
+        seen.clear()
+        handle = model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            reports.append(exact_turn(manager, "s", messages, model, tokenizer)[1])
+        finally:
+            handle.remove()
+        _finish_exact(manager, model, tokenizer, streams, max_new_tokens=64)
+        prefills = [(tokens, decoding) for tokens, decoding in seen if tokens > 1]
+        assert prefills and all(decoding and tokens <= 8 for tokens, decoding in prefills)
+        if messages is first:
+            got = manager._core.find("s").cached_state().checkpoints
+            assert sum(tokens for tokens, _ in prefills) > 300, prefills
+    assert len(got) == len(want) >= 2  # the system prompt's end, and the prompt's at least
+    assert [c.position for c in got] == [c.position for c in want]
+    for a, b in zip(want, got, strict=True):
+        assert [s is None for s in a.states] == [s is None for s in b.states]
+        for x, y in zip(a.states, b.states, strict=True):
+            if x is None:
+                continue
+            assert y.meta == x.meta
+            for u, v in zip(x.tensors(), y.tensors(), strict=True):
+                torch.testing.assert_close(v, u, rtol=1e-12, atol=1e-12)
+    assert manager._bridge.checkpoints_from_windows
+
+    departs = common_prefix(render_prompt(tokenizer, first), render_prompt(tokenizer, second))
+    restored = max(c.position for c in got if c.position <= departs)
+    report = reports[1]
+    assert report.checkpoint_restored == report.reused_tokens == restored > 0, report
     manager.close()
 
 

@@ -151,3 +151,25 @@ def test_a_call_the_capture_cannot_read_still_runs_the_layer():
 def test_positions_outside_the_tail_or_not_rising_are_refused(positions):
     with pytest.raises(ValueError, match="must rise within"):
         WindowCheckpoints(_layout(), _Cache(_ConvLayer()), 0, 8, positions)
+
+
+def test_stopped_windows_read_nothing_and_hand_back_their_positions():
+    """The engine prefills the tail in chunks (rows decode meanwhile): stop()
+    unpatches the layer before the first forward, so the chunks run the
+    layer's own method unrecorded, and returns where the prefill must stop."""
+    layer = _ConvLayer()
+    with WindowCheckpoints(_layout(), _Cache(layer), 0, 10, [2, 7]) as windows:
+        assert "update_conv_state" in vars(layer)
+        assert windows.stop() == [2, 7]
+        assert "update_conv_state" not in vars(layer) and windows.stopped
+        layer.update_conv_state(_inputs(6))
+        layer.update_conv_state(_inputs(4, start=7))
+    assert torch.equal(layer.conv_states[0], _inputs(WIDTH, start=8))
+
+
+def test_windows_cannot_stop_once_the_tail_began():
+    layer = _ConvLayer()
+    with WindowCheckpoints(_layout(), _Cache(layer), 0, 10, [2, 7]) as windows:
+        layer.update_conv_state(_inputs(6))
+        with pytest.raises(RuntimeError, match="after a forward over the tail began"):
+            windows.stop()
