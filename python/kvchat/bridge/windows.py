@@ -98,6 +98,11 @@ class WindowCheckpoints:
             layer.update_conv_state = torch.compiler.disable(update)
             self._patched[id(layer)] = (layer, set(widths))
 
+    @property
+    def positions(self) -> list[int]:
+        """The checkpoint positions it reads (or, stopped, the prefill stops at)."""
+        return list(self._positions)
+
     def stop(self) -> list[int]:
         """Reads no window (the tail is to be prefilled in several forwards,
         module docstring) and returns the positions, where the prefill must

@@ -42,6 +42,9 @@ from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
     SHARE_MIN_TOKENS,
     LogitsShapeError,
+    checkpoint_copies,
+    checkpoint_to_copy,
+    copy_checkpoint,
     copy_prefix,
     full_attention_only,
     length_dependent_rope,
@@ -116,6 +119,9 @@ class _Loop:
             and "attention_mask" in parameters
             and "position_ids" in parameters
         )
+        # Whether rows copy a prefix in flight up to another's checkpoint
+        # (prompts.py): attention beside conv, SSM or DeltaNet layers.
+        self.checkpoint_copies = checkpoint_copies(bridge.layout)
         self.cond = threading.Condition()
         self.incoming: collections.deque = collections.deque()  # rows not yet prefilling
         self.prefilling: collections.deque = collections.deque()
@@ -338,8 +344,10 @@ class _Loop:
         """Prefills ``row``'s prompt up to ``budget`` tokens more (None: to its
         end, in one forward, as generate runs it); returns the tokens run."""
         self._start(row)
-        begin, end = row.prefilled, row.prompt_tokens
         try:
+            if self.checkpoint_copies:
+                self._copy_checkpoint(row)
+            begin, end = row.prefilled, row.prompt_tokens
             if not row.chunked and budget is not None and end - begin > budget:
                 # Its checkpoints would come off one forward over the tail
                 # (conv windows), longer than rows decoding may wait for: it
@@ -383,6 +391,27 @@ class _Loop:
                 self.batch.leave(row, write_back=False)
             row.finish(error)
         return end - begin
+
+    def _copy_checkpoint(self, row) -> None:
+        """Before a forward of ``row``'s prompt, on a model with conv, SSM or
+        DeltaNet layers (prompts.py ``copy_checkpoint``): copies a prefix
+        up to another row's checkpoint; and, if rows still to prefill share
+        enough of this row's prompt, makes it take its checkpoints by
+        stopping at them (not off conv windows, which only its turn reads,
+        once it ends), so that they can copy from it."""
+        donors = [*self.batch.rows, *self.prefilling]
+        found = checkpoint_to_copy(row, donors, self.min_shared_tokens)
+        if found is not None:
+            if row.windows is not None:
+                row.stop_reading_windows()
+            copied = copy_checkpoint(row, *found, self.bridge.layout)
+            self.counters["prefix_tokens_copied"] += copied
+        if row.windows is not None and any(
+            waits_for(other, row, self.min_shared_tokens)
+            for other in [*self.prefilling, *self.incoming]
+            if other is not row
+        ):
+            row.stop_reading_windows()
 
     def _start(self, row) -> None:
         if row.started is None:

@@ -23,7 +23,12 @@ between sessions only once a turn has committed, too late for these.
 Both need every layer to be full attention (``full_attention_only``): a
 sliding-window layer keeps only its window, so the columns a copy or a merge
 needs may be gone, and a conv or recurrent state exists only at the position
-its row reached. Both assume a token's keys and values follow from the token
+its row reached. Where conv, SSM or DeltaNet layers stand beside full
+attention (LFM2, Qwen3.5, FalconH1, NemotronH), a row still copies a prefix
+in flight, up to a checkpoint another row took (``copy_checkpoint``): the
+attention columns from that row's cache, the other layers' states from the
+checkpoint, which is what the row's own prefill would have stopped and
+snapshotted there. Both assume a token's keys and values follow from the token
 ids before it and their positions (so no image placeholders: a turn with
 extra model inputs never reaches the engine's batch).
 
@@ -37,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..bridge.layout import ATTENTION
+from ..bridge.layers import write_recurrent
+from ..bridge.layout import ATTENTION, RECURRENT
 
 # A row waits for another row's forward, rather than prefilling beside it,
 # when that forward computes at least this many tokens of its prompt; and
@@ -107,6 +113,61 @@ def copy_prefix(row, donors, minimum: int = 1) -> int:
         # update copies (into the row's buffer): the views need no copy first.
         mine.update(theirs.keys[:, :, begin:end], theirs.values[:, :, begin:end])
     row.prefilled = row.length = end
+    return end - begin
+
+
+def checkpoint_copies(layout) -> bool:
+    """Whether rows may copy a prefix up to a checkpoint (``copy_checkpoint``):
+    every layer full attention, conv / SSM / DeltaNet, both, or none, and at
+    least one that is not attention (for attention alone, ``copy_prefix``)."""
+    parts = [set(p) for p in layout.parts]
+    return (
+        layout.supported
+        and not layout.indexed
+        and all(p <= {ATTENTION, RECURRENT} for p in parts)
+        and any(RECURRENT in p for p in parts)
+    )
+
+
+def checkpoint_to_copy(row, donors, minimum: int = 1):
+    """(donor, checkpoint) for ``copy_checkpoint``: the furthest checkpoint one
+    of ``donors`` took at least ``minimum`` tokens past what ``row`` holds,
+    within the prompt both share, before ``row``'s last prompt token, and
+    not past the first position ``row`` must stop at (``row.stops``, or the
+    positions its windows would read); None if there is none."""
+    begin = row.prefilled
+    stops = row.windows.positions if row.windows is not None else row.stops
+    first_stop = next((p for p in stops if p > begin), None)
+    best, end = None, begin + minimum - 1
+    for donor in donors:
+        if donor is row or not shares_with(row, donor) or not donor.checkpoints:
+            continue
+        shared = common_prefix(row, donor, min(held_tokens(donor), row.prompt_tokens - 1))
+        for checkpoint in donor.checkpoints:
+            p = checkpoint.position
+            if end < p <= shared and (first_stop is None or p <= first_stop):
+                best, end = (donor, checkpoint), p
+    return best
+
+
+def copy_checkpoint(row, donor, checkpoint, layout) -> int:
+    """Sets ``row.cache`` to what its own prefill would hold at
+    ``checkpoint``'s position ``p`` (``checkpoint_to_copy``'s): attention
+    columns ``[row.prefilled, p)`` from ``donor``'s cache, every other state
+    from the checkpoint. Where ``p`` is one of ``row``'s stops it takes its
+    own checkpoint there, as its prefill would. Returns the tokens copied."""
+    begin, end = row.prefilled, checkpoint.position
+    for j, index in enumerate(layout.stateful):
+        mine, theirs = row.cache.layers[index], donor.cache.layers[index]
+        parts, state = layout.parts[index], checkpoint.states[j]
+        if ATTENTION in parts:  # update copies (into the row's buffer): the views need no copy
+            mine.update(theirs.keys[:, :, begin:end], theirs.values[:, :, begin:end])
+        if RECURRENT in parts:  # a snapshot keeps a hybrid layer's recurrent part alone
+            recurrent = state.recurrent if isinstance(state, _C.HybridState) else state
+            write_recurrent(mine, recurrent, layout.templates[j].slots)
+    row.prefilled = row.length = end
+    if end in row.stops:
+        row.checkpoints.append(row.snapshot(row.cache, end))
     return end - begin
 
 

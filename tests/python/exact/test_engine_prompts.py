@@ -340,3 +340,71 @@ def test_a_gathering_prompt_goes_on_when_the_expected_turn_ends_elsewhere(tokeni
     expected = reference_turn(model, tokenizer, own_system(0), 4)[2]
     assert manager.last_turn("waiting").output_ids == expected
     manager.close()
+
+
+def _first_turns_together(manager, tokenizer, sessions, system):
+    conversations = {s: [system, user_message(k)] for k, s in enumerate(sessions)}
+    together(manager, [chat_call(manager, s, conversations[s], 6) for s in sessions])
+    return conversations
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["lfm2", "qwen3_5", pytest.param("falcon_h1", marks=pytest.mark.slow), "nemotron_h"],
+)
+def test_hybrid_rows_copy_a_prefix_up_to_a_checkpoint(family, tokenizer):
+    """Conv, DeltaNet or Mamba2 layers beside attention: three conversations
+    start together with one long system prompt. The first stops its prefill
+    at its checkpoint there (LFM2 would read it off its one forward's conv
+    windows, which nobody else could use before its turn ends); the other
+    two copy the attention columns up to it from its cache and the other
+    layers' states from the checkpoint, take their own checkpoint there, and
+    prefill only their own message. Every reply is plain generate's, and an
+    edit right after the system prompt restores each session's own
+    checkpoint, exactly."""
+    from helpers import LONG_SYSTEM as HYBRID_SYSTEM
+
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    sessions = ["a", "b", "c"]
+    conversations = _first_turns_together(manager, tokenizer, sessions, HYBRID_SYSTEM)
+    for s in sessions:
+        expected = reference_turn(model, tokenizer, conversations[s], 6)[2]
+        assert manager.last_turn(s).output_ids == expected, s
+    stats = manager.stats()
+    # The first row: two forwards (to its checkpoint, then on); the others one each.
+    assert stats.prefill_chunks == 4, stats
+    for s in sessions:
+        edited = [HYBRID_SYSTEM, user_message(40)]
+        reply = manager.chat(s, edited, max_new_tokens=6, settle=False)
+        assert reply == reference_turn(model, tokenizer, edited, 6)[0], s
+        report = manager.last_turn(s)
+        assert report.checkpoint_restored == report.reused_tokens > 200, (s, report)
+    assert stats.prefix_tokens_copied == 2 * report.checkpoint_restored, stats
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "copied"),
+    [({}, True), ({"isolate_namespaces": True}, False), ({"share_prefixes": False}, False)],
+    ids=["shared", "namespaces", "off"],
+)
+def test_a_hybrid_prefix_copy_keeps_the_sharing_rules(options, copied, tokenizer):
+    """LFM2: a row copies another's checkpoint only where the manager lets
+    sessions share prefixes (then the second prefills its own message alone,
+    in one forward); where none may, each computes the system prompt."""
+    from helpers import LONG_SYSTEM as HYBRID_SYSTEM
+
+    model = model_for("lfm2")
+    manager = SessionManager(model, tokenizer, **options)
+    sessions = ["t1/a", "t2/b"]
+    conversations = _first_turns_together(manager, tokenizer, sessions, HYBRID_SYSTEM)
+    for s in sessions:
+        expected = reference_turn(model, tokenizer, conversations[s], 6)[2]
+        assert manager.last_turn(s).output_ids == expected, s
+    stats = manager.stats()
+    assert (stats.prefix_tokens_copied > 200) == copied, stats
+    assert (stats.prefix_tokens_copied == 0) == (not copied), stats
+    if copied:
+        assert stats.prefill_chunks == 3, stats
+    manager.close()
