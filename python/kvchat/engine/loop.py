@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import daemon_threads  # first: its hook, which waits for our threads, runs after ours
 from . import packed
 from .batch import DecodeBatch, unsupported_layer
 from .prompts import (
@@ -135,12 +136,12 @@ class _Loop:
             if self.thread is None:  # the first turn, or the first after close()
                 if _EXITING.is_set():
                     # A settle handed over after _close_all would start a
-                    # thread in the model while the interpreter tears it
-                    # down (oneDNN's state: "terminate called", an abort).
+                    # thread in the model while the interpreter finalizes
+                    # (an abort: daemon_threads.py).
                     raise RuntimeError("the interpreter is exiting: the engine takes no work")
+                self.thread = daemon_threads.start(self.work, "kvchat-engine")
                 self.closed = False
-                self.thread = threading.Thread(target=self.work, name="kvchat-engine", daemon=True)
-                self.thread.start()
+                _LIVE.add(self)  # again after Engine.close(): closed at exit
             queue.append(item)
             self.cond.notify_all()
 
