@@ -141,7 +141,6 @@ class _Loop:
                     raise RuntimeError("the interpreter is exiting: the engine takes no work")
                 self.thread = daemon_threads.start(self.work, "kvchat-engine")
                 self.closed = False
-                _LIVE.add(self)  # again after Engine.close(): closed at exit
             queue.append(item)
             self.cond.notify_all()
 
@@ -617,8 +616,9 @@ class Engine:
                 loop.cond.notify_all()
 
     def close(self) -> None:
+        # The loop stays in _LIVE: a turn after close() starts its thread
+        # again, which the exit must close too (daemon_threads.py waits for it).
         self._loop.close()
-        _LIVE.discard(self._loop)
         self._packed.release()  # after the thread ended: no forward is using them
         self._loop.packs = False  # a turn after close() restarts the thread, unpacked
 
