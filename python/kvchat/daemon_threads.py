@@ -1,5 +1,5 @@
-"""kvchat's daemon threads (the engine's, the settler's): the interpreter's
-exit waits until each has ended.
+"""kvchat's daemon threads (the engine's, the settler's, a stream's
+worker): the interpreter's exit waits until each has ended.
 
 Why: once the interpreter finalizes, Python ends a daemon thread the next
 time that thread takes the GIL, by ``pthread_exit``, whose unwinding aborts
@@ -11,9 +11,12 @@ engine whose manager was dropped without ``close()`` ends its thread, which
 holds the model's last reference and frees it as it ends (``Thread.run``
 deletes its target), while the main thread goes on to exit; the atexit hook
 that closes live engines no longer sees that one (its loop is being freed).
+A stream's worker whose consumer left may still be ending its turn (its
+lease's release gives up the GIL too).
 
 So our threads start here, and ``_join_all``, run at exit after the owners'
-own hooks told their threads to end, waits for each to end, frees included.
+own hooks told their threads to end (a stream's turn fails once its engine
+is closed), waits for each to end, frees included.
 An owner imports this module before it registers its hook: atexit runs the
 hooks in reverse order, so the owners' run first.
 """
@@ -29,11 +32,11 @@ _threads: set[threading.Thread] = set()
 _joining = False  # _join_all began: no thread of ours starts again
 
 
-def start(target: Callable[[], object], name: str) -> threading.Thread:
-    """Runs ``target`` on a new daemon thread that the interpreter's exit
-    waits for; its owner makes it end at exit. RuntimeError once exit is
-    waiting for them."""
-    thread = threading.Thread(target=target, name=name, daemon=True)
+def start(target: Callable[..., object], name: str, args: tuple = ()) -> threading.Thread:
+    """Runs ``target(*args)`` on a new daemon thread that the interpreter's
+    exit waits for; its owner makes it end at exit. RuntimeError once exit
+    is waiting for them."""
+    thread = threading.Thread(target=target, name=name, args=args, daemon=True)
     with _lock:
         if _joining:
             raise RuntimeError(f"the interpreter is exiting: no {name} thread starts")
