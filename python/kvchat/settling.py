@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C
+from . import _C, daemon_threads  # first: its hook, which waits for our threads, runs after ours
 
 logger = logging.getLogger("kvchat")
 
@@ -124,10 +124,7 @@ class Settler:
                 version = after
             self._jobs[session_id] = _Job(session_id, target, version)
             if self._thread is None:  # it ends when nothing is left to do
-                self._thread = threading.Thread(
-                    target=self._work, name="kvchat-settle", daemon=True
-                )
-                self._thread.start()
+                self._thread = daemon_threads.start(self._work, "kvchat-settle")
                 _LIVE.add(self)
             self._cond.notify_all()
 

@@ -21,6 +21,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from . import daemon_threads
 from .detokenize import IncrementalText
 from .engine.threads import with_callers_autocast
 
@@ -99,13 +100,9 @@ class ReplyStream(Iterator[str]):
         self._ender = ender
         # The worker holds no reference to this object, so dropping it unread
         # reaches __del__ while generation is still running.
-        self._worker = threading.Thread(
-            target=_work,
-            args=(with_callers_autocast(run), self._streamer, self._failure, self._result),
-            name=name,
-            daemon=True,
+        self._worker = daemon_threads.start(
+            _work, name, (with_callers_autocast(run), self._streamer, self._failure, self._result)
         )
-        self._worker.start()
         return self
 
     def __next__(self) -> str:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import daemon_threads  # first: its hook, which waits for our threads, runs after ours
 from ..compiled import ordinary_token
 from . import packed
 from .batch import DecodeBatch, unsupported_layer
@@ -143,12 +144,11 @@ class _Loop:
             if self.thread is None:  # the first turn, or the first after close()
                 if _EXITING.is_set():
                     # A settle handed over after _close_all would start a
-                    # thread in the model while the interpreter tears it
-                    # down (oneDNN's state: "terminate called", an abort).
+                    # thread in the model while the interpreter finalizes
+                    # (an abort: daemon_threads.py).
                     raise RuntimeError("the interpreter is exiting: the engine takes no work")
+                self.thread = daemon_threads.start(self.work, "kvchat-engine")
                 self.closed = False
-                self.thread = threading.Thread(target=self.work, name="kvchat-engine", daemon=True)
-                self.thread.start()
             queue.append(item)
             self.cond.notify_all()
 
@@ -707,8 +707,9 @@ class Engine:
                 loop.cond.notify_all()
 
     def close(self) -> None:
+        # The loop stays in _LIVE: a turn after close() starts its thread
+        # again, which the exit must close too (daemon_threads.py waits for it).
         self._loop.close()
-        _LIVE.discard(self._loop)
         self._packed.release()  # after the thread ended: no forward is using them
         self._loop.packs = False  # a turn after close() restarts the thread, unpacked
 

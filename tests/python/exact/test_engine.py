@@ -363,3 +363,18 @@ def test_no_engine_thread_starts_once_the_interpreter_exits(tokenizer, monkeypat
     monkeypatch.setattr(loop, "_EXITING", _threading.Event())
     manager.chat("s", [user_message(0)], max_new_tokens=2)  # and the manager goes on
     manager.close()
+
+
+def test_an_engine_restarted_after_close_is_closed_again_at_exit(tokenizer):
+    """A turn after close() starts the engine's thread again: the atexit
+    hook must close that one too, or the exit, which waits for every kvchat
+    thread to end (daemon_threads.py), would wait for it forever."""
+    from kvchat.engine import loop
+
+    manager = SessionManager(model_for("llama"), tokenizer)
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    manager.close()
+    manager.chat("s", [user_message(0)], max_new_tokens=2)
+    assert manager._engine._loop.thread is not None
+    assert manager._engine._loop in loop._LIVE
+    manager.close()
