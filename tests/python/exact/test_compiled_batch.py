@@ -16,12 +16,12 @@ import threading
 
 import pytest
 import torch
-from helpers import model_for, reference_ids, reference_turn, user_message
+from helpers import model_for, reference_ids, reference_turn
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_tokenizer
 from test_compiled_decode import CountingBackend
-from test_engine import FAMILIES, chat_call, conversation, together, wait_for
+from test_engine import FAMILIES, chat_call, conversation, decode_rounds, together, wait_for
 
 FAST = ["llama", "gemma3", "lfm2"]  # attention, sliding window past it, conv
 
@@ -39,27 +39,6 @@ def _counting_manager(family, tokenizer, **options):
     return model, manager, backend
 
 
-def _rounds(manager, model, tokenizer, n, rounds=2, prefix="s"):
-    """``rounds`` turns of ``n`` conversations of different lengths decoding
-    together, leaving one by one; each reply checked against plain generate."""
-    conversations = [conversation(k) for k in range(n)]
-    for _ in range(rounds):
-        budgets = [10 + 2 * k for k in range(n)]
-        reports = together(
-            manager,
-            [chat_call(manager, f"{prefix}{k}", conversations[k], budgets[k]) for k in range(n)],
-        )
-        for k, report in enumerate(reports):
-            expected = reference_turn(model, tokenizer, conversations[k], budgets[k])[2]
-            assert report.output_ids == expected, f"conversation {k} of {n}"
-            reply = tokenizer.decode(expected, skip_special_tokens=True)
-            conversations[k] = [
-                *conversations[k],
-                {"role": "assistant", "content": reply},
-                user_message(7),
-            ]
-
-
 @pytest.mark.parametrize(
     "family",
     [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES],
@@ -69,7 +48,7 @@ def test_conversations_decode_together_compiled_exactly(family, tokenizer):
     reuses each cache), decode in one compiled batch: each equals plain
     generate, every turn counts as compiled, and none used the pool."""
     model, manager, backend = _counting_manager(family, tokenizer)
-    _rounds(manager, model, tokenizer, 3)
+    decode_rounds(manager, model, tokenizer, 3)
     stats = manager.stats()
     assert stats.max_batch_rows == 3 and stats.reused_tokens > 0, stats
     assert stats.compiled_turns == 6 and stats.static_caches_built == 0
@@ -85,7 +64,7 @@ def test_inductor_compiled_batch_is_exact(family, tokenizer):
     torch._dynamo.reset()
     model = model_for(family)
     manager = SessionManager(model, tokenizer, compile=True)
-    _rounds(manager, model, tokenizer, 3)
+    decode_rounds(manager, model, tokenizer, 3)
     stats = manager.stats()
     assert stats.compiled_turns == 6 and stats.compiles >= 1 and stats.max_batch_rows == 3
     manager.close()
@@ -127,7 +106,7 @@ def test_no_shape_compiles_twice(tokenizer, caplog):
     after = []
     with caplog.at_level("INFO", logger="kvchat"):
         for round_, n in enumerate((1, 2, 3, 4, 1, 2, 4)):
-            _rounds(manager, model, tokenizer, n, rounds=1, prefix=f"r{round_}-")
+            decode_rounds(manager, model, tokenizer, n, rounds=1, prefix=f"r{round_}-")
             after.append(backend.graphs)
     assert after[-1] <= 4, after
     assert after[3:] == [after[3]] * 4, after
@@ -144,8 +123,8 @@ def test_warm_up_compiles_every_row_count_the_batch_takes(tokenizer):
     assert manager.warm_up(200) == [256, 512]
     warmed = backend.graphs
     assert warmed >= 2 and manager.stats().compiled_turns == 0
-    _rounds(manager, model, tokenizer, 3, rounds=1)
-    _rounds(manager, model, tokenizer, 1, rounds=1, prefix="alone")
+    decode_rounds(manager, model, tokenizer, 3, rounds=1)
+    decode_rounds(manager, model, tokenizer, 1, rounds=1, prefix="alone")
     assert backend.graphs == warmed
     manager.close()
 

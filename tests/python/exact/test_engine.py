@@ -84,15 +84,16 @@ def tokenizer():
 
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_conversations_of_different_lengths_decode_together_exactly(family, n, tokenizer):
-    model = model_for(family)
-    manager = SessionManager(model, tokenizer)
+def decode_rounds(manager, model, tokenizer, n, rounds=2, prefix="s") -> None:
+    """``rounds`` turns (a first, then turns that reuse each cache) of ``n``
+    conversations of different lengths decoding together, leaving one by
+    one; each reply checked against plain generate."""
     conversations = [conversation(k) for k in range(n)]
-    for _ in range(2):  # a first turn, then a turn that reuses each cache
+    for _ in range(rounds):
         budgets = [10 + 2 * k for k in range(n)]  # they leave one by one
         reports = together(
             manager,
-            [chat_call(manager, f"s{k}", conversations[k], budgets[k]) for k in range(n)],
+            [chat_call(manager, f"{prefix}{k}", conversations[k], budgets[k]) for k in range(n)],
         )
         for k, report in enumerate(reports):
             expected = reference_turn(model, tokenizer, conversations[k], budgets[k])[2]
@@ -103,6 +104,12 @@ def test_conversations_of_different_lengths_decode_together_exactly(family, n, t
                 {"role": "assistant", "content": reply},
                 user_message(7),
             ]
+
+
+def test_conversations_of_different_lengths_decode_together_exactly(family, n, tokenizer):
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    decode_rounds(manager, model, tokenizer, n)
     stats = manager.stats()
     assert stats.max_batch_rows == n, stats
     assert stats.reused_tokens > 0
