@@ -82,8 +82,6 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
-@pytest.mark.parametrize("family", FAMILIES)
 def decode_rounds(manager, model, tokenizer, n, rounds=2, prefix="s") -> None:
     """``rounds`` turns (a first, then turns that reuse each cache) of ``n``
     conversations of different lengths decoding together, leaving one by
@@ -106,6 +104,8 @@ def decode_rounds(manager, model, tokenizer, n, rounds=2, prefix="s") -> None:
             ]
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_conversations_of_different_lengths_decode_together_exactly(family, n, tokenizer):
     model = model_for(family)
     manager = SessionManager(model, tokenizer)
