@@ -120,13 +120,10 @@ def checkpoint_copies(layout) -> bool:
     """Whether rows may copy a prefix up to a checkpoint (``copy_checkpoint``):
     every layer full attention, conv / SSM / DeltaNet, both, or none, and at
     least one that is not attention (for attention alone, ``copy_prefix``)."""
+    if not layout.supported or layout.indexed:  # an unsupported layout has no parts
+        return False
     parts = [set(p) for p in layout.parts]
-    return (
-        layout.supported
-        and not layout.indexed
-        and all(p <= {ATTENTION, RECURRENT} for p in parts)
-        and any(RECURRENT in p for p in parts)
-    )
+    return all(p <= {ATTENTION, RECURRENT} for p in parts) and any(RECURRENT in p for p in parts)
 
 
 def checkpoint_to_copy(row, donors, minimum: int = 1):
