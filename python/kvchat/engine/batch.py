@@ -419,7 +419,13 @@ class DecodeBatch:
             layer, source = self._cache.layers[index], cache.layers[index]
             n = source.keys.shape[-2]
             for buffer, part in ((layer.kbuf, source.keys), (layer.vbuf, source.values)):
-                buffer[slot, :, geo.lo : geo.hi - n] = 0
+                if self.static:
+                    # A static step reads every column, and a masked NaN or
+                    # inf (a padding row's, a left row's) still poisons the
+                    # attention (0 x inf): the whole slot is cleared.
+                    buffer[slot] = 0
+                else:
+                    buffer[slot, :, geo.lo : geo.hi - n] = 0
                 buffer[slot, :, geo.hi - n : geo.hi] = part[0]
         for index, kind, i, buffer in self._recurrent:
             buffer[slot] = getattr(cache.layers[index], f"{kind}_states")[i][0]
