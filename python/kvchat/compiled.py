@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import types
 from collections.abc import Iterable
 
 import torch
@@ -123,7 +124,8 @@ class CompiledDecode:
         later shape compiles again (a batch of one row is its own: dynamo
         specializes sizes of 1)."""
         if self._batch_forward is None:
-            self._batch_forward = torch.compile(_forward, **self.config_for({}).to_dict())
+            forward = _own_forward()
+            self._batch_forward = torch.compile(forward, **self.config_for({}).to_dict())
         label = f"{shape[0]} rows x {shape[1]} columns"
         return self.watched(
             shape, lambda: self._batch_forward(model, kwargs), self._warming, label
@@ -313,6 +315,14 @@ def _forward(model, kwargs: dict):
     and recompile limit are not those of ``model.__call__`` that generate
     compiles for a turn decoding alone."""
     return model(**kwargs)
+
+
+def _own_forward():
+    """``_forward`` with a code object of its own, one per manager: dynamo
+    keeps graphs and counts its recompile limit (8) per code object, which
+    the managers of one process would otherwise share (the fifth found it
+    spent and decoded eagerly); freed with the manager."""
+    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "_forward")
 
 
 def _windows(bridge, capacity: int) -> set[int]:

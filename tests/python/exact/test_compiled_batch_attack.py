@@ -421,3 +421,30 @@ def test_half_precision_rows_decoding_together_compiled(family, dtype, tokenizer
     assert stats.max_batch_rows == 3 and stats.compiled_turns == 9
     assert checked >= 3, f"only {checked} later turns had a clear first token"
     manager.close()
+
+
+def test_every_manager_in_a_process_compiles_its_batch(tokenizer, caplog):
+    """Five managers, one after another in one process (five models: a
+    server of several, a notebook making a manager again), each with rounds
+    of one, two and three conversations: every one's batch step compiles
+    (its graphs counted by its own backend) and its replies are exact. The
+    batch's compiled function was one code object for the whole process,
+    whose recompile limit (8 graphs) the first four managers spent: the
+    fifth decoded eagerly, silently, while counting its turns as compiled."""
+    torch._dynamo.reset()
+    for seed in range(5):
+        backend = CountingBackend()
+        model = model_for("llama", seed=seed)
+        manager = SessionManager(model, tokenizer, compile=backend.config())
+        for n in (1, 2, 3):
+            chats = [conversation(k) for k in range(n)]
+            reports = together(
+                manager, [chat_call(manager, f"r{n}-{k}", chats[k], 6) for k in range(n)]
+            )
+            for k, report in enumerate(reports):
+                _exact(model, tokenizer, report, chats[k], 6)
+        stats = manager.stats()
+        assert backend.graphs >= 2 and stats.compiles == backend.graphs, (seed, backend.graphs)
+        assert stats.compiled_turns == 6
+        manager.close()
+    assert "recompile_limit" not in caplog.text
