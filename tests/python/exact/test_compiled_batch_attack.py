@@ -448,3 +448,80 @@ def test_every_manager_in_a_process_compiles_its_batch(tokenizer, caplog):
         assert stats.compiled_turns == 6
         manager.close()
     assert "recompile_limit" not in caplog.text
+
+
+def test_pooled_turns_beside_the_compiled_batch(tokenizer):
+    """While two conversations decode in the compiled batch, a turn with its
+    own compile_config and a generate that asks for its returned dict each
+    decode alone in a pooled StaticCache (generate compiles those): all four
+    are plain generate's tokens, and each counts as compiled."""
+    from helpers import reference_ids
+
+    model, manager, _ = _manager("llama", tokenizer)
+    chats = [conversation(k) for k in range(3)]
+    streams = [
+        manager.stream_chat(f"b{k}", chats[k], max_new_tokens=40, settle=False) for k in range(2)
+    ]
+    pieces = [[next(stream)] for stream in streams]
+    own = CountingBackend()
+    report = chat_call(manager, "own", chats[2], 10, compile_config=own.config())()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    out = manager.generate(
+        ids, "dict", max_new_tokens=6, do_sample=False, return_dict_in_generate=True
+    )
+    for stream, got in zip(streams, pieces, strict=True):
+        got.extend(stream)
+    _exact(model, tokenizer, report, chats[2], 10)
+    assert tuple(out.sequences[0, 8:].tolist()) == reference_ids(model, ids[0], 6)
+    for k in range(2):
+        _exact(model, tokenizer, manager.last_turn(f"b{k}"), chats[k], 40)
+    stats = manager.stats()
+    assert own.graphs >= 1 and stats.static_caches_built >= 1, stats
+    assert stats.compiled_turns == 4 and stats.max_batch_rows == 2
+    manager.close()
+
+
+def test_a_turn_prefilling_when_the_compile_fails_decodes_eagerly_and_says_so(tokenizer):
+    """The backend fails at the batch's first step while a long prompt is
+    still prefilling in chunks beside it: the decoding turn raises, the long
+    one then decodes eagerly, exactly, and is not counted as compiled (no
+    turn decoded compiled: compiled_turns stays 0)."""
+
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    model = model_for("llama")
+    manager = SessionManager(
+        model,
+        tokenizer,
+        compile=CompileConfig(backend=broken, mode=None),
+        max_step_tokens=16,
+    )
+    short, long = conversation(0), conversation(4)
+    errors, reports = [], {}
+
+    def first():
+        try:
+            manager.chat("short", short, max_new_tokens=10, settle=False)
+        except Exception as error:  # noqa: BLE001 - asserted below
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=first),
+        threading.Thread(
+            target=lambda: reports.update(long=chat_call(manager, "long", long, 10)())
+        ),
+    ]
+    with manager._engine.hold():
+        for k, thread in enumerate(threads):
+            thread.start()
+            wait_for(lambda k=k: manager.stats().queued + len(errors) > k, f"turn {k} queued")
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], torch._dynamo.exc.TorchDynamoException)
+    _exact(model, tokenizer, reports["long"], long, 10)
+    stats = manager.stats()
+    assert stats.prefill_chunks > 2, stats  # the long prompt was in chunks meanwhile
+    assert stats.compiled_turns == 0, stats
+    manager.close()
