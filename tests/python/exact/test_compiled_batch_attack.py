@@ -525,3 +525,55 @@ def test_a_turn_prefilling_when_the_compile_fails_decodes_eagerly_and_says_so(to
     assert stats.prefill_chunks > 2, stats  # the long prompt was in chunks meanwhile
     assert stats.compiled_turns == 0, stats
     manager.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "qwen3_5", "falcon_h1"])
+def test_a_long_prompt_prefills_in_chunks_between_compiled_steps(family, tokenizer):
+    """With a row decoding in the compiled batch, a long prompt is prefilled
+    in chunks of max_step_tokens (an LFM2 one stopping at its checkpoints),
+    eagerly, between compiled steps; both replies are plain generate's and
+    both turns count as compiled, and the next turn reuses the long one."""
+    model, manager, _ = _manager(family, tokenizer, max_step_tokens=16)
+    stream = manager.stream_chat("decoding", conversation(0), max_new_tokens=60, settle=False)
+    next(stream)
+    long = conversation(4)
+    before = manager.stats()
+    report = chat_call(manager, "long", long, 8)()
+    stats = manager.stats()
+    list(stream)
+    _exact(model, tokenizer, report, long, 8)
+    _exact(model, tokenizer, manager.last_turn("decoding"), conversation(0), 60)
+    assert stats.prefill_chunks - before.prefill_chunks >= 3
+    assert stats.decode_steps - before.decode_steps >= 3  # steps between the chunks
+    text = tokenizer.decode(report.output_ids, skip_special_tokens=True)
+    nxt = [*long, {"role": "assistant", "content": text}, user_message(7)]
+    again = chat_call(manager, "long", nxt, 8)()
+    _exact(model, tokenizer, again, nxt, 8)
+    assert again.reused_tokens > 0
+    assert manager.stats().compiled_turns == 3
+    manager.close()
+
+
+def test_warm_up_with_a_failing_backend_raises_then_turns_decode_eagerly(tokenizer):
+    """warm_up with a backend that cannot compile raises dynamo's error,
+    frees its batch, and leaves a manager whose turns decode eagerly
+    together, exactly; nothing counts as compiled."""
+
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    model = model_for("lfm2")
+    manager = SessionManager(model, tokenizer, compile=CompileConfig(backend=broken, mode=None))
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        manager.warm_up(200)
+    assert manager.stats().batch_bytes == 0
+    chats = [conversation(k) for k in range(3)]
+    reports = together(manager, [chat_call(manager, f"s{k}", chats[k], 8) for k in range(3)])
+    for k, report in enumerate(reports):
+        _exact(model, tokenizer, report, chats[k], 8)
+    stats = manager.stats()
+    assert stats.compiled_turns == 0 and stats.max_batch_rows == 3
+    assert manager._engine._loop.batch.static is False
+    assert manager.warm_up(200) == []  # nothing to compile now
+    manager.close()
