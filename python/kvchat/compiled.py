@@ -102,6 +102,14 @@ class CompiledDecode:
             config = getattr(base, "compile_config", None)
         return compile_everywhere(config)
 
+    @property
+    def batch_compiles(self) -> bool:
+        """Whether the engine's decode batch compiles its steps: the manager
+        compiles and the model's own generation config does not turn that
+        off (``disable_compile``: every turn then decodes in the batch
+        eagerly, as with ``compile=False``)."""
+        return self.config_for({}) is not None
+
     def batches(self, kwargs: dict) -> bool:
         """Whether this turn decodes in the engine's compiled batch: the
         manager compiles, and the turn neither turns it off nor brings its
@@ -109,7 +117,7 @@ class CompiledDecode:
         ``StaticCache``, as generate would), nor asks for generate's returned
         dict (a cache returned with it is the pool's)."""
         return (
-            self.enabled
+            self.batch_compiles
             and self.config_for(kwargs) is not None
             and kwargs.get("compile_config") is None
             and not kwargs.get("return_dict_in_generate")

@@ -350,7 +350,7 @@ class TurnPath:
         # A turn that turned compiling off decodes alone rather than in that batch.
         alone = (
             "disable_compile"
-            if batches and self._compiled.enabled and compile_config is None
+            if batches and self._compiled.batch_compiles and compile_config is None
             else None
         )
         if in_batch:

@@ -255,7 +255,7 @@ class DecodeBatch:
         """Empty buffers shaped after ``template`` (a row's cache), with room
         for ``padded`` columns and headroom (or exactly ``columns``)."""
         cache = self._new_cache()
-        self.static = self.compiled is not None and self.compiled.enabled
+        self.static = self.compiled is not None and self.compiled.batch_compiles
         columns = columns or self._columns_for(padded)
         self._attention, self._recurrent = [], []  # (layer index) / (layer index, kind, idx)
         for index, (layer, source) in enumerate(zip(cache.layers, template.layers, strict=True)):

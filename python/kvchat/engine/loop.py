@@ -323,7 +323,7 @@ class _Loop:
         it a compiled turn (``compiled_turns``) where none of its steps ran
         eagerly: not a row that decoded on after a compile failed."""
         compiled = self.batch.compiled
-        if compiled is not None and compiled.enabled and not row.eager:
+        if compiled is not None and compiled.batch_compiles and not row.eager:
             row.finish(on_success=compiled.record_turn)  # counted before its caller wakes
         else:
             row.finish()

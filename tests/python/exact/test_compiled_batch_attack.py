@@ -577,3 +577,39 @@ def test_warm_up_with_a_failing_backend_raises_then_turns_decode_eagerly(tokeniz
     assert manager._engine._loop.batch.static is False
     assert manager.warm_up(200) == []  # nothing to compile now
     manager.close()
+
+
+def test_a_model_that_disables_compile_still_batches_its_turns(tokenizer):
+    """A model whose generation_config.json says disable_compile: generate
+    decodes it eagerly, and so does a manager made with compile=True; its
+    turns must still decode together in the (eager) batch, as with
+    compile=False, not each alone one after another. A turn that asks to
+    compile anyway (disable_compile=False) decodes alone, compiled."""
+    from helpers import DEVICE
+    from kvchat.tiny import tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=torch.float64, seed=0).to(DEVICE)
+    model.generation_config.disable_compile = True
+    backend = CountingBackend()
+    manager = SessionManager(model, tokenizer, compile=backend.config())
+    chats = [conversation(k) for k in range(3)]
+    with manager._engine.hold():
+        threads = [
+            threading.Thread(target=chat_call(manager, f"s{k}", chats[k], 10)) for k in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: manager.stats().queued == 3, "every turn queued in the batch")
+    for thread in threads:
+        thread.join()
+    for k in range(3):
+        _exact(model, tokenizer, manager.last_turn(f"s{k}"), chats[k], 10)
+    stats = manager.stats()
+    assert stats.max_batch_rows == 3 and stats.jobs_run_alone == 0, stats
+    assert stats.compiled_turns == 0 and backend.graphs == 0
+    report = chat_call(manager, "c", chats[0], 10, disable_compile=False)()
+    _exact(model, tokenizer, report, chats[0], 10)
+    stats = manager.stats()
+    assert stats.compiled_turns == 1 and stats.static_caches_built == 1 and backend.graphs >= 1
+    manager.close()
