@@ -613,3 +613,35 @@ def test_a_model_that_disables_compile_still_batches_its_turns(tokenizer):
     stats = manager.stats()
     assert stats.compiled_turns == 1 and stats.static_caches_built == 1 and backend.graphs >= 1
     manager.close()
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_a_hybrids_disable_compile_turn_alone_keeps_its_checkpoints(family, tokenizer):
+    """A hybrid's disable_compile turn decodes alone (generate's own loop)
+    while two rows decode compiled; its next turn, compiled in the batch,
+    reuses its cache, and an edit of its last user message restores a
+    checkpoint: every reply plain generate's."""
+    model, manager, _ = _manager(family, tokenizer)
+    chats = [conversation(k) for k in range(2)]
+    streams = [
+        manager.stream_chat(f"b{k}", chats[k], max_new_tokens=40, settle=False) for k in range(2)
+    ]
+    pieces = [[next(stream)] for stream in streams]
+    messages = [LONG_SYSTEM, user_message(0)]
+    first = chat_call(manager, "h", messages, 8, disable_compile=True)()
+    for stream, got in zip(streams, pieces, strict=True):
+        got.extend(stream)
+    _exact(model, tokenizer, first, messages, 8)
+    for k in range(2):
+        _exact(model, tokenizer, manager.last_turn(f"b{k}"), chats[k], 40)
+    text = tokenizer.decode(first.output_ids, skip_special_tokens=True)
+    messages = [*messages, {"role": "assistant", "content": text}, user_message(1)]
+    second = chat_call(manager, "h", messages, 8)()
+    _exact(model, tokenizer, second, messages, 8)
+    assert second.reused_tokens > 0
+    messages[-1] = user_message(2)  # the last user message edited
+    third = chat_call(manager, "h", messages, 8)()
+    _exact(model, tokenizer, third, messages, 8)
+    assert third.reused_tokens > 0
+    assert manager.stats().compiled_turns == 4
+    manager.close()
