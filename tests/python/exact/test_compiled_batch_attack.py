@@ -645,3 +645,37 @@ def test_a_hybrids_disable_compile_turn_alone_keeps_its_checkpoints(family, toke
     assert third.reused_tokens > 0
     assert manager.stats().compiled_turns == 4
     manager.close()
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma3", "lfm2", "qwen3_5", "falcon_h1", "nemotron_h"]
+)
+def test_rows_of_a_static_batch_decode_on_eagerly_once_compiling_fails(family, tokenizer):
+    """Two rows decode in the compiled (static) batch when a turn with its
+    own compile_config, whose backend cannot compile, fails: compiling is
+    off from then on, and the two rows decode their remaining steps eagerly
+    in the static layout, exactly; the turns after them too."""
+
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model, manager, _ = _manager(family, tokenizer)
+    chats = [conversation(k) for k in range(3)]
+    streams = [
+        manager.stream_chat(f"b{k}", chats[k], max_new_tokens=40, settle=False) for k in range(2)
+    ]
+    pieces = [[next(stream), next(stream)] for stream in streams]
+    assert manager._engine._loop.batch.static
+    bad = CompileConfig(backend=broken, mode=None)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        manager.chat("bad", chats[2], max_new_tokens=10, compile_config=bad, settle=False)
+    for stream, got in zip(streams, pieces, strict=True):
+        got.extend(stream)
+    for k in range(2):
+        _exact(model, tokenizer, manager.last_turn(f"b{k}"), chats[k], 40)
+    reports = together(manager, [chat_call(manager, f"n{k}", chats[k], 8) for k in range(3)])
+    for k, report in enumerate(reports):
+        _exact(model, tokenizer, report, chats[k], 8)
+    stats = manager.stats()
+    assert stats.compiled_turns == 0 and stats.batch_bytes == 0
+    manager.close()
