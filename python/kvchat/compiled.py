@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import types
 from collections.abc import Iterable
 
 import torch
@@ -101,6 +102,14 @@ class CompiledDecode:
             config = getattr(base, "compile_config", None)
         return compile_everywhere(config)
 
+    @property
+    def batch_compiles(self) -> bool:
+        """Whether the engine's decode batch compiles its steps: the manager
+        compiles and the model's own generation config does not turn that
+        off (``disable_compile``: every turn then decodes in the batch
+        eagerly, as with ``compile=False``)."""
+        return self.config_for({}) is not None
+
     def batches(self, kwargs: dict) -> bool:
         """Whether this turn decodes in the engine's compiled batch: the
         manager compiles, and the turn neither turns it off nor brings its
@@ -108,7 +117,7 @@ class CompiledDecode:
         ``StaticCache``, as generate would), nor asks for generate's returned
         dict (a cache returned with it is the pool's)."""
         return (
-            self.enabled
+            self.batch_compiles
             and self.config_for(kwargs) is not None
             and kwargs.get("compile_config") is None
             and not kwargs.get("return_dict_in_generate")
@@ -123,7 +132,8 @@ class CompiledDecode:
         later shape compiles again (a batch of one row is its own: dynamo
         specializes sizes of 1)."""
         if self._batch_forward is None:
-            self._batch_forward = torch.compile(_forward, **self.config_for({}).to_dict())
+            forward = _own_forward()
+            self._batch_forward = torch.compile(forward, **self.config_for({}).to_dict())
         label = f"{shape[0]} rows x {shape[1]} columns"
         return self.watched(
             shape, lambda: self._batch_forward(model, kwargs), self._warming, label
@@ -313,6 +323,14 @@ def _forward(model, kwargs: dict):
     and recompile limit are not those of ``model.__call__`` that generate
     compiles for a turn decoding alone."""
     return model(**kwargs)
+
+
+def _own_forward():
+    """``_forward`` with a code object of its own, one per manager: dynamo
+    keeps graphs and counts its recompile limit (8) per code object, which
+    the managers of one process would otherwise share (the fifth found it
+    spent and decoded eagerly); freed with the manager."""
+    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "_forward")
 
 
 def _windows(bridge, capacity: int) -> set[int]:

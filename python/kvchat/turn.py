@@ -350,7 +350,7 @@ class TurnPath:
         # A turn that turned compiling off decodes alone rather than in that batch.
         alone = (
             "disable_compile"
-            if batches and self._compiled.enabled and compile_config is None
+            if batches and self._compiled.batch_compiles and compile_config is None
             else None
         )
         if in_batch:
@@ -395,7 +395,7 @@ class TurnPath:
                     pooled = False
                     self._compiled.failed(bridge.static_pool)  # eager from now on
                 raise
-            if pooled or in_batch:
+            if pooled:  # a batched turn is counted by the engine (loop.py _finish)
                 self._compiled.record_turn()
             returned = not isinstance(run.output, torch.Tensor) and (
                 run.output.get(bridge.cache_argument) is cache

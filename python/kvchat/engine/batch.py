@@ -255,7 +255,7 @@ class DecodeBatch:
         """Empty buffers shaped after ``template`` (a row's cache), with room
         for ``padded`` columns and headroom (or exactly ``columns``)."""
         cache = self._new_cache()
-        self.static = self.compiled is not None and self.compiled.enabled
+        self.static = self.compiled is not None and self.compiled.batch_compiles
         columns = columns or self._columns_for(padded)
         self._attention, self._recurrent = [], []  # (layer index) / (layer index, kind, idx)
         for index, (layer, source) in enumerate(zip(cache.layers, template.layers, strict=True)):
@@ -419,7 +419,13 @@ class DecodeBatch:
             layer, source = self._cache.layers[index], cache.layers[index]
             n = source.keys.shape[-2]
             for buffer, part in ((layer.kbuf, source.keys), (layer.vbuf, source.values)):
-                buffer[slot, :, geo.lo : geo.hi - n] = 0
+                if self.static:
+                    # A static step reads every column, and a masked NaN or
+                    # inf (a padding row's, a left row's) still poisons the
+                    # attention (0 x inf): the whole slot is cleared.
+                    buffer[slot] = 0
+                else:
+                    buffer[slot, :, geo.lo : geo.hi - n] = 0
                 buffer[slot, :, geo.hi - n : geo.hi] = part[0]
         for index, kind, i, buffer in self._recurrent:
             buffer[slot] = getattr(cache.layers[index], f"{kind}_states")[i][0]

@@ -296,6 +296,8 @@ class _Loop:
 
     def _step(self) -> None:
         batch = self.batch
+        # Whether this step runs compiled (not once a compile failed).
+        compiled = batch.static and batch.compiled is not None and batch.compiled.enabled
         try:
             logits = batch.step(self.model, self.step_extra)
         except BaseException as error:  # the forward failed: every row in it fails
@@ -307,6 +309,7 @@ class _Loop:
         self.counters["decode_rows"] += len(batch.rows)
         self.max_rows = max(self.max_rows, len(batch.rows))
         for slot, row in enumerate(list(batch.rows)):  # slot: the row's logits
+            row.eager = row.eager or not compiled
             try:
                 finished = row.pick(logits[slot : slot + 1])
                 if finished:
@@ -319,7 +322,17 @@ class _Loop:
                 row.finish(error)
                 continue
             if finished:
-                row.finish()
+                self._finish(row)
+
+    def _finish(self, row) -> None:
+        """Ends a row that decoded to its end. A manager that compiles counts
+        it a compiled turn (``compiled_turns``) where none of its steps ran
+        eagerly: not a row that decoded on after a compile failed."""
+        compiled = self.batch.compiled
+        if compiled is not None and compiled.batch_compiles and not row.eager:
+            row.finish(on_success=compiled.record_turn)  # counted before its caller wakes
+        else:
+            row.finish()
 
     def warm_up(self, compiled, columns: int, rows: int, tokens: int, steps: int) -> None:
         """Compiles the batch step for ``rows`` rows in ``columns`` columns:
@@ -381,7 +394,7 @@ class _Loop:
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
             del outputs
             if row.pick(logits):
-                row.finish()
+                self._finish(row)
             else:
                 self.batch.join(row)
         except BaseException as error:
@@ -478,7 +491,7 @@ class _Loop:
         for row, row_logits in zip(rows, logits, strict=True):
             try:
                 if row.pick(row_logits):
-                    row.finish()
+                    self._finish(row)
                 else:
                     self.batch.join(row)
             except BaseException as error:  # the row's processor, streamer or cache

@@ -71,6 +71,7 @@ class DecodeRow:
         self.joined_length = 0  # tokens its cache held when it joined the batch
         self.submitted = time.perf_counter()
         self.started: float | None = None  # when its first forward ran
+        self.eager = False  # a decode step of it ran eagerly in a manager that compiles
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -101,15 +102,18 @@ class DecodeRow:
             self.streamer.put(token.cpu())
         return bool(self.criteria(self.ids, None).any())
 
-    def finish(self, error: BaseException | None = None) -> None:
+    def finish(self, error: BaseException | None = None, on_success=None) -> None:
         """Ends the row (its streamer's ``end`` first, as generate does) and
-        wakes its caller; a streamer whose ``end`` raises fails the turn."""
+        wakes its caller; a streamer whose ``end`` raises fails the turn.
+        ``on_success()`` runs before the caller wakes, if it did not fail."""
         try:
             if error is None and self.streamer is not None:
                 self.streamer.end()
         except BaseException as raised:  # re-raised on the caller's thread
             error = raised
         finally:
+            if error is None and on_success is not None:
+                on_success()
             self._error = error
             self._done.set()
 

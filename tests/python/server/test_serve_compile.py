@@ -28,6 +28,8 @@ def _metric(server, name: str) -> float:
 def test_warmed_up_turns_compile_nothing_and_stay_exact(compiled_server, tokenizer):
     server, model = compiled_server, reference_model("lfm2")
     warmed = _metric(server, "kvchat_compiles_total")
+    # The warm-up's own: the batch step's rows and columns become dynamic sizes.
+    recompiled = _metric(server, "kvchat_recompiles_total")
     assert warmed >= 1 and _metric(server, "kvchat_compile_seconds_total") > 0
     client = client_for(server)
     histories = {key: [SYSTEM] for key in ("a", "b")}
@@ -40,4 +42,4 @@ def test_warmed_up_turns_compile_nothing_and_stay_exact(compiled_server, tokeniz
             messages.append({"role": "assistant", "content": reply})
     assert _metric(server, "kvchat_compiled_turns_total") == 4
     assert _metric(server, "kvchat_compiles_total") == warmed
-    assert _metric(server, "kvchat_recompiles_total") == 0
+    assert _metric(server, "kvchat_recompiles_total") == recompiled
