@@ -460,11 +460,9 @@ class DecodeBatch:
         if slot != last:  # the last row moves into the hole
             moved = self.rows[last]
             for buffer, column_dim in self._buffers():
-                if column_dim == 2:
+                if column_dim == 2 and not self.static:
                     buffer[slot, :, geo.lo : geo.hi] = buffer[last, :, geo.lo : geo.hi]
-                elif column_dim == 1:  # the whole mask row (see join)
-                    buffer[slot] = buffer[last]
-                else:
+                else:  # the whole row: a static step reads every column (see join)
                     buffer[slot] = buffer[last]
             self.rows[slot] = moved
             moved.slot = slot
