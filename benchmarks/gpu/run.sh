@@ -37,7 +37,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/python/exact/test_sharing.py tests/python/api/test_persistence.py \
     tests/python/exact/test_generate_args.py tests/python/exact/test_returned_cache.py \
     tests/python/exact/test_bfloat16.py tests/python/exact/test_families.py \
-    tests/python/exact/test_compiled_decode.py 2>&1 | tee "$out/test-gpu.log" | tail -25
+    tests/python/exact/test_compiled_decode.py tests/python/exact/test_compiled_batch.py \
+    2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
 if [ "$what" = engine ] || [ "$what" = all ]; then
