@@ -1,12 +1,14 @@
 """Whether a turn's decode runs compiled, and with which ``CompileConfig``.
 
-``generate`` compiles its decode step over a cache that can be compiled
+A manager that compiles decodes its turns in the engine's batch, whose
+buffers are then static and whose step is compiled (``batch_forward``,
+engine/batch.py): one ``torch.compile`` for every shape. A turn that brings
+its own ``compile_config`` or asks for generate's returned dict decodes
+alone in a ``StaticCache`` from the bridge's pool (``bridge/static_cache.py``),
+which ``generate`` compiles: it compiles over a cache that can be compiled
 (``Cache.is_compileable``), on CUDA and other accelerators by itself and on
 the CPU only when ``compile_config._compile_all_devices`` says so, which
-kvchat sets. A compiled
-turn decodes in a ``StaticCache`` from the bridge's pool (see
-``bridge/static_cache.py``); any other turn decodes in kvchat's growable
-buffers, eagerly.
+kvchat sets. Any other turn decodes in the batch, eagerly.
 
 ``SessionManager(compile=...)``:
 
@@ -18,8 +20,9 @@ buffers, eagerly.
 Why not compiled by default on a GPU, as transformers does for a StaticCache:
 no GPU has run this path yet (docs/compiled-decode.md, "Open").
 
-A turn that passes ``disable_compile=True`` decodes eagerly; one that passes
-``compile_config`` compiles with it wherever this manager compiles.
+A turn that passes ``disable_compile=True`` decodes eagerly (alone, beside a
+compiled batch); one that passes ``compile_config`` compiles with it, alone,
+wherever this manager compiles.
 """
 
 from __future__ import annotations
@@ -127,10 +130,10 @@ class CompiledDecode:
         """The decode batch's step (engine/batch.py, a static batch of
         ``shape``, rows by columns): ``model(**kwargs)`` compiled with the
         manager's config, what it compiled counted as a turn's is. One
-        ``torch.compile`` for every shape: the first shape compiles, the next
-        ones once more with the rows and the columns as dynamic sizes, and no
-        later shape compiles again (a batch of one row is its own: dynamo
-        specializes sizes of 1)."""
+        ``torch.compile`` for every shape, in at most four graphs: one row and
+        several rows compile apart (dynamo specializes sizes of 1), each at
+        its first column count and once more at a second, with the columns
+        (and several rows) as dynamic sizes; no later shape compiles again."""
         if self._batch_forward is None:
             forward = _own_forward()
             self._batch_forward = torch.compile(forward, **self.config_for({}).to_dict())
@@ -183,13 +186,17 @@ class CompiledDecode:
         return sorted({self.capacity(n, max_context) for n in lengths})
 
     def warm_up(self, model, bridge, engine, capacities: list[int]) -> list[int]:
-        """Compiles the decode for each of ``capacities`` (``check_warm_up``'s)
-        with short generates in a pooled cache of it, on the engine's thread,
-        as a turn does; the capacities it decoded in (a pooled cache up to
-        twice as large serves a smaller one, as it does for a turn). Nothing
-        if the model cannot compile.
+        """Compiles the decode for each of ``capacities`` (``check_warm_up``'s),
+        on the engine's thread; the capacities it decoded in. Nothing (and
+        []) if the model cannot compile.
 
-        A sliding-window layer branches on whether its window is full, on a
+        Where turns decode in the engine's batch: its step, for every row
+        count in each capacity's columns, and in the next bucket up when one
+        capacity is named (``_warm_up_batch``). Where they cannot (a
+        length-dependent rope: each turn alone): short generates in a pooled
+        cache of each capacity, as a turn does (a pooled cache up to twice as
+        large serves a smaller one, as it does for a turn). A sliding-window
+        layer of a pooled cache branches on whether its window is full, on a
         Python int that dynamo specializes on, so its decode has a graph for
         each: a model with such layers also decodes once past its window."""
         config = self.config_for({})

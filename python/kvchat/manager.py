@@ -409,11 +409,15 @@ class SessionManager(SessionAdmin):
         """Compiles the decode now, off any turn's path, for the capacity
         buckets of ``lengths``: the positions the caller's turns will need,
         prompt plus ``max_new_tokens`` (a bucket's own size names it; see
-        docs/compiled-decode.md). A later turn in those buckets compiles
-        nothing. Runs on the engine's thread, between other work, and returns
-        the capacities it decoded in. Needs ``compile=True`` (or a
-        ``CompileConfig``): ValueError otherwise; on a model whose decode
-        cannot compile it logs a warning and returns []."""
+        docs/compiled-decode.md). The decode batch's step compiles for every
+        row count the batch takes (up to ``max_batch_size``) in each bucket's
+        columns, and in the next bucket up when only one is named, so that
+        rows and columns are dynamic sizes: a later batched turn compiles
+        nothing, in any bucket. Runs on the engine's thread, between other
+        work, and returns the buckets it decoded in (``warm_up(200)``:
+        ``[256, 512]``). Needs ``compile=True`` (or a ``CompileConfig``):
+        ValueError otherwise; on a model whose decode cannot compile it logs
+        a warning and returns []."""
         capacities = self._compiled.check_warm_up(lengths, self._max_context)
         return self._compiled.warm_up(self._model, self._bridge, self._engine, capacities)
 

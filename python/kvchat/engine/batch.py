@@ -25,6 +25,16 @@ are allocated, rebuilt or freed (the manager reserves it in its core).
 Positions are each row's own token count, and the padded coordinates (what
 the model's cache reports as its length) are shared: exactly what ``generate``
 does for a left-padded batch, so every family's own mask code applies.
+
+In a manager that compiles, the buffers are **static**
+(``_StaticPaddedAttention``, ``DecodeBatch.static``), so that the compiled
+step sees shapes and addresses that recur: rows in powers of two (doubled
+when a row joins a full batch, halved or more once few are left: a lone row
+decodes in a one-row batch), columns in the compiled decode's buckets, the
+new column written at a position tensor, and every row (the unused ones
+padding whose logits nobody reads) and every column given to the forward
+with the mask. Since a static step reads every column, a joining row clears
+its whole slot, and a row moving into a left row's slot copies all of it.
 """
 
 from __future__ import annotations

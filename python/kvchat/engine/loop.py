@@ -3,23 +3,29 @@
 Callers (``chat``, ``stream_chat`` and ``generate`` on any thread, the
 server's turns, the settler) submit work and wait; the engine's thread loops:
 
-1. a job that must run alone (``run``: plain generate, a compiled turn,
-   generate's own loop where a turn cannot be batched), between steps: the
-   batch waits for its whole length;
-2. one batched decode step over every row (``DecodeBatch.step``), then each
-   row's pick, stream and stop;
+1. a job that must run alone (``run``: plain generate, a compiled turn
+   that decodes in a pooled ``StaticCache``, with its own ``compile_config``
+   or asking for generate's returned dict, and generate's own loop where a
+   turn cannot be batched or turned compiling off beside a compiled batch),
+   between steps: the batch waits for its whole length;
+2. one batched decode step over every row (``DecodeBatch.step``; in a
+   manager that compiles, over static buffers, compiled, which ``warm_up``
+   can do ahead), then each row's pick, stream and stop;
 3. prefill of the rows still prefilling, at most ``max_step_tokens`` tokens
-   between two steps: short prompts several in one forward, a long one in
-   chunks (``prompts.py``: on full-attention models, a row also copies a
-   prefix another row holds rather than computing it again); each row's
-   first token then joins the batch at the next step. So a long prompt
+   between two steps: a long prompt in chunks (a conv-window row's stopping
+   at its checkpoints), and on full-attention models several short ones in
+   one forward. A row copies a prefix another row holds rather than
+   computing it again (``prompts.py``; beside conv, SSM or DeltaNet layers,
+   up to a checkpoint the other took). Each row's first token then joins
+   the batch at the next step. So a long prompt
    never stops the others' streams for longer than a chunk, and a long
    reply never delays a new turn's first token by more than a step;
 4. when no row decodes or prefills: idle work (``when_idle``: settling).
 
 Every forward, every CUDA graph capture and every launch happens on this one
 thread, so nothing can invalidate a capture. The thread ends when the
-manager closes or is dropped (it holds the state, never the ``Engine``).
+manager closes or is dropped (it holds the state, never the ``Engine``), or
+at exit, which waits for it (``daemon_threads.py``).
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ def test_compiled_turns_match_compiled_static_cache(family, tokenizer):
 @pytest.mark.slow
 def test_lfm2_checkpoints_read_off_a_compiled_turns_prefill(tokenizer, caplog):
     """A long system prompt puts a checkpoint inside LFM2's first prompt,
-    read off the prefill of a turn whose decode compiles (the StaticCache's
-    conv layers): every turn exact, an edit of the first user message
+    read off the prefill of a turn whose decode compiles (in the engine's
+    static batch): every turn exact, an edit of the first user message
     restores that checkpoint, and no warning says the windows could not be
     read."""
     torch._dynamo.reset()
