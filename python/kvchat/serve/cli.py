@@ -144,14 +144,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     limits.add_argument(
         "--compile",
         action="store_true",
-        help="decode compiled, in a pooled StaticCache (see docs/compiled-decode.md)",
+        help="decode compiled: the engine's decode batch compiles its step, and every turn "
+        "decodes in it (see docs/compiled-decode.md)",
     )
     limits.add_argument(
         "--warm-up",
         type=_lengths,
         metavar="LENGTHS",
-        help="with --compile: compile the decode before serving, for the capacity buckets of "
-        "these lengths (prompt + max_tokens, comma-separated: 2048,4096)",
+        help="with --compile: compile the batch's decode step before serving, for every row "
+        "count in the capacity buckets of these lengths (prompt + max_tokens, "
+        "comma-separated: 2048,4096)",
     )
     store = parser.add_argument_group("shared store (several replicas, see RedisTier)")
     store.add_argument(
