@@ -120,7 +120,17 @@ def test_warm_up_compiles_every_row_count_the_batch_takes(tokenizer):
     columns are dynamic sizes then, and three conversations together (in
     512 columns) and one alone compile nothing."""
     model, manager, backend = _counting_manager("llama", tokenizer, max_batch_size=4)
+    steps = []
+    original = manager._compiled.batch_forward
+
+    def batch_forward(model_, kwargs, shape):
+        steps.append(shape)
+        return original(model_, kwargs, shape)
+
+    manager._compiled.batch_forward = batch_forward
     assert manager.warm_up(200) == [256, 512]
+    # Rows in 2 and 4 compile nothing once rows are dynamic: only the steps show them run.
+    assert set(steps) == {(rows, columns) for rows in (1, 2, 4) for columns in (256, 512)}
     warmed = backend.graphs
     assert warmed >= 2 and manager.stats().compiled_turns == 0
     decode_rounds(manager, model, tokenizer, 3, rounds=1)
