@@ -72,9 +72,10 @@ def test_inductor_compiled_batch_is_exact(family, tokenizer):
 
 @pytest.mark.parametrize("family", FAST)
 def test_rows_join_and_leave_a_compiled_batch(family, tokenizer):
-    """A long reply streams while four shorter turns join its batch (its rows
-    grow 1, 2, 4, 8) and leave it (they shrink back once few are left): every
-    reply is exact."""
+    """A long reply streams while four shorter turns join its compiled batch
+    (its rows grow past one) and leave it: every reply is exact, and every
+    turn decoded compiled (the rows shrinking back:
+    test_one_row_left_shrinks_the_static_batch)."""
     model, manager, _ = _counting_manager(family, tokenizer)
     long = conversation(0)
     stream = manager.stream_chat("long", long, max_new_tokens=60)
@@ -93,7 +94,8 @@ def test_rows_join_and_leave_a_compiled_batch(family, tokenizer):
         assert (
             reports[k].output_ids == reference_turn(model, tokenizer, conversation(k), 4 + 2 * k)[2]
         )
-    assert manager.stats().max_batch_rows >= 2
+    stats = manager.stats()
+    assert stats.max_batch_rows >= 2 and stats.compiled_turns == 5, stats
     manager.close()
 
 
