@@ -154,6 +154,40 @@ def test_a_padding_rows_garbage_never_reaches_a_row(family, tokenizer):
     manager.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_a_left_rows_garbage_never_reaches_the_row_moved_into_its_slot(family, tokenizer):
+    """Three rows decode; the first (slot 0) ends, and the last row moves
+    into its slot. The left row's columns outside the batch's [lo, hi) hold
+    garbage (NaN here: what overflowed activations leave); a static step
+    reads every column, so the moved row must bring its whole slot, not
+    only [lo, hi). Every reply is plain generate's."""
+    model, manager, _ = _manager(family, tokenizer)
+    batch = manager._engine._loop.batch
+    original, moves = batch.leave, []
+
+    def leave(row, write_back=True):
+        geo = batch._geo
+        if row.slot != geo.rows - 1:  # the last row will move into this slot
+            moves.append(row.slot)
+            for index in batch._attention:
+                layer = batch._cache.layers[index]
+                for buffer in (layer.kbuf, layer.vbuf):
+                    buffer[row.slot, :, : geo.lo] = float("nan")
+                    buffer[row.slot, :, geo.hi :] = float("nan")
+        original(row, write_back)
+
+    batch.leave = leave
+    chats, budgets = [conversation(k) for k in range(3)], [4, 30, 30]
+    reports = together(
+        manager, [chat_call(manager, f"m{k}", chats[k], budgets[k]) for k in range(3)]
+    )
+    assert moves and moves[0] == 0, moves
+    for k, report in enumerate(reports):
+        _exact(model, tokenizer, report, chats[k], budgets[k])
+    assert batch.static and manager.stats().max_batch_rows == 3
+    manager.close()
+
+
 def test_a_failing_backend_fails_every_row_of_the_step_cleanly(tokenizer, caplog):
     """Three turns decode together when the backend fails at the batch's
     first compiled step: each turn raises, none leaves its session half
