@@ -640,8 +640,9 @@ class Engine:
 
     def warm_up_batch(self, compiled, columns: int, tokens: int, steps: int) -> list[int]:
         """Compiles the batch step (``compiled``'s) for each row count a
-        batch can hold (1, 2, 4, ... up to the maximum) in ``columns``
-        columns, on the engine's thread; the row counts warmed."""
+        batch can hold (1, 2, 4, ... up to the first power of two at or past
+        ``max_batch``: a full batch doubles) in ``columns`` columns, on the
+        engine's thread; the row counts warmed."""
         counts = [1]  # the row capacities a batch takes: it doubles them
         while counts[-1] < self._loop.max_batch:
             counts.append(2 * counts[-1])
