@@ -242,8 +242,8 @@ class CompiledDecode:
 
     def _warm_up_batch(self, engine, capacities: list[int], pool) -> list[int]:
         """``warm_up`` for a manager whose turns decode in the engine's batch:
-        its step for every row count it can hold, in each of ``capacities``
-        columns and in two at least (the next bucket up), so that the rows
+        its step for one row and for two, in each of ``capacities`` columns
+        and in two at least (the next bucket up), so that the rows
         and the columns both become dynamic sizes: no later shape compiles."""
         if len(capacities) == 1:
             capacities = [capacities[0], bucket(capacities[0] + 1)]

@@ -409,9 +409,9 @@ class SessionManager(SessionAdmin):
         """Compiles the decode now, off any turn's path, for the capacity
         buckets of ``lengths``: the positions the caller's turns will need,
         prompt plus ``max_new_tokens`` (a bucket's own size names it; see
-        docs/compiled-decode.md). The decode batch's step compiles for every
-        row count the batch takes (up to ``max_batch_size``) in each bucket's
-        columns, and in the next bucket up when only one is named, so that
+        docs/compiled-decode.md). The decode batch's step compiles for one
+        row and for two in each bucket's columns (every larger row count is
+        then a dynamic size), and in the next bucket up when only one is named, so that
         rows and columns are dynamic sizes: a later batched turn compiles
         nothing, in any bucket. Runs on the engine's thread, between other
         work, and returns the buckets it decoded in (``warm_up(200)``:

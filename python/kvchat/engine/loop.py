@@ -639,13 +639,14 @@ class Engine:
         return self._model_problem
 
     def warm_up_batch(self, compiled, columns: int, tokens: int, steps: int) -> list[int]:
-        """Compiles the batch step (``compiled``'s) for each row count a
-        batch can hold (1, 2, 4, ... up to the first power of two at or past
-        ``max_batch``: a full batch doubles) in ``columns`` columns, on the
-        engine's thread; the row counts warmed."""
-        counts = [1]  # the row capacities a batch takes: it doubles them
-        while counts[-1] < self._loop.max_batch:
-            counts.append(2 * counts[-1])
+        """Compiles the batch step (``compiled``'s) for one row and for two
+        (or one alone, for a batch of at most one) in ``columns`` columns, on
+        the engine's thread; the row counts warmed. One row is a graph of
+        its own (dynamo specializes sizes of 1); after two, the rows are a
+        dynamic size, so 4, 8 or 16 rows compile nothing, and warming them
+        would only allocate their buffers (16 rows in 4096 columns of
+        SmolLM2 in float32: 3 GB)."""
+        counts = [1, 2] if self._loop.max_batch > 1 else [1]
         for rows in counts:
             self.run(lambda rows=rows: self._loop.warm_up(compiled, columns, rows, tokens, steps))
         return counts
