@@ -8,11 +8,14 @@ Every reply is its own plain ``generate``'s, and the next turns still are."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from families import CONV_WINDOWS, FAMILIES, SHAPE, tiny_from_config
 from helpers import LONG_SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
+from kvchat.bridge.layout import ATTENTION, RECURRENT, SLIDING
 from kvchat.engine.prompts import checkpoint_copies
 from kvchat.tiny import tiny_model, tiny_tokenizer
 from test_engine import chat_call, together
@@ -200,3 +203,22 @@ def test_more_hybrid_families_copy_exactly(name, tokenizer):
     assert manager.stats().prefix_tokens_copied == 2 * SYSTEM_TOKENS, manager.stats()
     assert_next_turns_exact(manager, model, tokenizer, conversations)
     manager.close()
+
+
+@pytest.mark.parametrize(
+    ("parts", "copies"),
+    [
+        ([(ATTENTION,), (RECURRENT,)], True),
+        ([(ATTENTION, RECURRENT), ()], True),
+        ([(SLIDING,), (RECURRENT,)], False),  # a window may have dropped the columns
+        ([(ATTENTION,), (SLIDING, RECURRENT)], False),
+        ([(ATTENTION,), ()], False),  # attention alone: copy_prefix's
+    ],
+    ids=["conv", "hybrid-layer", "sliding-beside", "sliding-hybrid", "attention"],
+)
+def test_no_checkpoint_copy_beside_a_sliding_window(parts, copies):
+    """No tiny family puts sliding-window layers beside recurrent ones, so a
+    layout stands in: where a window keeps only its last columns, a row must
+    not copy columns up to a checkpoint from another row's cache."""
+    layout = SimpleNamespace(supported=True, indexed=False, parts=parts)
+    assert checkpoint_copies(layout) == copies
