@@ -419,10 +419,12 @@ class _Loop:
                 row.stop_reading_windows()
             copied = copy_checkpoint(row, *found, self.bridge.layout)
             self.counters["prefix_tokens_copied"] += copied
+        # A row not yet let in starts beside this one only if the batch holds
+        # two: with one, it starts once this row left, and a stop for it is a
+        # forward nobody copies from.
+        waiting = [*self.prefilling, *self.incoming] if self.max_batch > 1 else []
         if row.windows is not None and any(
-            waits_for(other, row, self.min_shared_tokens)
-            for other in [*self.prefilling, *self.incoming]
-            if other is not row
+            waits_for(other, row, self.min_shared_tokens) for other in waiting if other is not row
         ):
             row.stop_reading_windows()
 

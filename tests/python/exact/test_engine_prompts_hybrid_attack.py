@@ -222,3 +222,24 @@ def test_no_checkpoint_copy_beside_a_sliding_window(parts, copies):
     not copy columns up to a checkpoint from another row's cache."""
     layout = SimpleNamespace(supported=True, indexed=False, parts=parts)
     assert checkpoint_copies(layout) == copies
+
+
+def test_an_lfm2_row_reads_its_windows_when_no_row_can_run_beside_it(tokenizer):
+    """max_batch_size=1: the rows waiting for the batch start only once the
+    first has left, so none can copy from it in flight. Each LFM2 turn then
+    reads its checkpoint off its one forward's conv windows, as before the
+    copy existed: one forward a prompt, not a second one to stop at a
+    checkpoint nobody copies. Replies exact; an edit restores the checkpoint."""
+    model = model_for("lfm2")
+    manager = SessionManager(model, tokenizer, max_batch_size=1)
+    conversations = shared_system("abc")
+    together(manager, [chat_call(manager, s, m, 6) for s, m in conversations.items()])
+    assert_exact(manager, model, tokenizer, conversations, dict.fromkeys("abc", 6))
+    stats = manager.stats()
+    assert stats.prefill_chunks == 3 and stats.prefix_tokens_copied == 0, stats
+    for s in conversations:
+        edited = [LONG_SYSTEM, user_message(40)]
+        reply = manager.chat(s, edited, max_new_tokens=6, settle=False)
+        assert reply == reference_turn(model, tokenizer, edited, 6)[0], s
+        assert manager.last_turn(s).checkpoint_restored == SYSTEM_TOKENS, s
+    manager.close()
