@@ -243,3 +243,23 @@ def test_an_lfm2_row_reads_its_windows_when_no_row_can_run_beside_it(tokenizer):
         assert reply == reference_turn(model, tokenizer, edited, 6)[0], s
         assert manager.last_turn(s).checkpoint_restored == SYSTEM_TOKENS, s
     manager.close()
+
+
+def test_an_lfm2_row_reads_its_windows_when_its_checkpoint_is_past_what_others_share(
+    tokenizer,
+):
+    """The first LFM2 row sends a history, so its one checkpoint is at its
+    last message's start; the second shares only the system prompt with it.
+    No checkpoint the first could take lies within what they share, so it
+    reads its windows off one forward rather than stopping for the second:
+    two forwards in all (max_step_tokens past both prompts: the second's is
+    one forward beside the first's decoding), nothing copied, replies exact."""
+    model = model_for("lfm2")
+    manager = SessionManager(model, tokenizer, max_step_tokens=1024)
+    history = [LONG_SYSTEM, user_message(1), {"role": "assistant", "content": "Sure, here."}]
+    conversations = {"b": [*history, user_message(2)], "a": [LONG_SYSTEM, user_message(0)]}
+    together(manager, [chat_call(manager, s, m, 6) for s, m in conversations.items()])
+    assert_exact(manager, model, tokenizer, conversations, dict.fromkeys("ab", 6))
+    stats = manager.stats()
+    assert stats.prefill_chunks == 2 and stats.prefix_tokens_copied == 0, stats
+    manager.close()
