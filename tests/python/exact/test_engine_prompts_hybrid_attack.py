@@ -4,7 +4,8 @@ checkpoints at every message with few kept, a copier that already holds part
 of its prompt, identical prompts, copiers prefilled in chunks beside a
 decoding row, a donor whose client leaves after its first token, eviction
 while rows copy, half precision, and the hybrid families of families.py.
-Every reply is its own plain ``generate``'s, and the next turns still are."""
+Every reply is its own plain ``generate``'s, and the next turns still are.
+An LFM2 row stops at its checkpoints only for a row that would copy one."""
 
 from __future__ import annotations
 
