@@ -58,6 +58,7 @@ from .prompts import (
     logits_to_keep_kind,
     prefill_together,
     waits_for,
+    would_copy,
 )
 from .threads import with_callers_autocast
 
@@ -414,10 +415,10 @@ class _Loop:
     def _copy_checkpoint(self, row) -> None:
         """Before a forward of ``row``'s prompt, on a model with conv, SSM or
         DeltaNet layers (prompts.py ``copy_checkpoint``): copies a prefix
-        up to another row's checkpoint; and, if rows still to prefill share
-        enough of this row's prompt, makes it take its checkpoints by
+        up to another row's checkpoint; and, if a row still to prefill would
+        copy up to one of this row's checkpoints, makes it take them by
         stopping at them (not off conv windows, which only its turn reads,
-        once it ends), so that they can copy from it."""
+        once it ends), so that it can."""
         donors = [*self.batch.rows, *self.prefilling]
         found = checkpoint_to_copy(row, donors, self.min_shared_tokens)
         if found is not None:
@@ -425,10 +426,13 @@ class _Loop:
                 row.stop_reading_windows()
             copied = copy_checkpoint(row, *found, self.bridge.layout)
             self.counters["prefix_tokens_copied"] += copied
+        # A row not yet let in starts beside this one only if the batch holds
+        # two: with one, it starts once this row left, and a stop for it is a
+        # forward nobody copies from.
+        waiting = [*self.prefilling, *self.incoming] if self.max_batch > 1 else []
         if row.windows is not None and any(
-            waits_for(other, row, self.min_shared_tokens)
-            for other in [*self.prefilling, *self.incoming]
-            if other is not row
+            would_copy(other, row, row.windows.positions, self.min_shared_tokens)
+            for other in waiting
         ):
             row.stop_reading_windows()
 

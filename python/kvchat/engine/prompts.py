@@ -132,10 +132,8 @@ def checkpoint_to_copy(row, donors, minimum: int = 1):
     within the prompt both share, before ``row``'s last prompt token, and
     not past the first position ``row`` must stop at (``row.stops``, or the
     positions its windows would read); None if there is none."""
-    begin = row.prefilled
-    stops = row.windows.positions if row.windows is not None else row.stops
-    first_stop = next((p for p in stops if p > begin), None)
-    best, end = None, begin + minimum - 1
+    end, first_stop = _copy_bounds(row, minimum)
+    best = None
     for donor in donors:
         if donor is row or not shares_with(row, donor) or not donor.checkpoints:
             continue
@@ -145,6 +143,24 @@ def checkpoint_to_copy(row, donors, minimum: int = 1):
             if end < p <= shared and (first_stop is None or p <= first_stop):
                 best, end = (donor, checkpoint), p
     return best
+
+
+def _copy_bounds(row, minimum: int) -> tuple[int, int | None]:
+    """A copy for ``row`` ends past the first and at or before the second
+    (the first position it must stop at; None: anywhere)."""
+    stops = row.windows.positions if row.windows is not None else row.stops
+    first_stop = next((p for p in stops if p > row.prefilled), None)
+    return row.prefilled + minimum - 1, first_stop
+
+
+def would_copy(row, donor, positions, minimum: int = 1) -> bool:
+    """Whether ``row`` would copy from ``donor`` (``checkpoint_to_copy``) up
+    to a checkpoint ``donor`` would take at one of ``positions``."""
+    if donor is row or not shares_with(row, donor):
+        return False
+    low, first_stop = _copy_bounds(row, minimum)
+    shared = common_prefix(row, donor, row.prompt_tokens - 1)
+    return any(low < p <= shared and (first_stop is None or p <= first_stop) for p in positions)
 
 
 def copy_checkpoint(row, donor, checkpoint, layout) -> int:

@@ -113,3 +113,47 @@ def test_an_agent_loop_prefills_only_its_new_messages(lfm2_server, tokenizer):
     settles = float(re.search(r"^kvchat_settles_total (\S+)", metrics, re.M).group(1))
     assert settles >= 3, metrics
     assert float(re.search(r"^kvchat_settle_misses_total (\S+)", metrics, re.M).group(1)) >= 1
+
+
+def test_concurrent_clients_sharing_a_system_prompt_reply_exactly(lfm2_server, tokenizer):
+    """Six clients, each its own conversation, send one long system prompt
+    (and the tools) at once to the hybrid: whichever rows copy the prefix in
+    flight up to another's checkpoint (or share it once committed), each
+    reply is plain generate's, and the system prompt was computed fewer
+    times than there are clients (/metrics' copied tokens, usage's cached)."""
+    import threading
+
+    server, model = lfm2_server, reference_model("lfm2")
+    before = _metric(server, "kvchat_prefix_tokens_copied_total")
+    conversations = {
+        f"crowd-{k}": [LONG_SYSTEM, {"role": "user", "content": f"Plan trip number {k}."}]
+        for k in range(6)
+    }
+    results, errors = {}, []
+
+    def client_turn(key, messages):
+        try:
+            results[key] = _turn(server, server.client(KEY_A), messages, key)
+        except Exception as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=client_turn, args=item) for item in conversations.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for key, messages in conversations.items():
+        assert results[key][0] == _plain(model, tokenizer, messages)[0], key
+    prompts = [_plain(model, tokenizer, m)[1] for m in conversations.values()]
+    system = min(common_prefix(prompts[0], prompt) for prompt in prompts[1:])
+    copied = _metric(server, "kvchat_prefix_tokens_copied_total") - before
+    cached = sum(usage.prompt_tokens_details.cached_tokens for _, usage in results.values())
+    assert copied + cached >= system, (copied, cached, system)
+    server.settled()
+
+
+def _metric(server, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)", server.get("/metrics").text, re.M)
+    assert match, name
+    return float(match.group(1))
