@@ -16,12 +16,10 @@ import pytest
 import torch
 from helpers import LONG_SYSTEM, SYSTEM, model_for, reference_turn, user_message
 from kvchat import SessionManager
-from kvchat.agents.grammar import Grammars
 from kvchat.engine import batch as batch_module
-from kvchat.prompting import end_ids
 from kvchat.tiny import tiny_tokenizer
 from test_compiled_decode import CountingBackend
-from test_engine import chat_call, conversation, together, wait_for
+from test_engine import chat_call, conversation, grammar_row_beside_free_ones, together, wait_for
 from transformers import CompileConfig
 
 HYBRIDS = ["gemma3", "lfm2", "qwen3_5", "falcon_h1", "nemotron_h"]
@@ -366,24 +364,7 @@ SCHEMA = {
 
 def test_a_grammar_row_beside_free_ones_in_a_compiled_batch(tokenizer):
     model, manager, _ = _manager("llama", tokenizer)
-    grammars = Grammars(
-        tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
-    )
-    grammar = grammars.json_schema(SCHEMA)
-    processor = grammars.processor(grammar, "response_format")
-    reports = together(
-        manager,
-        [
-            chat_call(manager, "json", conversation(1), 30, logits_processor=[processor]),
-            chat_call(manager, "a", conversation(0), 20),
-            chat_call(manager, "b", conversation(2), 20),
-        ],
-    )
-    fresh = grammars.processor(grammar, "response_format")
-    _exact(model, tokenizer, reports[0], conversation(1), 30, logits_processor=[fresh])
-    assert tokenizer.decode(reports[0].output_ids).startswith("{")
-    _exact(model, tokenizer, reports[1], conversation(0), 20)
-    _exact(model, tokenizer, reports[2], conversation(2), 20)
+    grammar_row_beside_free_ones(manager, model, tokenizer)
     stats = manager.stats()
     assert stats.max_batch_rows == 3 and stats.compiled_turns == 3
     manager.close()

@@ -220,14 +220,14 @@ SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_grammar_constrained_row_beside_free_ones(family, tokenizer):
-    model = model_for(family)
+def grammar_row_beside_free_ones(manager, model, tokenizer) -> None:
+    """A JSON-schema-constrained row and two free ones decode together: each
+    equals plain generate (the constrained one with a fresh processor of the
+    same grammar), and the batch held all three."""
     grammars = Grammars(
         tokenizer, model.config.vocab_size, end_ids(tokenizer, model.generation_config)
     )
     grammar = grammars.json_schema(SCHEMA)
-    manager = SessionManager(model, tokenizer)
     processor = grammars.processor(grammar, "response_format")
     reports = together(
         manager,
@@ -244,6 +244,13 @@ def test_a_grammar_constrained_row_beside_free_ones(family, tokenizer):
     for k, report in ((0, reports[1]), (2, reports[2])):
         assert report.output_ids == reference_turn(model, tokenizer, conversation(k), 20)[2]
     assert manager.stats().max_batch_rows == 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_grammar_constrained_row_beside_free_ones(family, tokenizer):
+    model = model_for(family)
+    manager = SessionManager(model, tokenizer)
+    grammar_row_beside_free_ones(manager, model, tokenizer)
     manager.close()
 
 
