@@ -157,9 +157,8 @@ def decoding_method(
         cache = model_kwargs.pop(cache_argument, None)
         mask = model_kwargs.get("attention_mask")
         extra = set(model_kwargs) - _KNOWN
-        why = alone
-        if why is not None:
-            pass
+        if alone is not None:
+            why = alone
         elif generation_config.return_dict_in_generate:
             why = "return_dict_in_generate"
         elif extra:
