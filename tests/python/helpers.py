@@ -211,3 +211,22 @@ def assert_plain_turns(manager, model, tokenizer, turns, max_new_tokens=MAX_NEW)
         report = manager.last_turn("s")
         assert (report.reason, report.reused_tokens) == ("unsupported_layers", 0), report
         messages.append({"role": "assistant", "content": reply})
+
+
+def check_low_precision_replies(reports, expected, turn, sessions, tokenizer) -> int:
+    """What half precision promises for each ``(k, report)`` of a round of
+    turns: a first turn gives plain generate's ids (``expected[k]``: ids and
+    their margin from ``plain_with_margin``), a later one its first token
+    where that token's margin is clear (``MARGIN``). Appends each plain reply
+    to ``sessions[k]``; returns how many later turns had a clear first token."""
+    checked = 0
+    for k, report in reports:
+        ids, margin = expected[k]
+        if turn == 0:
+            assert report.reused_tokens == 0 and report.output_ids == ids, k
+        elif margin > MARGIN:
+            assert report.output_ids[0] == ids[0], (k, turn, margin)
+            checked += 1
+        reply = tokenizer.decode(ids, skip_special_tokens=True)
+        sessions[k].append({"role": "assistant", "content": reply})
+    return checked
