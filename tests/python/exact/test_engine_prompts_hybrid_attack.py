@@ -48,6 +48,17 @@ def shared_system(sessions: str) -> dict:
     return {s: [LONG_SYSTEM, user_message(k)] for k, s in enumerate(sessions)}
 
 
+def two_copy_the_system_prompt(manager, model, tokenizer) -> None:
+    """Three conversations start together on one system prompt: the two
+    after the first copy it up to its checkpoint, and every reply and next
+    turn is plain generate's."""
+    conversations = shared_system("abc")
+    together(manager, [chat_call(manager, s, m, 6) for s, m in conversations.items()])
+    assert_exact(manager, model, tokenizer, conversations, dict.fromkeys("abc", 6))
+    assert manager.stats().prefix_tokens_copied == 2 * SYSTEM_TOKENS, manager.stats()
+    assert_next_turns_exact(manager, model, tokenizer, conversations)
+
+
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_every_message_checkpoints_with_two_kept_copy_exactly(family, tokenizer):
     """checkpoints="every" (several stops a row, the donor's at positions the
@@ -56,11 +67,7 @@ def test_every_message_checkpoints_with_two_kept_copy_exactly(family, tokenizer)
     and next turns are exact."""
     model = model_for(family)
     manager = SessionManager(model, tokenizer, checkpoints="every", max_checkpoints=2)
-    conversations = shared_system("abc")
-    together(manager, [chat_call(manager, s, m, 6) for s, m in conversations.items()])
-    assert_exact(manager, model, tokenizer, conversations, dict.fromkeys("abc", 6))
-    assert manager.stats().prefix_tokens_copied == 2 * SYSTEM_TOKENS, manager.stats()
-    assert_next_turns_exact(manager, model, tokenizer, conversations)
+    two_copy_the_system_prompt(manager, model, tokenizer)
     manager.close()
 
 
@@ -198,11 +205,7 @@ def test_more_hybrid_families_copy_exactly(name, tokenizer):
     model = _families_model(name, tokenizer)
     manager = SessionManager(model, tokenizer)
     assert checkpoint_copies(manager._bridge.layout)
-    conversations = shared_system("abc")
-    together(manager, [chat_call(manager, s, m, 6) for s, m in conversations.items()])
-    assert_exact(manager, model, tokenizer, conversations, dict.fromkeys("abc", 6))
-    assert manager.stats().prefix_tokens_copied == 2 * SYSTEM_TOKENS, manager.stats()
-    assert_next_turns_exact(manager, model, tokenizer, conversations)
+    two_copy_the_system_prompt(manager, model, tokenizer)
     manager.close()
 
 
