@@ -354,14 +354,6 @@ def test_cancelled_and_stopped_rows_in_a_compiled_batch(family, tokenizer):
     manager.close()
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-
-
 def test_a_grammar_row_beside_free_ones_in_a_compiled_batch(tokenizer):
     model, manager, _ = _manager("llama", tokenizer)
     grammar_row_beside_free_ones(manager, model, tokenizer)
