@@ -198,8 +198,7 @@ class _Loop:
                 starts = not (self.batch.rows or self.prefilling) and bool(
                     self.jobs or (self.incoming and self._room())
                 )
-                while self.incoming and self._room():
-                    self.prefilling.append(self.incoming.popleft())
+                self._take_incoming()
                 job = self.jobs.popleft() if self.jobs else None
                 idle = None
                 if job is None and not (self.batch.rows or self.prefilling) and self.idle:
@@ -222,6 +221,12 @@ class _Loop:
                 continue
             if self.batch.rows:
                 self._step()
+            if self.prefilling:
+                # Prompts that arrived during the step (or while this thread
+                # waited for the GIL) join those waiting, in one forward:
+                # else they wait a step and a forward more (RESULTS §29).
+                with self.cond:
+                    self._take_incoming()
             # While rows decode, the prompts prefilled between two steps
             # hold at most max_step_tokens tokens: several short ones in one
             # forward, a long one in chunks. With none decoding, the first
@@ -251,6 +256,11 @@ class _Loop:
                     budget -= done
                 if row in self.prefilling:
                     break  # a chunk of a long prompt: the rows decode first
+
+    def _take_incoming(self) -> None:
+        """Under ``cond``: submitted rows start prefilling, as many as there is room for."""
+        while self.incoming and self._room():
+            self.prefilling.append(self.incoming.popleft())
 
     def _gather_wait(self) -> float:
         """How long the waiting prompts wait for turns that have begun and not

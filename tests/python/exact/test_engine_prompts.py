@@ -188,6 +188,52 @@ def test_a_waiting_prompt_gathers_with_a_turn_on_its_way(tokenizer, monkeypatch)
     manager.close()
 
 
+def test_a_prompt_that_arrives_during_a_step_joins_the_one_waiting(tokenizer):
+    """Two prompts waiting when the prefill between two steps starts run in
+    one forward, also the one that arrived during the step (after the loop
+    took in the first): none prefills alone while the other waits a step
+    and a forward more. Found in ``kvchat serve``'s traces: four
+    conversations whose turns arrived within 45 ms prefilled two and two.
+    A decoding row's processor holds each step until the next prompt is
+    submitted, so the arrivals fall where they did there; both replies
+    are plain generate's."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    loop = manager._engine._loop
+    second, third = own_system(1), own_system(2)
+    started = {}
+
+    def hold_step(input_ids, scores):  # on the engine's thread, inside the step
+        if "second" not in started:
+            started["second"] = threading.Thread(
+                target=chat_call(manager, "second", second, 5)
+            )
+            started["second"].start()
+            wait_for(lambda: len(loop.incoming) == 1, "the second prompt submitted")
+        elif "third" not in started and loop.prefilling:  # the loop took the second in
+            started["third"] = threading.Thread(target=chat_call(manager, "third", third, 5))
+            started["third"].start()
+            wait_for(lambda: len(loop.incoming) == 1, "the third prompt submitted")
+        return scores
+
+    manager.chat(
+        "first",
+        own_system(0),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        logits_processor=[hold_step],
+        settle=False,
+    )
+    for thread in started.values():
+        thread.join()
+    assert sorted(started) == ["second", "third"]
+    assert manager.stats().prompts_prefilled_together == 2
+    for session, messages in (("second", second), ("third", third)):
+        expected = reference_turn(model, tokenizer, messages, 5)[2]
+        assert manager.last_turn(session).output_ids == expected
+    manager.close()
+
+
 def test_a_turn_that_never_arrives_delays_a_prompt_once(tokenizer):
     """A turn expected but never submitted (here: one that stays begun) holds
     a waiting prompt back only GATHER_S; the prompt then runs, exactly."""
