@@ -42,12 +42,13 @@ def positive_int(value, name: str, allow_none: bool = False):
     return value
 
 
-def check_seconds(value, name: str) -> float | None:
+def check_seconds(value, name: str, allow_none: bool = True) -> float | None:
     """A wait in seconds: a non-negative, finite number, or None (no limit)."""
-    if value is None:
+    if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+        what = "a number of seconds or None" if allow_none else "a number of seconds"
+        raise TypeError(f"{name} must be {what}, got {value!r}")
     if not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
@@ -133,6 +134,7 @@ class ManagerOptions:
     min_shared_tokens: int  # 0: prefixes are not shared
     isolate_namespaces: bool
     settle: bool
+    settle_delay: float  # seconds without a turn before a settle starts
     max_batch_size: int = 16  # conversations decoding in one step
     max_step_tokens: int = 256  # prompt tokens prefilled between two decode steps
 
@@ -153,6 +155,7 @@ class ManagerOptions:
         min_shared_tokens,
         isolate_namespaces,
         settle,
+        settle_delay,
         max_batch_size=16,
         max_step_tokens=256,
     ) -> ManagerOptions:
@@ -174,6 +177,7 @@ class ManagerOptions:
         check_bool(share_prefixes, "share_prefixes")
         check_bool(isolate_namespaces, "isolate_namespaces")
         check_bool(settle, "settle")
+        check_seconds(settle_delay, "settle_delay", allow_none=False)
         positive_int(min_shared_tokens, "min_shared_tokens")
         return cls(
             max_sessions=max_sessions,
@@ -190,6 +194,7 @@ class ManagerOptions:
             min_shared_tokens=min_shared_tokens if share_prefixes else 0,
             isolate_namespaces=isolate_namespaces,
             settle=settle,
+            settle_delay=float(settle_delay),
             max_batch_size=max_batch_size,
             max_step_tokens=max_step_tokens,
         )

@@ -32,7 +32,7 @@ from .prefill import ChunkedPrefill
 from .prompting import turn_markers
 from .report import TurnReport
 from .session_admin import SessionAdmin, evicted_to
-from .settling import Settler
+from .settling import SETTLE_DELAY_S, Settler
 from .streaming import ReplyStream
 from .tiers.base import Tier
 from .turn import TurnInput, TurnPath
@@ -68,6 +68,7 @@ class SessionManager(SessionAdmin):
         isolate_namespaces: bool = False,
         store: str | None = None,
         settle: bool = True,
+        settle_delay: float = SETTLE_DELAY_S,
         compile: bool | CompileConfig = False,
         max_batch_size: int = 16,
         max_step_tokens: int = 256,
@@ -122,6 +123,11 @@ class SessionManager(SessionAdmin):
             when the reply re-tokenizes otherwise or the template rewrites it.
             See docs/settling.md. Off with ``match="text"``, which already
             reuses re-tokenized replies.
+        settle_delay: seconds without any turn before a settle starts (0.25).
+            A next turn sent sooner (an agent with a quick tool) drops the
+            settle and prefills its ids in its own forward, rather than
+            waiting for the settle's forward to end. ``wait_settled()``
+            starts waiting settles at once.
         compile: True (or a ``transformers.CompileConfig``): each turn decodes
             compiled (``torch.compile``; CUDA graphs on a GPU) in a pooled
             ``StaticCache``, on any device. False (default): eagerly, in
@@ -163,6 +169,7 @@ class SessionManager(SessionAdmin):
             min_shared_tokens=min_shared_tokens,
             isolate_namespaces=isolate_namespaces,
             settle=settle,
+            settle_delay=settle_delay,
             max_batch_size=max_batch_size,
             max_step_tokens=max_step_tokens,
         )
@@ -221,6 +228,7 @@ class SessionManager(SessionAdmin):
             model.device,
             self._engine,
             flush_evicted,
+            options.settle_delay,
         )
         self._tier.isolate_namespaces = options.isolate_namespaces  # stored data stays there
         self._tier.bind(self._fingerprint, self._bridge.layout, model.device)

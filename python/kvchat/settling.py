@@ -20,6 +20,15 @@ hands what it prefilled to the turn, which commits it when its prompt starts
 with those ids. Until a settle commits, the session keeps the cache it had,
 so a prediction that missed loses nothing; the commit is refused if anything
 changed the cache meanwhile (the core's cache version).
+
+A settle starts only once no turn has run for ``delay`` seconds
+(``SessionManager(settle_delay=)``): its own session's, or any other's. A
+client that sends its next turn at once (an agent whose tool answered in
+milliseconds, a script) then drops the settle and its turn prefills those
+ids in its own forward, instead of waiting for the settle's forward to end
+first: on a CPU a forward over a few tokens costs nearly what one over
+twenty does (RESULTS §29). A user who reads the reply leaves the settle
+time enough to run. ``wait`` starts every waiting settle at once.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ logger = logging.getLogger("kvchat")
 # turn that starts meanwhile waits at most about one chunk for the model.
 _CHUNK_SECONDS = 0.02
 _MIN_CHUNK, _MAX_CHUNK = 8, 512
+# How long no turn must have run before a settle starts (module docstring):
+# longer than an agent's round trip with a quick tool, shorter than reading.
+SETTLE_DELAY_S = 0.25
 
 
 @dataclass
@@ -59,6 +71,7 @@ class _Job:
     stop: bool = False  # a turn on the session takes over
     in_lease: bool = False  # planning or committing: users of the session wait
     handover: tuple | None = None  # (plan, cache, settled tokens, checkpoints) for the turn
+    scheduled: float = 0.0  # time.monotonic()
 
 
 # Settlers with a live thread: stopped at exit, since a thread still inside
@@ -79,9 +92,22 @@ class Settler:
     session's settle and counts toward "a turn is running", any other call
     only waits out the settle's short leased sections."""
 
-    def __init__(self, core, bridge, prefill, device, engine, flush_evicted=lambda: None):
+    def __init__(
+        self,
+        core,
+        bridge,
+        prefill,
+        device,
+        engine,
+        flush_evicted=lambda: None,
+        delay: float = SETTLE_DELAY_S,
+    ):
         """``flush_evicted``: called after each lease the settle thread takes,
-        whose release may have evicted sessions (to hand them to the tier)."""
+        whose release may have evicted sessions (to hand them to the tier).
+        ``delay``: seconds without a turn before a settle starts."""
+        self._delay = delay
+        self._quiet_from = 0.0  # time.monotonic() when the last turn ended
+        self._waiters = 0  # callers in wait(): every waiting settle is due now
         self._core, self._bridge, self._prefill, self._device = core, bridge, prefill, device
         self._engine = engine  # runs the forwards, when no turn's row decodes or prefills
         self._flush_evicted = flush_evicted
@@ -122,7 +148,7 @@ class Settler:
             before, after = self._committed.get(session_id, (None, None))
             if version == before:  # read just before a settle of it committed
                 version = after
-            self._jobs[session_id] = _Job(session_id, target, version)
+            self._jobs[session_id] = _Job(session_id, target, version, scheduled=time.monotonic())
             if self._thread is None:  # it ends when nothing is left to do
                 self._thread = daemon_threads.start(self._work, "kvchat-settle")
                 _LIVE.add(self)
@@ -140,11 +166,16 @@ class Settler:
         """Waits until no settle is waiting or running; False if ``timeout`` ran out."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._running is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._waiters += 1  # no settle waits out its delay meanwhile
+            self._cond.notify_all()
+            try:
+                while self._jobs or self._running is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def close(self) -> None:
@@ -212,6 +243,8 @@ class Settler:
                     del self._users[session_id]
                 if turn:
                     self._turns -= 1
+                    if not self._turns:
+                        self._quiet_from = time.monotonic()
                 self._cond.notify_all()
 
     def take_over(self, lease, prompt: torch.Tensor, box: list) -> None:
@@ -240,12 +273,17 @@ class Settler:
             with self._cond:
                 job = None
                 while not self._closed and self._jobs:
+                    until = None  # the wait: for a change, or the next settle's delay
                     if self._turns == 0:
-                        free = (j for j in self._jobs.values() if j.session_id not in self._users)
-                        job = next(free, None)
+                        now = time.monotonic()
+                        free = [j for j in self._jobs.values() if j.session_id not in self._users]
+                        due = [(self._due(j), j) for j in free]
+                        job = next((j for at, j in due if self._waiters or at <= now), None)
+                        if job is None and free:
+                            until = min(at for at, _ in due) - now
                     if job is not None:
                         break
-                    self._cond.wait()
+                    self._cond.wait(until)
                 if job is None:  # closed, or nothing left: a new job starts a new thread
                     self._thread = None
                     self._retired = threading.current_thread()  # close() joins it still
@@ -264,6 +302,10 @@ class Settler:
                     self._running = None
                     job.in_lease = False
                     self._cond.notify_all()
+
+    def _due(self, job: _Job) -> float:
+        """When ``job`` may start: ``delay`` after it was scheduled and after the last turn ended."""
+        return max(job.scheduled, self._quiet_from) + self._delay
 
     def _leased(self, job: _Job, work):
         """Runs ``work(lease)`` with the job's session leased (marked
@@ -356,11 +398,18 @@ class Settler:
                 waiting.version = after
 
     def _pause(self, job: _Job) -> bool:
-        """Between chunks: waits while any turn runs. False when a turn on
-        this session (or a newer prediction) stops the settle."""
+        """Between chunks: waits while any turn runs, and ``delay`` after the
+        last one ended. False when a turn on this session (or a newer
+        prediction) stops the settle."""
         with self._cond:
-            while self._turns > 0 and not job.stop and not self._closed:
-                self._cond.wait()
+            while not (job.stop or self._closed):
+                if self._turns > 0:
+                    self._cond.wait()
+                    continue
+                left = self._quiet_from + self._delay - time.monotonic()
+                if self._waiters or left <= 0:
+                    break
+                self._cond.wait(left)  # a turn that just ended may have a next one coming
             return not (job.stop or self._closed)
 
     def _adapt(self, tokens: int, seconds: float) -> None:

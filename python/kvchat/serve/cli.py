@@ -15,6 +15,7 @@ from ..manager import SessionManager
 from ..pretrained import load_pretrained
 from ..prompting import check_template_kwargs
 from ..quiet_imports import import_model_classes
+from ..settling import SETTLE_DELAY_S
 from ..tiny import FAMILIES, tiny_model, tiny_tokenizer, words_only
 from ..units import parse_bytes
 from .chat_template import chat_template, template_kwargs
@@ -119,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-settle",
         action="store_true",
         help="do not settle sessions between turns (see docs/settling.md)",
+    )
+    limits.add_argument(
+        "--settle-delay",
+        type=_seconds,
+        default=SETTLE_DELAY_S,
+        metavar="SECONDS",
+        help="seconds without any turn before a session settles: a next turn sent "
+        "sooner prefills those ids itself instead of waiting for the settle",
     )
     limits.add_argument(
         "--max-batch-size",
@@ -249,6 +258,17 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _seconds(text: str) -> float:
+    """--settle-delay's value: a finite number of seconds, at least 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}")
+    return seconds
+
+
 def build_app(args: argparse.Namespace):
     from . import ServeConfig, create_app
 
@@ -286,6 +306,7 @@ def build_app(args: argparse.Namespace):
         spill_dir=args.spill_dir,
         share_prefixes=not args.no_share_prefixes,
         settle=not args.no_settle,
+        settle_delay=args.settle_delay,
         compile=args.compile,
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,

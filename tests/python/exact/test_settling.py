@@ -185,6 +185,97 @@ def test_settling_waits_while_any_turn_runs(tokenizer):
     assert "kvchat-engine" in ran  # the engine runs every forward
 
 
+def _record_settle_forwards(mgr) -> list:
+    """The settle forwards ``mgr`` runs from now on (each a thread name)."""
+    ran = []
+    forward = mgr._settler._prefill.forward
+
+    def recording(*args, **kwargs):
+        ran.append(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    mgr._settler._prefill.forward = recording
+    return ran
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_a_turn_sent_at_once_drops_the_settle_and_prefills_its_ids(family, tokenizer):
+    """A next turn that comes before settle_delay (an agent with a quick tool)
+    finds no settle started: none waits for a settle's forward, and the turn
+    prefills from what the session held, in its own forward, exactly. Found
+    in kvchat serve's traces: the settle started as the turn ended and the
+    next turn, 20 to 35 ms later, waited 50 to 70 ms for its forward."""
+    model = model_for(family)
+    mgr = SessionManager(model, tokenizer, settle_delay=30.0)  # far longer than this test
+    ran = _record_settle_forwards(mgr)
+    messages = [SYSTEM, user_message(0)]
+    reply, _ = _checked(mgr, model, tokenizer, messages)
+    held = mgr.cached_ids("s")
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    prompt = render_prompt(tokenizer, messages)
+    _, t = _checked(mgr, model, tokenizer, messages)
+    assert ran == []
+    stats = mgr.stats()
+    assert stats.settles == 0 and stats.settles_taken_over == 0, stats
+    assert t.reused_tokens <= common_prefix(held, prompt)
+    assert t.prefilled_tokens == prompt.numel() - t.reused_tokens
+    # Its own settle waits too; wait_settled starts it at once.
+    assert mgr.wait_settled(timeout=60)
+    assert ran and mgr.stats().settles == 1
+    mgr.close()
+
+
+def test_wait_settled_does_not_wait_out_the_delay(tokenizer):
+    """wait_settled() starts waiting settles at once; the next turn then
+    prefills only its new message."""
+    model = model_for("llama")
+    mgr = SessionManager(model, tokenizer, settle_delay=300.0)
+    messages = [SYSTEM, user_message(0)]
+    reply, _ = _checked(mgr, model, tokenizer, messages)
+    assert mgr.wait_settled(timeout=60)  # long before 300 s
+    assert mgr.stats().settles == 1
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    prompt = render_prompt(tokenizer, messages)
+    _, t = _checked(mgr, model, tokenizer, messages)
+    assert t.reused_tokens == _fixed(tokenizer, messages[:-1], prompt)
+    mgr.close()
+
+
+def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer):
+    """A settle waits settle_delay after the last turn of any session ended,
+    not only after its own: a session whose turn ended long ago does not
+    settle the moment another's turn ends, when that one's next turn may
+    be on its way. (Margins of 0.7 s: a check that nothing ran yet.)"""
+    model = model_for("llama")
+    mgr = SessionManager(model, tokenizer, settle_delay=1.0)
+    ran = _record_settle_forwards(mgr)
+    mgr.chat("a", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)  # a's settle is due in 1 s
+    scheduled = time.monotonic()
+    started, finish = threading.Event(), threading.Event()
+
+    class Hold:  # holds b's turn open past a's own delay
+        def __call__(self, input_ids, scores):
+            started.set()
+            finish.wait(30)
+            return scores
+
+    other = threading.Thread(
+        target=mgr.chat,
+        args=("b", [SYSTEM, user_message(5)]),
+        kwargs=dict(max_new_tokens=2, logits_processor=[Hold()], settle=False),
+    )
+    other.start()
+    assert started.wait(30)
+    time.sleep(max(0.0, scheduled + 1.5 - time.monotonic()))
+    finish.set()
+    other.join()
+    time.sleep(0.3)  # a's own delay has long passed; b's end was 0.3 s ago
+    assert ran == []
+    assert mgr.wait_settled(timeout=60)
+    assert ran and mgr.stats().settles == 1
+    mgr.close()
+
+
 def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)

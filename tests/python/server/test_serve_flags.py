@@ -45,6 +45,19 @@ def test_no_settle_flag_reaches_the_manager(monkeypatch, flags, settle):
     assert _manager_arguments(monkeypatch, *flags)["settle"] is settle
 
 
+@pytest.mark.parametrize(("flags", "delay"), [((), 0.25), (("--settle-delay", "0"), 0.0)])
+def test_settle_delay_flag_reaches_the_manager(monkeypatch, flags, delay):
+    assert _manager_arguments(monkeypatch, *flags)["settle_delay"] == delay
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf", "soon"])
+def test_a_bad_settle_delay_is_refused_by_name(capsys, bad):
+    with pytest.raises(SystemExit):
+        _args("--settle-delay", bad)
+    err = capsys.readouterr().err
+    assert "--settle-delay" in err and repr(bad) in err
+
+
 @pytest.mark.parametrize(("flags", "compiled"), [((), False), (("--compile",), True)])
 def test_compile_flag_reaches_the_manager(monkeypatch, flags, compiled):
     assert _manager_arguments(monkeypatch, *flags)["compile"] is compiled
