@@ -173,7 +173,7 @@ class Settler:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False
-                    self._cond.wait(left)
+                    _wait(self._cond, left)
             finally:
                 self._waiters -= 1
         return True
@@ -283,7 +283,7 @@ class Settler:
                             until = min(at for at, _ in due) - now
                     if job is not None:
                         break
-                    self._cond.wait(until)
+                    _wait(self._cond, until)
                 if job is None:  # closed, or nothing left: a new job starts a new thread
                     self._thread = None
                     self._retired = threading.current_thread()  # close() joins it still
@@ -304,7 +304,8 @@ class Settler:
                     self._cond.notify_all()
 
     def _due(self, job: _Job) -> float:
-        """When ``job`` may start: ``delay`` after it was scheduled and after the last turn ended."""
+        """When ``job`` may start: ``delay`` after it was scheduled and after
+        the last turn ended."""
         return max(job.scheduled, self._quiet_from) + self._delay
 
     def _leased(self, job: _Job, work):
@@ -409,7 +410,7 @@ class Settler:
                 left = self._quiet_from + self._delay - time.monotonic()
                 if self._waiters or left <= 0:
                     break
-                self._cond.wait(left)  # a turn that just ended may have a next one coming
+                _wait(self._cond, left)  # a turn that just ended may have a next one coming
             return not (job.stop or self._closed)
 
     def _adapt(self, tokens: int, seconds: float) -> None:
@@ -421,6 +422,13 @@ class Settler:
             target = max(_CHUNK_SECONDS, 2 * self._quickest)
             rate = tokens / seconds
             self._chunk = int(min(_MAX_CHUNK, max(_MIN_CHUNK, rate * target)))
+
+
+def _wait(cond: threading.Condition, seconds: float | None) -> None:
+    """``cond.wait(seconds)``, capped at what a lock can wait (about 292
+    years): a longer wait (settle_delay=1e10) raised OverflowError, and the
+    settle thread died of it. The callers check again when it returns."""
+    cond.wait(None if seconds is None else min(seconds, threading.TIMEOUT_MAX))
 
 
 def _digest(ids: torch.Tensor) -> tuple[int, bytes]:

@@ -276,6 +276,30 @@ def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer):
     mgr.close()
 
 
+def test_a_settle_delay_longer_than_a_lock_can_wait_still_settles(tokenizer):
+    """Any finite settle_delay is taken (1e10 s: settle only on wait_settled),
+    longer than a lock can wait (threading.TIMEOUT_MAX, about 292 years).
+    The settle thread waited out the delay in one wait, whose OverflowError
+    killed it: no settle ever ran again and wait_settled() hung. The same
+    for a wait_settled timeout that long."""
+    model = model_for("llama")
+    mgr = SessionManager(model, tokenizer, settle_delay=1e10)
+    ran = _record_settle_forwards(mgr)
+    messages = [SYSTEM, user_message(0)]
+    reply, _ = _checked(mgr, model, tokenizer, messages)
+    # Lets the settle thread reach its wait for the delay (else wait_settled
+    # below starts the settle first, and this checks less, never wrongly).
+    time.sleep(0.3)
+    assert ran == []
+    assert mgr.wait_settled(timeout=60)
+    assert ran and mgr.stats().settles == 1
+    messages += [{"role": "assistant", "content": reply}, user_message(1)]
+    _checked(mgr, model, tokenizer, messages)
+    assert mgr.wait_settled(timeout=1e10)
+    assert mgr.stats().settles == 2
+    mgr.close()
+
+
 def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)
