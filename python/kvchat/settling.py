@@ -334,6 +334,10 @@ class Settler:
                 if job.stop:
                     return
                 self._predicted[job.session_id] = _digest(job.target)
+        # The delay again: a turn may have run since this settle started (while
+        # its target rendered), and most settles are one chunk, with no pause.
+        if not self._pause(job):
+            return
 
         def begin(lease):
             if lease.session.version != job.version:

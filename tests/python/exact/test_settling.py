@@ -300,6 +300,49 @@ def test_a_settle_delay_longer_than_a_lock_can_wait_still_settles(tokenizer):
     mgr.close()
 
 
+def test_a_turn_while_a_settle_renders_its_target_defers_its_forward(tokenizer):
+    """The delay also holds for a turn that runs after a settle started, while
+    its target renders on the settle thread (a long conversation's template):
+    the settle's first forward waits settle_delay after that turn ended, as a
+    later chunk's does, rather than running the moment the engine is free,
+    where that client's next turn, sent at once, would wait for it. Most
+    settles are a single chunk, so none waited at all. (A margin of 0.5 s:
+    a check that nothing ran yet.)"""
+    model = model_for("llama")
+    mgr = SessionManager(model, tokenizer, settle_delay=0.0)  # a's settle starts at once
+    settler = mgr._settler
+    ran = _record_settle_forwards(mgr)
+    other = [SYSTEM, user_message(5)]
+    rendered, schedule = threading.Event(), settler.schedule
+
+    def scheduling(session_id, target, version):
+        assert callable(target)  # rendered on the settle thread
+
+        def render():
+            settler._delay = 30.0  # from here on, far longer than this test
+            turn = threading.Thread(
+                target=mgr.chat,
+                args=("b", other),
+                kwargs=dict(max_new_tokens=MAX_NEW, settle=False),
+            )
+            turn.start()
+            turn.join()
+            rendered.set()
+            return target()
+
+        schedule(session_id, render, version)
+
+    settler.schedule = scheduling
+    _checked(mgr, model, tokenizer, [SYSTEM, user_message(0)], session="a")
+    assert rendered.wait(60)
+    time.sleep(0.5)
+    assert ran == []
+    assert mgr.last_turn("b").output_ids == reference_turn(model, tokenizer, other)[2]
+    assert mgr.wait_settled(timeout=60)
+    assert ran and mgr.stats().settles == 1
+    mgr.close()
+
+
 def test_a_client_that_sends_back_something_else_misses_and_stays_exact(any_family, tokenizer):
     family, model = any_family
     mgr = SessionManager(model, tokenizer)
