@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def positive_int(value, name: str, allow_none: bool = False):
     return value
 
 
+_MAX_FLOAT = sys.float_info.max
+
+
 def check_seconds(value, name: str, allow_none: bool = True) -> float | None:
     """A wait in seconds: a non-negative, finite number, or None (no limit)."""
     if value is None and allow_none:
@@ -49,7 +53,8 @@ def check_seconds(value, name: str, allow_none: bool = True) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         what = "a number of seconds or None" if allow_none else "a number of seconds"
         raise TypeError(f"{name} must be {what}, got {value!r}")
-    if not 0 <= value < float("inf"):
+    # An int past a float's range (10**400) is no finite float either.
+    if not 0 <= value < float("inf") or value > _MAX_FLOAT:
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 

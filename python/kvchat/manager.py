@@ -431,8 +431,8 @@ class SessionManager(SessionAdmin):
 
     def wait_settled(self, timeout: float | None = None) -> bool:
         """Waits until no settle is waiting or running (a turn meanwhile pauses
-        them). False if ``timeout`` ran out first."""
-        return self._settler.wait(timeout)
+        them). False if ``timeout`` (seconds, or None) ran out first."""
+        return self._settler.wait(check_seconds(timeout, "timeout"))
 
     @property
     def model(self):

@@ -103,6 +103,7 @@ def test_past_key_values_is_refused(mgr, name):
         ({"settle_delay": float("inf")}, ValueError, "settle_delay must be a finite"),
         ({"settle_delay": None}, TypeError, "settle_delay must be a number of seconds, got None"),
         ({"settle_delay": "1"}, TypeError, "settle_delay must be a number of seconds, got '1'"),
+        ({"settle_delay": 10**400}, ValueError, "settle_delay must be a finite number"),
         ({"max_cache_bytes": "lots"}, ValueError, "max_cache_bytes"),
         ({"max_cache_bytes": -1}, ValueError, "max_cache_bytes"),
         ({"max_cache_bytes": 1.5}, TypeError, "max_cache_bytes"),
@@ -291,6 +292,9 @@ README_ROWS = {
         "test_settling.py::test_settle_names_bad_arguments",
     ],
     "`session_id` not a non-empty string": ["test_bad_session_id"],
+    "`wait_settled()` with a `timeout`": [
+        "test_settling.py::test_wait_settled_names_a_bad_timeout",
+    ],
     "`stream.end()` with a `flush_timeout`": [
         "test_turn_end.py::test_end_names_a_bad_flush_timeout_and_leaves_the_turn_running",
         "test_turn_end.py::test_end_passes_on_what_settle_refuses_once_committed",

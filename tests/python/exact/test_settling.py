@@ -399,6 +399,30 @@ def test_settle_names_bad_arguments(llama, tokenizer):
         mgr.settle("s", [SYSTEM, user_message(0)], tools="get_weather")
 
 
+@pytest.mark.parametrize(
+    ("timeout", "error", "match"),
+    [
+        ("1", TypeError, "timeout must be a number of seconds or None, got '1'"),
+        (True, TypeError, "timeout must be a number of seconds or None, got True"),
+        (-1, ValueError, "timeout must be a finite number of seconds >= 0, got -1"),
+        (float("nan"), ValueError, "timeout must be a finite number of seconds >= 0, got nan"),
+    ],
+)
+def test_wait_settled_names_a_bad_timeout(llama, tokenizer, timeout, error, match):
+    """With a settle waiting (its delay far off) and with none: a timeout
+    that is no number of seconds is refused by name, not a TypeError from
+    the clock's arithmetic, lock's ValueError, or a wait of a second (True)."""
+    mgr = SessionManager(llama, tokenizer, settle_delay=300.0)
+    for session in ("nobody yet", "s"):
+        if session == "s":
+            mgr.chat("s", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)
+            assert mgr.stats().settles_pending == 1
+        with pytest.raises(error, match=match):
+            mgr.wait_settled(timeout=timeout)
+    assert mgr.wait_settled(timeout=60)
+    mgr.close()
+
+
 class _BlockingCore:
     """The core, with begin_settle held until ``release`` is set."""
 
