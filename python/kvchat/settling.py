@@ -403,8 +403,8 @@ class Settler:
                 waiting.version = after
 
     def _pause(self, job: _Job) -> bool:
-        """Between chunks: waits while any turn runs, and ``delay`` after the
-        last one ended. False when a turn on this session (or a newer
+        """Before each chunk: waits while any turn runs, and ``delay`` after
+        the last one ended. False when a turn on this session (or a newer
         prediction) stops the settle."""
         with self._cond:
             while not (job.stop or self._closed):
