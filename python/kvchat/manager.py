@@ -117,10 +117,11 @@ class SessionManager(SessionAdmin):
             prefixes only within their namespace, so one tenant's turns never
             start from (or reveal) another's cache. ``kvchat serve`` sets it.
         settle: after each chat() or stream_chat() turn, bring the session, in
-            the background and only while no turn runs, to the ids its next
-            prompt will start with (the history and the reply, rendered by the
-            chat template), so that turn prefills only its new messages even
-            when the reply re-tokenizes otherwise or the template rewrites it.
+            the background and only once no turn has run for ``settle_delay``,
+            to the ids its next prompt will start with (the history and the
+            reply, rendered by the chat template), so that turn prefills only
+            its new messages even when the reply re-tokenizes otherwise or the
+            template rewrites it.
             See docs/settling.md. Off with ``match="text"``, which already
             reuses re-tokenized replies.
         settle_delay: seconds without any turn before a settle starts (0.25).
@@ -398,7 +399,8 @@ class SessionManager(SessionAdmin):
         ``messages`` (what the caller will send back: the history and the
         reply as it returns it, with parsed ``tool_calls``, say), rendered with
         ``tools`` and ``chat_template_kwargs``. Returns once that is rendered:
-        the prefill runs in the background while no turn runs, and replaces
+        the prefill runs in the background once no turn has run for
+        ``settle_delay`` (counted from this call at the earliest), and replaces
         any settle waiting for this session. Does nothing with ``settle=False``
         or ``match="text"``, or for a session evicted since its turn. Bad
         messages raise here, as in chat() (a history the template refuses, or
@@ -430,8 +432,9 @@ class SessionManager(SessionAdmin):
         return self._compiled.warm_up(self._model, self._bridge, self._engine, capacities)
 
     def wait_settled(self, timeout: float | None = None) -> bool:
-        """Waits until no settle is waiting or running (a turn meanwhile pauses
-        them). False if ``timeout`` (seconds, or None) ran out first."""
+        """Starts every waiting settle at once (without ``settle_delay``) and
+        waits until none is waiting or running (a turn meanwhile pauses them).
+        False if ``timeout`` (seconds, or None) ran out first."""
         return self._settler.wait(check_seconds(timeout, "timeout"))
 
     @property

@@ -134,8 +134,9 @@ class Settler:
     # ---------------------------------------------------------- scheduling
     def schedule(self, session_id: str, target, version: int) -> None:
         """Settles ``session_id`` to ``target`` (ids, or a function that
-        renders them) once no turn runs, if its cache is still ``version``
-        then. Replaces any settle waiting for it."""
+        renders them) once no turn has run for ``delay`` (counted from now at
+        the earliest), if its cache is still ``version`` then. Replaces any
+        settle waiting for it."""
         with self._cond:
             if self._closed:
                 return
@@ -163,7 +164,8 @@ class Settler:
                 self._running.stop = True
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits until no settle is waiting or running; False if ``timeout`` ran out."""
+        """Starts every waiting settle at once (no ``delay``) and waits until
+        none is waiting or running; False if ``timeout`` ran out."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._waiters += 1  # no settle waits out its delay meanwhile

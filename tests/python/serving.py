@@ -56,7 +56,9 @@ class Server(ServerProcess):
         return response.json()
 
     def settled(self, timeout: float = 60) -> None:
-        """Waits until no session settles (docs/settling.md), as /metrics says."""
+        """Waits until no session settles (docs/settling.md), as /metrics says:
+        at least ``--settle-delay`` (0.25 s) after the last turn, since the
+        server, unlike ``wait_settled()``, does not start settles early."""
         deadline = time.monotonic() + timeout
         while "kvchat_settles_pending 0.0" not in self.get("/metrics").text:
             assert time.monotonic() < deadline, "settling never ended"

@@ -205,9 +205,7 @@ def test_a_prompt_that_arrives_during_a_step_joins_the_one_waiting(tokenizer):
 
     def hold_step(input_ids, scores):  # on the engine's thread, inside the step
         if "second" not in started:
-            started["second"] = threading.Thread(
-                target=chat_call(manager, "second", second, 5)
-            )
+            started["second"] = threading.Thread(target=chat_call(manager, "second", second, 5))
             started["second"].start()
             wait_for(lambda: len(loop.incoming) == 1, "the second prompt submitted")
         elif "third" not in started and loop.prefilling:  # the loop took the second in

@@ -30,9 +30,10 @@ from helpers import (
     reference_turn,
     user_message,
 )
-from kvchat import SessionManager
+from kvchat import SessionManager, settling
 from kvchat.prompting import render_prompt
 from kvchat.tiny import THINK_OPENING_TEMPLATE, tiny_tokenizer
+from test_engine import wait_for
 
 
 def _fixed(tokenizer, history, prompt) -> int:
@@ -241,16 +242,39 @@ def test_wait_settled_does_not_wait_out_the_delay(tokenizer):
     mgr.close()
 
 
-def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer):
+class _Clock:
+    """settling.py's ``time``, whose ``monotonic`` moves only when a test moves
+    it: a settle is due when the test says, however slow the machine."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):  # perf_counter and the rest: the real ones
+        return getattr(time, name)
+
+
+def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer, monkeypatch):
     """A settle waits settle_delay after the last turn of any session ended,
     not only after its own: a session whose turn ended long ago does not
     settle the moment another's turn ends, when that one's next turn may
-    be on its way. (Margins of 0.7 s: a check that nothing ran yet.)"""
+    be on its way. Once the delay has passed from that end, it settles on
+    its own (no wait_settled). On a clock the test moves, so no stall of a
+    busy machine makes a settle due early."""
+    clock = _Clock()
+    monkeypatch.setattr(settling, "time", clock)
     model = model_for("llama")
     mgr = SessionManager(model, tokenizer, settle_delay=1.0)
     ran = _record_settle_forwards(mgr)
-    mgr.chat("a", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)  # a's settle is due in 1 s
-    scheduled = time.monotonic()
+
+    def advance(seconds: float) -> None:
+        clock.now += seconds
+        with mgr._settler._cond:  # the settle thread waits on it, until the next one is due
+            mgr._settler._cond.notify_all()
+
+    mgr.chat("a", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)  # a's settle: due in 1 s
     started, finish = threading.Event(), threading.Event()
 
     class Hold:  # holds b's turn open past a's own delay
@@ -266,13 +290,15 @@ def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer):
     )
     other.start()
     assert started.wait(30)
-    time.sleep(max(0.0, scheduled + 1.5 - time.monotonic()))
+    advance(1.5)  # a's own delay passes while b's turn runs
     finish.set()
-    other.join()
-    time.sleep(0.3)  # a's own delay has long passed; b's end was 0.3 s ago
-    assert ran == []
-    assert mgr.wait_settled(timeout=60)
-    assert ran and mgr.stats().settles == 1
+    other.join()  # b's turn ends now
+    advance(0.9)  # a's own delay long past, b's end not yet settle_delay ago
+    time.sleep(0.3)  # real time for a settle that were due to reach its forward
+    assert ran == [] and mgr.stats().settles == 0
+    advance(0.2)  # settle_delay after b's end: a settles, unasked
+    wait_for(lambda: mgr.stats().settles == 1, "a's settle")
+    assert "kvchat-engine" in ran
     mgr.close()
 
 
