@@ -221,10 +221,12 @@ class _Loop:
                 continue
             if self.batch.rows:
                 self._step()
-            if self.prefilling:
+            if self.prefilling or self.batch.rows:
                 # Prompts that arrived during the step (or while this thread
-                # waited for the GIL) join those waiting, in one forward:
-                # else they wait a step and a forward more (RESULTS §29).
+                # waited for the GIL) join those waiting, in one forward, and
+                # prefill before the next step: else they wait a step and a
+                # forward more (RESULTS §29). Not with nothing running: those
+                # start at the loop's top, where the weights are checked.
                 with self.cond:
                     self._take_incoming()
             # While rows decode, the prompts prefilled between two steps

@@ -232,6 +232,48 @@ def test_a_prompt_that_arrives_during_a_step_joins_the_one_waiting(tokenizer):
     manager.close()
 
 
+def test_a_prompt_that_arrives_during_a_step_prefills_before_the_next(tokenizer):
+    """A prompt submitted during a decode step, with none other waiting,
+    prefills right after that step: its first token comes before the
+    decoding row's next step, not one step later."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer)
+    loop = manager._engine._loop
+    steps, seen = [], {}
+
+    def count_steps(input_ids, scores):  # the decoding row's processor, once per step
+        steps.append(len(steps))
+        if len(steps) == 2:
+            seen["thread"] = threading.Thread(
+                target=manager.chat,
+                args=("second", own_system(1)),
+                kwargs=dict(max_new_tokens=3, logits_processor=[first_pick], settle=False),
+            )
+            seen["thread"].start()
+            wait_for(lambda: len(loop.incoming) == 1, "the second prompt submitted")
+        return scores
+
+    def first_pick(input_ids, scores):
+        seen.setdefault("steps", len(steps))
+        return scores
+
+    manager.chat(
+        "first",
+        own_system(0),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        logits_processor=[count_steps],
+        settle=False,
+    )
+    seen["thread"].join()
+    # The first row's processor had run for its prefill's token and for the
+    # step the second prompt arrived in, no more: the second prefilled next.
+    assert seen["steps"] == 2
+    expected = reference_turn(model, tokenizer, own_system(1), 3)[2]
+    assert manager.last_turn("second").output_ids == expected
+    manager.close()
+
+
 def test_a_turn_that_never_arrives_delays_a_prompt_once(tokenizer):
     """A turn expected but never submitted (here: one that stays begun) holds
     a waiting prompt back only GATHER_S; the prompt then runs, exactly."""
