@@ -100,6 +100,7 @@ def run_variant(variant: str, history: list[dict] | None, args) -> dict:
         replies.append(reply)
         text = reply if history is None else history[turn]
         messages.append({"role": "assistant", "content": text})
+        manager.wait_settled()  # the user's reading time; and nothing runs beside plain_ttft
     last_prompt = render_prompt(tokenizer, messages[:-1])
     first_prompt = render_prompt(tokenizer, messages[:2])
     return {

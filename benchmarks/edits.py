@@ -36,6 +36,7 @@ def main() -> None:
                     messages.append(user_message(turn))
                     reply = mgr.chat("s", messages, max_new_tokens=12)
                     messages.append({"role": "assistant", "content": reply})
+                    mgr.wait_settled()  # the user's reading time
                 mgr.chat("s", messages[:index] + [EDIT], max_new_tokens=4)
                 t = mgr.last_turn("s")
                 edited = f"user message {index // 2 + 1}"

@@ -42,6 +42,7 @@ def run(model, tokenizer, system: str, sessions: int, turns: int, share: bool) -
             prefilled += report.prefilled_tokens
             outputs.append(report.output_ids)
             messages.append({"role": "assistant", "content": reply})
+            mgr.wait_settled()  # the user's reading time (settling waits settle_delay otherwise)
     stats = mgr.stats()
     return {
         "mode": label,
