@@ -39,6 +39,7 @@ def startup_line(args: argparse.Namespace, manager: SessionManager, config: Serv
         f"serving model {config.model_name!r} at {base_url(args.host, args.port)} "
         f"({str(model.dtype).removeprefix('torch.')} on {model.device}): "
         f"max sessions {args.max_sessions}, cache bytes {budget}, store {store}, "
-        f"settle {'off' if args.no_settle else 'on'}, compile {'on' if args.compile else 'off'}, "
+        f"settle {'off' if args.no_settle else f'after {args.settle_delay:g} s'}, "
+        f"compile {'on' if args.compile else 'off'}, "
         f"{keys}"
     )

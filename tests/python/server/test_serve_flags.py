@@ -140,7 +140,7 @@ def test_the_start_up_line_names_the_options_and_masks_the_store_password(monkey
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving")]
     assert lines == [
         "serving model 'tiny:lfm2' at http://127.0.0.1:9001/v1 (float32 on cpu): "
-        "max sessions 3, cache bytes 1GiB, store redis://***@127.0.0.1:1/0, settle on, "
+        "max sessions 3, cache bytes 1GiB, store redis://***@127.0.0.1:1/0, settle after 0.25 s, "
         "compile on, 1 API key(s)"
     ]
     assert "s3cret" not in caplog.text
