@@ -7,6 +7,7 @@ alone, as before."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -188,6 +189,28 @@ def test_a_waiting_prompt_gathers_with_a_turn_on_its_way(tokenizer, monkeypatch)
     manager.close()
 
 
+def _arrive_now(loop, call) -> threading.Thread:
+    """Runs ``call`` (a turn) on a thread and returns once its prompt is
+    submitted: called from a decoding row's processor, it arrives during
+    that step."""
+    thread = threading.Thread(target=call)
+    thread.start()
+    wait_for(lambda: len(loop.incoming) == 1, "the prompt submitted")
+    return thread
+
+
+def _decode_first(manager, processor, tokens: int) -> None:
+    """Session "first" decodes ``tokens`` tokens, ``processor`` called at each."""
+    manager.chat(
+        "first",
+        own_system(0),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        logits_processor=[processor],
+        settle=False,
+    )
+
+
 def test_a_prompt_that_arrives_during_a_step_joins_the_one_waiting(tokenizer):
     """Two prompts waiting when the prefill between two steps starts run in
     one forward, also the one that arrived during the step (after the loop
@@ -205,23 +228,12 @@ def test_a_prompt_that_arrives_during_a_step_joins_the_one_waiting(tokenizer):
 
     def hold_step(input_ids, scores):  # on the engine's thread, inside the step
         if "second" not in started:
-            started["second"] = threading.Thread(target=chat_call(manager, "second", second, 5))
-            started["second"].start()
-            wait_for(lambda: len(loop.incoming) == 1, "the second prompt submitted")
+            started["second"] = _arrive_now(loop, chat_call(manager, "second", second, 5))
         elif "third" not in started and loop.prefilling:  # the loop took the second in
-            started["third"] = threading.Thread(target=chat_call(manager, "third", third, 5))
-            started["third"].start()
-            wait_for(lambda: len(loop.incoming) == 1, "the third prompt submitted")
+            started["third"] = _arrive_now(loop, chat_call(manager, "third", third, 5))
         return scores
 
-    manager.chat(
-        "first",
-        own_system(0),
-        max_new_tokens=12,
-        min_new_tokens=12,
-        logits_processor=[hold_step],
-        settle=False,
-    )
+    _decode_first(manager, hold_step, 12)
     for thread in started.values():
         thread.join()
     assert sorted(started) == ["second", "third"]
@@ -244,27 +256,22 @@ def test_a_prompt_that_arrives_during_a_step_prefills_before_the_next(tokenizer)
     def count_steps(input_ids, scores):  # the decoding row's processor, once per step
         steps.append(len(steps))
         if len(steps) == 2:
-            seen["thread"] = threading.Thread(
-                target=manager.chat,
-                args=("second", own_system(1)),
-                kwargs=dict(max_new_tokens=3, logits_processor=[first_pick], settle=False),
+            second = functools.partial(
+                manager.chat,
+                "second",
+                own_system(1),
+                max_new_tokens=3,
+                logits_processor=[first_pick],
+                settle=False,
             )
-            seen["thread"].start()
-            wait_for(lambda: len(loop.incoming) == 1, "the second prompt submitted")
+            seen["thread"] = _arrive_now(loop, second)
         return scores
 
     def first_pick(input_ids, scores):
         seen.setdefault("steps", len(steps))
         return scores
 
-    manager.chat(
-        "first",
-        own_system(0),
-        max_new_tokens=8,
-        min_new_tokens=8,
-        logits_processor=[count_steps],
-        settle=False,
-    )
+    _decode_first(manager, count_steps, 8)
     seen["thread"].join()
     # The first row's processor had run for its prefill's token and for the
     # step the second prompt arrived in, no more: the second prefilled next.

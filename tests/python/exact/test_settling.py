@@ -147,45 +147,6 @@ def test_a_turn_on_a_settling_session_takes_over(family, tokenizer):
     assert mgr.wait_settled(timeout=60)
 
 
-def test_settling_waits_while_any_turn_runs(tokenizer):
-    """A settle of one session never runs beside a turn of another."""
-    model = model_for("llama")
-    mgr = SessionManager(model, tokenizer)
-    first = [SYSTEM, user_message(0)]
-    reply = mgr.chat("a", first, max_new_tokens=MAX_NEW)
-    mgr.wait_settled(timeout=60)
-    ran = []
-    forward = mgr._settler._prefill.forward
-
-    def recording(*args, **kwargs):
-        ran.append(threading.current_thread().name)
-        return forward(*args, **kwargs)
-
-    mgr._settler._prefill.forward = recording
-    started, finish = threading.Event(), threading.Event()
-
-    class Hold:  # a logits processor that holds session b's turn open
-        def __call__(self, input_ids, scores):
-            started.set()
-            finish.wait(30)
-            return scores
-
-    other = threading.Thread(
-        target=mgr.chat,
-        args=("b", [SYSTEM, user_message(5)]),
-        kwargs=dict(max_new_tokens=2, logits_processor=[Hold()]),
-    )
-    other.start()
-    assert started.wait(30)
-    mgr.settle("a", [*first, {"role": "assistant", "content": reply + " Edited."}])
-    assert not mgr.wait_settled(timeout=0.5)  # waits for b's turn
-    assert ran == []
-    finish.set()
-    other.join()
-    assert mgr.wait_settled(timeout=60)
-    assert "kvchat-engine" in ran  # the engine runs every forward
-
-
 def _record_settle_forwards(mgr) -> list:
     """The settle forwards ``mgr`` runs from now on (each a thread name)."""
     ran = []
@@ -197,6 +158,44 @@ def _record_settle_forwards(mgr) -> list:
 
     mgr._settler._prefill.forward = recording
     return ran
+
+
+def _hold_a_turn_of_b(mgr, **kwargs) -> tuple[threading.Event, threading.Thread]:
+    """Starts a turn of session "b" and returns once it runs, held open by a
+    logits processor until the returned event is set; and its thread."""
+    started, finish = threading.Event(), threading.Event()
+
+    def hold(input_ids, scores):
+        started.set()
+        finish.wait(30)
+        return scores
+
+    other = threading.Thread(
+        target=mgr.chat,
+        args=("b", [SYSTEM, user_message(5)]),
+        kwargs=dict(max_new_tokens=2, logits_processor=[hold], **kwargs),
+    )
+    other.start()
+    assert started.wait(30)
+    return finish, other
+
+
+def test_settling_waits_while_any_turn_runs(tokenizer):
+    """A settle of one session never runs beside a turn of another."""
+    model = model_for("llama")
+    mgr = SessionManager(model, tokenizer)
+    first = [SYSTEM, user_message(0)]
+    reply = mgr.chat("a", first, max_new_tokens=MAX_NEW)
+    mgr.wait_settled(timeout=60)
+    ran = _record_settle_forwards(mgr)
+    finish, other = _hold_a_turn_of_b(mgr)
+    mgr.settle("a", [*first, {"role": "assistant", "content": reply + " Edited."}])
+    assert not mgr.wait_settled(timeout=0.5)  # waits for b's turn
+    assert ran == []
+    finish.set()
+    other.join()
+    assert mgr.wait_settled(timeout=60)
+    assert "kvchat-engine" in ran  # the engine runs every forward
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
@@ -275,21 +274,7 @@ def test_the_delay_counts_from_the_last_turn_of_any_session(tokenizer, monkeypat
             mgr._settler._cond.notify_all()
 
     mgr.chat("a", [SYSTEM, user_message(0)], max_new_tokens=MAX_NEW)  # a's settle: due in 1 s
-    started, finish = threading.Event(), threading.Event()
-
-    class Hold:  # holds b's turn open past a's own delay
-        def __call__(self, input_ids, scores):
-            started.set()
-            finish.wait(30)
-            return scores
-
-    other = threading.Thread(
-        target=mgr.chat,
-        args=("b", [SYSTEM, user_message(5)]),
-        kwargs=dict(max_new_tokens=2, logits_processor=[Hold()], settle=False),
-    )
-    other.start()
-    assert started.wait(30)
+    finish, other = _hold_a_turn_of_b(mgr, settle=False)  # past a's own delay
     advance(1.5)  # a's own delay passes while b's turn runs
     finish.set()
     other.join()  # b's turn ends now
