@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import check_seconds
 from ..manager import SessionManager
 from ..pretrained import load_pretrained
 from ..prompting import check_template_kwargs
@@ -259,14 +260,12 @@ def _lengths(text: str) -> list[int]:
 
 
 def _seconds(text: str) -> float:
-    """--settle-delay's value: a finite number of seconds, at least 0."""
+    """--settle-delay's value: a finite number of seconds, at least 0 (the
+    manager's own check, said in argparse's words)."""
     try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}")
-    return seconds
+        return check_seconds(float(text), "--settle-delay", allow_none=False)
+    except ValueError:  # not a number, or not a finite one >= 0
+        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, got {text!r}") from None
 
 
 def build_app(args: argparse.Namespace):
