@@ -163,10 +163,13 @@ class ManagerStats:
     queue_wait_ms: float = 0.0
     prefill_chunks: int = 0  # prefill forwards of batched turns (a chunk, or prompts together)
     # Prompts of turns that started together (engine/prompts.py, full-attention
-    # models): those prefilled in a forward beside others, and the prompt
-    # tokens copied from a row that held them instead of computed.
+    # models): those prefilled in a forward beside others, the prompt tokens
+    # copied from a row that held them instead of computed, and those that
+    # prompts beginning alike ran once in such a forward rather than once per
+    # prompt (engine/one_sequence.py).
     prompts_prefilled_together: int = 0
     prefix_tokens_copied: int = 0
+    head_tokens_run_once: int = 0
     gather_waits: int = 0  # passes the waiting prompts waited for turns on their way
     jobs_run_alone: int = 0  # plain, compiled or checkpoint work run between steps
     idle_jobs: int = 0  # settle chunks run while nothing decoded

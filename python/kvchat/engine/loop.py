@@ -60,6 +60,7 @@ from .prompts import (
     waits_for,
     would_copy,
 )
+from .one_sequence import prefill_as_one, sequence_tokens, shared_head, takes_4d_mask
 from .threads import with_callers_autocast
 
 logger = logging.getLogger("kvchat")
@@ -127,6 +128,10 @@ class _Loop:
             and "attention_mask" in parameters
             and "position_ids" in parameters
         )
+        # Prompts that run together and begin alike run as one sequence, their
+        # common head once (one_sequence.py), where the attention takes the 4D
+        # mask that needs; others side by side, padded (prompts.py).
+        self.as_one = self.together and takes_4d_mask(model)
         # Whether rows copy a prefix in flight up to another's checkpoint
         # (prompts.py): attention beside conv, SSM or DeltaNet layers.
         self.checkpoint_copies = checkpoint_copies(bridge.layout)
@@ -464,7 +469,7 @@ class _Loop:
         if not self.together:
             return []
         donors = [*self.batch.rows, *self.prefilling]
-        group, width, longest = [], 0, 0
+        group = []
         for row in list(self.prefilling):
             if row.stops or not row.chunked:
                 break  # its prefill stops at checkpoints: alone, in order
@@ -483,16 +488,27 @@ class _Loop:
                 cap = limit if limit is not None else max(self.max_step_tokens, new)
             else:
                 cap = limit if limit is not None else self.max_step_tokens
-            rows = len(group) + 1
-            if (
-                rows * max(width, new) <= cap
-                and rows * max(longest, row.prefilled) <= GROUP_PAST_COLUMNS
-            ):
+            if self._fits([*group, row], cap):
                 group.append(row)
-                width, longest = max(width, new), max(longest, row.prefilled)
             elif not group:
                 return [row]  # alone, in chunks
         return group
+
+    def _fits(self, rows: list, cap: int) -> bool:
+        """Whether ``rows``' prompts prefill in one forward of at most ``cap``
+        tokens (padding counted) over at most ``GROUP_PAST_COLUMNS`` of past."""
+        if self._as_one(rows):
+            return sequence_tokens(rows) <= cap and rows[0].prefilled <= GROUP_PAST_COLUMNS
+        width = max(row.prompt_tokens - row.prefilled for row in rows)
+        longest = max(row.prefilled for row in rows)
+        return len(rows) * width <= cap and len(rows) * longest <= GROUP_PAST_COLUMNS
+
+    def _as_one(self, rows: list) -> bool:
+        """Whether ``rows`` prefill as one sequence: where they share a head.
+        Without one, side by side costs as little: the tokens one sequence
+        saves (the padding) it spends again attending across every row's
+        past (measured: RESULTS §30)."""
+        return self.as_one and shared_head(rows) > 0
 
     def _prefill_group(self, rows: list) -> int:
         """One forward over the rest of every row's prompt (prompts.py); each
@@ -501,42 +517,59 @@ class _Loop:
         for row in rows:
             self.prefilling.remove(row)
             self._start(row)
-        width = max(row.prompt_tokens - row.prefilled for row in rows)
+        one = self._as_one(rows)
+        if one:
+            tokens = sequence_tokens(rows)
+            head_saved = (len(rows) - 1) * shared_head(rows)
+        else:
+            tokens = len(rows) * max(row.prompt_tokens - row.prefilled for row in rows)
         try:
             logits = self._forward_together(rows)
         except BaseException as error:  # the forward failed: every row in it fails
             for row in rows:
                 row.finish(error)
-            return len(rows) * width
+            return tokens
         self.counters["prefill_chunks"] += 1
         self.counters["prompts_prefilled_together"] += len(rows)
+        if one:
+            self.counters["head_tokens_run_once"] += head_saved
+        # Every row's first token goes out before any row joins the batch: a
+        # join copies the row's cache, and the last row's token would wait
+        # for all the others' copies.
+        picked = []
         for row, row_logits in zip(rows, logits, strict=True):
             try:
-                if row.pick(row_logits):
+                picked.append((row, row.pick(row_logits)))
+            except BaseException as error:  # the row's processor or streamer
+                row.finish(error)
+        for row, done in picked:
+            try:
+                if done:
                     self._finish(row)
                 else:
                     self.batch.join(row)
-            except BaseException as error:  # the row's processor, streamer or cache
+            except BaseException as error:  # the row's cache
                 if row.slot is not None:
                     self.batch.leave(row, write_back=False)
                 row.finish(error)
-        return len(rows) * width
+        return tokens
 
     def _forward_together(self, rows: list) -> list:
-        """``prefill_together`` on ``rows``. A forward that declares
+        """``prefill_as_one`` (or ``prefill_together``) on ``rows``. A forward that declares
         ``logits_to_keep`` a tensor yet slices by a count (older remote code)
         raises on positions (a TypeError or IndexError) or gives other logits
         than asked: the forward then runs again asking for every position's
         logits (no row's cache has changed), and does from then on where that
         works. Any other failure (out of memory) fails the rows at once."""
+        forward = prefill_as_one if self._as_one(rows) else prefill_together
         args = (self.model, rows, self.bridge.new_cache, self.bridge.cache_argument)
         if self.keep_kind != "tensor":
-            return prefill_together(*args, self.keep_kind)
+            return forward(*args, self.keep_kind)
         try:
-            return prefill_together(*args, "tensor")
+            return forward(*args, "tensor")
         except (TypeError, IndexError, LogitsShapeError) as error:
             first = error
-        logits = prefill_together(*args, "int")
+        logits = forward(*args, "int")
         self.keep_kind = "int"
         logger.warning(
             "kvchat: the model's forward failed on logits_to_keep as positions (%s); "
@@ -765,6 +798,7 @@ class Engine:
                 "prefill_chunks": loop.counters["prefill_chunks"],
                 "prompts_prefilled_together": loop.counters["prompts_prefilled_together"],
                 "prefix_tokens_copied": loop.counters["prefix_tokens_copied"],
+                "head_tokens_run_once": loop.counters["head_tokens_run_once"],
                 "gather_waits": loop.counters["gather_waits"],
                 "jobs_run_alone": loop.counters["jobs_run_alone"],
                 "idle_jobs": loop.counters["idle_jobs"],

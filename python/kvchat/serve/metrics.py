@@ -58,6 +58,12 @@ STATS_METRICS = [
         "counter",
     ),
     (
+        "kvchat_head_tokens_run_once",
+        "Prompt tokens that prompts beginning alike ran once in one forward, not once each",
+        "head_tokens_run_once",
+        "counter",
+    ),
+    (
         "kvchat_gather_waits",
         "Engine passes in which waiting prompts waited for requests on their way",
         "gather_waits",

@@ -225,7 +225,8 @@ def test_turns_cancelled_while_their_prompts_wait_to_prefill(tokenizer):
 
 class FailOnce:
     """Wraps a model's forward (its signature kept) to raise once on the
-    first forward over more than one row."""
+    first forward over more than one row's prompt: rows side by side, or in
+    one sequence under a 4D mask (one_sequence.py)."""
 
     def __init__(self, model):
         self.armed = False
@@ -234,7 +235,9 @@ class FailOnce:
         @functools.wraps(original)
         def forward(*args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if self.armed and ids is not None and ids.shape[0] > 1:
+            mask = kwargs.get("attention_mask")
+            grouped = ids is not None and (ids.shape[0] > 1 or getattr(mask, "ndim", 2) == 4)
+            if self.armed and grouped:
                 self.armed = False
                 raise RuntimeError("the grouped forward failed")
             return original(*args, **kwargs)
