@@ -84,7 +84,9 @@ def run_once(model, tokenizer, mode: str, n: int, args) -> dict:
         turns = []
         for t in range(args.turns):
             for i in range(n):
-                histories[i].append({"role": "user", "content": conversation("chat", i, args.turns)[1][t]})
+                histories[i].append(
+                    {"role": "user", "content": conversation("chat", i, args.turns)[1][t]}
+                )
             turns.append(_round(manager, histories, args.reply_tokens))
             manager.wait_settled()  # the reading time between turns
         stats = manager.stats()
@@ -132,20 +134,32 @@ def main(argv=None) -> None:
                 # so the machine's drift falls on both modes alike.
                 modes = MODES if repetition % 2 == 0 else MODES[::-1]
                 for mode in modes:
-                    runs.append({**run_once(model, tokenizer, mode, n, args), "repetition": repetition})
+                    runs.append(
+                        {**run_once(model, tokenizer, mode, n, args), "repetition": repetition}
+                    )
                     bar.update()
     summary = summarize(runs)
-    result = {"machine": describe(), "settings": vars(args), "system": CHAT_SYSTEM, "runs": runs, "summary": summary}
+    result = {
+        "machine": describe(),
+        "settings": vars(args),
+        "system": CHAT_SYSTEM,
+        "runs": runs,
+        "summary": summary,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "first-turns-smollm2-cpu.json"
     path.write_text(json.dumps(result, indent=2))
-    print(f"\nSmolLM2, {args.turns} turns of {args.reply_tokens}-token replies, all conversations' "
-          f"turns started together; median of {args.repetitions} (ms):")
+    print(
+        f"\nSmolLM2, {args.turns} turns of {args.reply_tokens}-token replies, all conversations' "
+        f"turns started together; median of {args.repetitions} (ms):"
+    )
     print(f"{'conv':>4}  {'turn':>4}  {'mode':<13} {'slowest TTFT':>12} {'mean TTFT':>10}")
     for row in summary:
-        print(f"{row['concurrency']:>4}  {row['turn']:>4}  {row['mode']:<13} "
-              f"{row['slowest_ms']:>12.0f} {row['mean_ms']:>10.0f}")
+        print(
+            f"{row['concurrency']:>4}  {row['turn']:>4}  {row['mode']:<13} "
+            f"{row['slowest_ms']:>12.0f} {row['mean_ms']:>10.0f}"
+        )
     print(f"\nwrote {path}")
 
 

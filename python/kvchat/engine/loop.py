@@ -46,6 +46,7 @@ from .. import daemon_threads  # first: its hook, which waits for our threads, r
 from ..compiled import ordinary_token
 from . import packed
 from .batch import DecodeBatch, unsupported_layer
+from .one_sequence import prefill_as_one, sequence_tokens, shared_head, takes_4d_mask
 from .prompts import (
     SHARE_MIN_TOKENS,
     LogitsShapeError,
@@ -60,7 +61,6 @@ from .prompts import (
     waits_for,
     would_copy,
 )
-from .one_sequence import prefill_as_one, sequence_tokens, shared_head, takes_4d_mask
 from .threads import with_callers_autocast
 
 logger = logging.getLogger("kvchat")

@@ -92,7 +92,9 @@ def prefill_as_one(model, rows, new_cache, cache_argument: str, keep_kind: str |
     for at, row in zip(tail_at, rows, strict=True):  # ...and a tail itself, causally
         length = row.prompt_tokens - past - head
         own = past + at
-        allowed[at : at + length, own : own + length] = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed[at : at + length, own : own + length] = torch.ones(
+            length, length, dtype=torch.bool
+        ).tril()
     dtype = model.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     cache = new_cache()
@@ -108,7 +110,8 @@ def prefill_as_one(model, rows, new_cache, cache_argument: str, keep_kind: str |
         "attention_mask": mask[None, None].to(device),
         "position_ids": positions,
     }
-    lasts = [at + row.prompt_tokens - past - head - 1 for at, row in zip(tail_at, rows)]
+    tails = zip(tail_at, rows, strict=True)
+    lasts = [at + row.prompt_tokens - past - head - 1 for at, row in tails]
     keep = lasts
     if keep_kind == "tensor":
         kwargs["logits_to_keep"] = torch.tensor(lasts, device=device)

@@ -80,7 +80,9 @@ def test_eager_attention_takes_the_additive_mask(tokenizer):
     assert takes_4d_mask(model)
     manager = SessionManager(model, tokenizer)
     conversations = _conversations(3)
-    reports = together(manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)])
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
+    )
     for k, report in enumerate(reports):
         assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
     assert manager.stats().head_tokens_run_once == 2 * _head(tokenizer, conversations)
@@ -100,7 +102,9 @@ def test_rows_that_hold_one_shared_prefix_run_the_rest_of_their_head_once(tokeni
         [LONG_SYSTEM, {"role": "user", "content": f"{alike} {topic}."}]
         for topic in ("rivers", "mountains and their glaciers")
     ]
-    reports = together(manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)])
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
+    )
     for k, report in enumerate(reports):
         assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
         assert report.reused_tokens > 40, report  # started from the shared prefix
@@ -134,14 +138,19 @@ def test_a_head_forward_that_fails_fails_its_turns_and_nothing_else(tokenizer):
 
         return run
 
-    together(manager, [failure(chat_call(manager, f"s{k}", c, 5)) for k, c in enumerate(conversations)])
+    together(
+        manager, [failure(chat_call(manager, f"s{k}", c, 5)) for k, c in enumerate(conversations)]
+    )
     assert errors == ["the grouped forward failed"] * 3
     assert not failing.armed and manager.stats().head_tokens_run_once == 0
     assert manager.info("idle") == idle
     for k, messages in enumerate(conversations):
         assert manager.info(f"s{k}").cached_tokens == 0
         manager.chat(f"s{k}", messages, max_new_tokens=5, settle=False)
-        assert manager.last_turn(f"s{k}").output_ids == reference_turn(model, tokenizer, messages, 5)[2]
+        assert (
+            manager.last_turn(f"s{k}").output_ids
+            == reference_turn(model, tokenizer, messages, 5)[2]
+        )
     manager.close()
 
 
@@ -191,6 +200,11 @@ def test_only_attention_that_takes_a_4d_mask_runs_prompts_as_one(tokenizer):
     """FlashAttention's and flex attention's kernels read no 4D mask: a model
     using them keeps the padded side-by-side forward."""
     model = tiny_model("llama", dtype=torch.float64, seed=0)
-    for name, takes in (("sdpa", True), ("eager", True), ("flash_attention_2", False), ("flex_attention", False)):
+    for name, takes in (
+        ("sdpa", True),
+        ("eager", True),
+        ("flash_attention_2", False),
+        ("flex_attention", False),
+    ):
         model.config._attn_implementation = name
         assert takes_4d_mask(model) == takes, name
