@@ -17,10 +17,15 @@ from kvchat.tiny import tiny_model, tiny_tokenizer
 from test_engine import chat_call, together, wait_for
 from test_engine_prompts import LONG_SYSTEM, reply_and_next
 from test_engine_prompts_attack import FailOnce
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # Short enough that rows prefill it beside each other (under min_shared_tokens,
 # 32), rather than one computing it and the others copying it.
 SHORT_SYSTEM = {"role": "system", "content": "Be brief."}
+# An attention implementation that one_sequence.py does not know to take a 4D mask.
+OTHER_ATTENTION = "kvchat_test_other_attention"
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,7 @@ def test_a_head_forward_that_fails_fails_its_turns_and_nothing_else(tokenizer):
         manager, [failure(chat_call(manager, f"s{k}", c, 5)) for k, c in enumerate(conversations)]
     )
     assert errors == ["the grouped forward failed"] * 3
+    assert failing.failed_mask_ndim == 4  # the one sequence's forward failed
     assert not failing.armed and manager.stats().head_tokens_run_once == 0
     assert manager.info("idle") == idle
     for k, messages in enumerate(conversations):
@@ -198,7 +204,10 @@ def test_every_first_token_goes_out_before_any_row_joins_the_batch(tokenizer):
 
 def test_only_attention_that_takes_a_4d_mask_runs_prompts_as_one(tokenizer):
     """FlashAttention's and flex attention's kernels read no 4D mask: a model
-    using them keeps the padded side-by-side forward."""
+    using them keeps the padded side-by-side forward. Here an attention
+    registered under another name (SDPA's kernel, so it runs on a CPU)
+    stands for them: prompts that begin alike still prefill in one forward,
+    side by side, exactly, and no head runs once."""
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     for name, takes in (
         ("sdpa", True),
@@ -208,3 +217,18 @@ def test_only_attention_that_takes_a_4d_mask_runs_prompts_as_one(tokenizer):
     ):
         model.config._attn_implementation = name
         assert takes_4d_mask(model) == takes, name
+    AttentionInterface.register(OTHER_ATTENTION, sdpa_attention_forward)
+    AttentionMaskInterface.register(OTHER_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(OTHER_ATTENTION)
+    assert not takes_4d_mask(model)
+    manager = SessionManager(model, tokenizer)
+    conversations = _conversations(3)
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 3 and stats.prefill_chunks == 1, stats
+    assert stats.head_tokens_run_once == 0, stats
+    manager.close()

@@ -226,10 +226,12 @@ def test_turns_cancelled_while_their_prompts_wait_to_prefill(tokenizer):
 class FailOnce:
     """Wraps a model's forward (its signature kept) to raise once on the
     first forward over more than one row's prompt: rows side by side, or in
-    one sequence under a 4D mask (one_sequence.py)."""
+    one sequence under a 4D mask (one_sequence.py). ``failed_mask_ndim``:
+    the dimensions of the attention mask the failed forward got."""
 
     def __init__(self, model):
         self.armed = False
+        self.failed_mask_ndim = None
         original = model.forward
 
         @functools.wraps(original)
@@ -238,7 +240,7 @@ class FailOnce:
             mask = kwargs.get("attention_mask")
             grouped = ids is not None and (ids.shape[0] > 1 or getattr(mask, "ndim", 2) == 4)
             if self.armed and grouped:
-                self.armed = False
+                self.armed, self.failed_mask_ndim = False, getattr(mask, "ndim", None)
                 raise RuntimeError("the grouped forward failed")
             return original(*args, **kwargs)
 
