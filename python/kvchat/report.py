@@ -164,9 +164,9 @@ class ManagerStats:
     prefill_chunks: int = 0  # prefill forwards of batched turns (a chunk, or prompts together)
     # Prompts of turns that started together (engine/prompts.py, full-attention
     # models): those prefilled in a forward beside others, the prompt tokens
-    # copied from a row that held them instead of computed, and those that
-    # prompts beginning alike ran once in such a forward rather than once per
-    # prompt (engine/one_sequence.py).
+    # copied from a row that held them instead of computed, and those not
+    # computed because prompts beginning alike ran their common head once in
+    # such a forward: (prompts - 1) x head (engine/one_sequence.py).
     prompts_prefilled_together: int = 0
     prefix_tokens_copied: int = 0
     head_tokens_run_once: int = 0

@@ -14,10 +14,12 @@ server's turns, the settler) submit work and wait; the engine's thread loops:
 3. prefill of the rows still prefilling, at most ``max_step_tokens`` tokens
    between two steps: a long prompt in chunks (a conv-window row's stopping
    at its checkpoints), and on full-attention models several short ones in
-   one forward. A row copies a prefix another row holds rather than
-   computing it again (``prompts.py``; beside conv, SSM or DeltaNet layers,
-   up to a checkpoint the other took). Each row's first token then joins
-   the batch at the next step. So a long prompt
+   one forward (side by side, padded; or, where they begin alike, as one
+   sequence with their common head once: ``one_sequence.py``). A row copies
+   a prefix another row holds rather than computing it again
+   (``prompts.py``; beside conv, SSM or DeltaNet layers, up to a checkpoint
+   the other took). Each row picks its first token (every row of a forward
+   before any joins) and then joins the batch. So a long prompt
    never stops the others' streams for longer than a chunk, and a long
    reply never delays a new turn's first token by more than a step;
 4. when no row decodes or prefills: idle work (``when_idle``: settling).
@@ -72,9 +74,10 @@ DEFAULT_MAX_STEP_TOKENS = 256
 # sessions planned), so that prompts arriving together prefill in one forward
 # rather than one after another (prompts.py). Counted from the row's submit.
 GATHER_S = 0.05
-# A group of prompts merges every row's past, left-padded to the longest:
-# rows times that length stays under this many columns (a long history
-# prefills alone, where its attention is most of the cost anyway).
+# A group of prompts side by side merges every row's past, left-padded to
+# the longest: rows times that length stays under this many columns (a long
+# history prefills alone, where its attention is most of the cost anyway).
+# As one sequence, the rows' one past does.
 GROUP_PAST_COLUMNS = 8192
 
 
@@ -460,7 +463,8 @@ class _Loop:
 
     def _group(self, limit: int | None) -> list:
         """The rows still prefilling whose prompts run in one forward now,
-        oldest first: each that fits ``limit`` tokens, padding counted (with
+        oldest first: each that fits ``limit`` tokens as the group would run
+        (``_fits``: padding counted, or a common head once) (with
         none decoding: ``max_step_tokens``, or the oldest's whole prompt),
         once it copied what prefix it can from the rows that hold one. A row
         that a row of the group would compute a long prefix of waits for it
@@ -496,7 +500,9 @@ class _Loop:
 
     def _fits(self, rows: list, cap: int) -> bool:
         """Whether ``rows``' prompts prefill in one forward of at most ``cap``
-        tokens (padding counted) over at most ``GROUP_PAST_COLUMNS`` of past."""
+        tokens, as they would run (``_as_one``): as one sequence, the common
+        head once over the rows' one past; side by side, padding counted, and
+        rows times the longest past. Either past within ``GROUP_PAST_COLUMNS``."""
         if self._as_one(rows):
             return sequence_tokens(rows) <= cap and rows[0].prefilled <= GROUP_PAST_COLUMNS
         width = max(row.prompt_tokens - row.prefilled for row in rows)
@@ -511,9 +517,10 @@ class _Loop:
         return self.as_one and shared_head(rows) > 0
 
     def _prefill_group(self, rows: list) -> int:
-        """One forward over the rest of every row's prompt (prompts.py); each
-        row then picks its first token and joins the batch. Returns the tokens
-        the forward ran, padding counted."""
+        """One forward over the rest of every row's prompt (one_sequence.py
+        where they share a head, else prompts.py); every row then picks its
+        first token, and only then does each join the batch. Returns the
+        tokens the forward ran (padding counted; a common head once)."""
         for row in rows:
             self.prefilling.remove(row)
             self._start(row)

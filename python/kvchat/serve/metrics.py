@@ -59,7 +59,7 @@ STATS_METRICS = [
     ),
     (
         "kvchat_head_tokens_run_once",
-        "Prompt tokens that prompts beginning alike ran once in one forward, not once each",
+        "Prompt tokens not computed: prompts beginning alike ran their common head once",
         "head_tokens_run_once",
         "counter",
     ),

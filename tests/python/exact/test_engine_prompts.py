@@ -1,9 +1,10 @@
 """Prompts of turns that start together (engine/prompts.py), in float64: on a
-full-attention model several prompts prefill in one forward, right-padded,
-and a prefix one row holds is copied into another rather than computed again;
-each reply is still its own plain ``generate``'s, token for token. Where a
-layer keeps a window or a state (sliding window, conv), each prompt runs
-alone, as before."""
+full-attention model several prompts prefill in one forward, right-padded
+(new conversations whose prompts begin alike, as one sequence instead:
+test_engine_heads.py), and a prefix one row holds is copied into another
+rather than computed again; each reply is still its own plain ``generate``'s,
+token for token. Where a layer keeps a window or a state (sliding window,
+conv), each prompt runs alone, as before."""
 
 from __future__ import annotations
 

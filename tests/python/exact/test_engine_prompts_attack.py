@@ -415,7 +415,8 @@ def test_padding_positions_stay_within_a_rows_own_positions(tokenizer):
 
 
 MIXES = {
-    # 44, 231 and 120 new tokens: one forward, padded to 231.
+    # 44, 231 and 120 new tokens in one forward: their chat template's common
+    # head once, as one sequence (engine/one_sequence.py), no padding.
     "lengths": [many_turns(0, 1), many_turns(1, 6), many_turns(2, 3)],
     # A long system prompt computed once, copied into the others.
     "shared": [[LONG_SYSTEM, user_message(k)] for k in range(3)],
