@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .prompts import LogitsShapeError, common_prefix
+from .prompts import ask_for_logits, check_logits, common_prefix
 
 # The attention implementations that read a 4D additive mask as given.
 FOUR_D_MASK_ATTENTION = ("sdpa", "eager")
@@ -112,19 +112,9 @@ def prefill_as_one(model, rows, new_cache, cache_argument: str, keep_kind: str |
     }
     tails = zip(tail_at, rows, strict=True)
     lasts = [at + row.prompt_tokens - past - head - 1 for at, row in tails]
-    keep = lasts
-    if keep_kind == "tensor":
-        kwargs["logits_to_keep"] = torch.tensor(lasts, device=device)
-    else:
-        keep = list(range(total))
-        if keep_kind == "int":
-            kwargs["logits_to_keep"] = 0
+    keep = ask_for_logits(kwargs, lasts, total, keep_kind, device)
     outputs = model(input_ids=ids.to(device), use_cache=True, return_dict=True, **kwargs)
-    if tuple(outputs.logits.shape[:2]) != (1, len(keep)):
-        raise LogitsShapeError(
-            f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
-            f"one sequence and logits_to_keep={keep}: not one per position asked"
-        )
+    check_logits(outputs, 1, keep, "one sequence")
     logits = []
     for at, last, row in zip(tail_at, lasts, rows, strict=True):
         own = past + at

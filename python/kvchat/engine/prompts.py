@@ -230,6 +230,30 @@ def logits_to_keep_kind(parameters) -> str | None:
     return "tensor" if "Tensor" in str(parameter.annotation) else "int"
 
 
+def ask_for_logits(kwargs: dict, positions: list[int], width: int, keep_kind, device) -> list[int]:
+    """Sets the forward's ``logits_to_keep`` in ``kwargs`` as it takes one
+    (``keep_kind``: ``logits_to_keep_kind``'s): ``positions`` of the forward's
+    ``width`` new tokens where it takes positions, else every position.
+    Returns the positions its logits will stand for, in order."""
+    if keep_kind == "tensor":
+        kwargs["logits_to_keep"] = torch.tensor(positions, device=device)
+        return list(positions)
+    if keep_kind == "int":
+        kwargs["logits_to_keep"] = 0
+    return list(range(width))
+
+
+def check_logits(outputs, sequences: int, keep: list[int], what: str) -> None:
+    """Raises ``LogitsShapeError`` unless the forward gave ``sequences`` rows of
+    logits, one per position of ``keep`` (``ask_for_logits``'s); ``what``
+    names the forward's input in the message."""
+    if tuple(outputs.logits.shape[:2]) != (sequences, len(keep)):
+        raise LogitsShapeError(
+            f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
+            f"{what} and logits_to_keep={keep}: not one per position asked"
+        )
+
+
 def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str | None):
     """One forward over the rest of every row's prompt (module docstring);
     appends each row's new keys and values to its cache and returns each
@@ -270,19 +294,9 @@ def prefill_together(model, rows, new_cache, cache_argument: str, keep_kind: str
     kwargs = {cache_argument: cache, "attention_mask": mask, "position_ids": positions}
     # Only the logits at each row's last prompt token: the positions where
     # the forward takes them, else every position.
-    keep = sorted(set(n - 1 for n in new))
-    if keep_kind == "tensor":
-        kwargs["logits_to_keep"] = torch.tensor(keep, device=device)
-    else:
-        keep = list(range(width))
-        if keep_kind == "int":
-            kwargs["logits_to_keep"] = 0
+    keep = ask_for_logits(kwargs, sorted(set(n - 1 for n in new)), width, keep_kind, device)
     outputs = model(input_ids=ids, use_cache=True, return_dict=True, **kwargs)
-    if tuple(outputs.logits.shape[:2]) != (len(rows), len(keep)):
-        raise LogitsShapeError(
-            f"the model's forward gave logits of shape {tuple(outputs.logits.shape)} for "
-            f"{len(rows)} prompts and logits_to_keep={keep}: not one per position asked"
-        )
+    check_logits(outputs, len(rows), keep, f"{len(rows)} prompts")
     logits = []
     for i, row in enumerate(rows):
         for index, layer in enumerate(cache.layers):

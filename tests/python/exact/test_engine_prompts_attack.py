@@ -371,7 +371,9 @@ def test_a_forward_that_takes_no_positions_for_logits_to_keep(wrap, tokenizer):
     """A forward whose ``logits_to_keep`` is declared an int (and refuses a
     tensor), that has none, or that declares a tensor but takes only a count:
     grouped prompts (their forward then gives every position's logits) still
-    give plain generate's replies, twice."""
+    give plain generate's replies, twice: the first turns as one sequence
+    (their chat template's head once, one_sequence.py), the second side by
+    side."""
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     model.forward = wrap(model.forward)
     manager = SessionManager(model, tokenizer, max_step_tokens=1024)
@@ -385,7 +387,8 @@ def test_a_forward_that_takes_no_positions_for_logits_to_keep(wrap, tokenizer):
             assert report.output_ids == expected[2], (turn, k)
             reply = {"role": "assistant", "content": expected[0]}
             conversations[k] = [*conversations[k], reply, user_message(5)]
-    assert manager.stats().prompts_prefilled_together == 6
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 6 and stats.head_tokens_run_once > 0, stats
     manager.close()
 
 
