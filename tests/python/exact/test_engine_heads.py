@@ -48,6 +48,22 @@ def _head(tokenizer, conversations) -> int:
     return head
 
 
+def _three_first_turns(model, tokenizer):
+    """Three new conversations (``_conversations``) started together on a
+    new manager: each reply is plain generate's. Returns the manager's
+    stats and the conversations."""
+    manager = SessionManager(model, tokenizer)
+    conversations = _conversations(3)
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
+    stats = manager.stats()
+    manager.close()
+    return stats, conversations
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_new_conversations_run_their_common_head_once(family, n, tokenizer):
@@ -83,15 +99,8 @@ def test_eager_attention_takes_the_additive_mask(tokenizer):
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     model.set_attn_implementation("eager")
     assert takes_4d_mask(model)
-    manager = SessionManager(model, tokenizer)
-    conversations = _conversations(3)
-    reports = together(
-        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
-    )
-    for k, report in enumerate(reports):
-        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
-    assert manager.stats().head_tokens_run_once == 2 * _head(tokenizer, conversations)
-    manager.close()
+    stats, conversations = _three_first_turns(model, tokenizer)
+    assert stats.head_tokens_run_once == 2 * _head(tokenizer, conversations), stats
 
 
 def test_rows_that_hold_one_shared_prefix_run_the_rest_of_their_head_once(tokenizer):
@@ -221,14 +230,6 @@ def test_only_attention_that_takes_a_4d_mask_runs_prompts_as_one(tokenizer):
     AttentionMaskInterface.register(OTHER_ATTENTION, sdpa_mask)
     model.set_attn_implementation(OTHER_ATTENTION)
     assert not takes_4d_mask(model)
-    manager = SessionManager(model, tokenizer)
-    conversations = _conversations(3)
-    reports = together(
-        manager, [chat_call(manager, f"s{k}", c, 6) for k, c in enumerate(conversations)]
-    )
-    for k, report in enumerate(reports):
-        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
-    stats = manager.stats()
+    stats, _ = _three_first_turns(model, tokenizer)
     assert stats.prompts_prefilled_together == 3 and stats.prefill_chunks == 1, stats
     assert stats.head_tokens_run_once == 0, stats
-    manager.close()
