@@ -24,7 +24,9 @@ padding only to attend across every row's past (RESULTS §30).
 The mask goes to the model as a 4D additive one, which transformers passes
 to the attention unchanged: only the attention implementations that take it
 ("sdpa", "eager") prefill this way (``takes_4d_mask``); the others
-(FlashAttention's, flex) keep ``prefill_together``'s 2D padding mask.
+(FlashAttention's, flex) keep ``prefill_together``'s 2D padding mask. So
+does ALiBi (Falcon's ``alibi``), whose biases come from a 2D mask's
+positions, not from ``position_ids``.
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ FOUR_D_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def takes_4d_mask(model) -> bool:
-    """Whether ``model``'s attention takes a 4D additive mask as given."""
+    """Whether ``model``'s attention takes a 4D additive mask as given, and
+    its positions come from ``position_ids`` (not ALiBi's from a 2D mask)."""
     config = model.config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
+    if getattr(config, "alibi", False) is True:
+        return False
     return getattr(config, "_attn_implementation", None) in FOUR_D_MASK_ATTENTION
 
 
