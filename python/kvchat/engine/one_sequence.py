@@ -19,7 +19,10 @@ them (``shared_head``), the rows run in a batch of one:
   before it. Positions are each token's own.
 
 Rows that share no head stay side by side: one sequence would save their
-padding only to attend across every row's past (RESULTS §30).
+padding only to attend across every row's past (RESULTS §30). So do rows of
+different share scopes (``prompts.shares_with``: sharing off, or another
+namespace): one tenant's prompt never starts from another's past, nor
+reuses its head's keys, nor runs faster because another sent the same.
 
 The mask goes to the model as a 4D additive one, which transformers passes
 to the attention unchanged: only the attention implementations that take it
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .prompts import ask_for_logits, check_logits, common_prefix
+from .prompts import ask_for_logits, check_logits, common_prefix, shares_with
 
 # The attention implementations that read a 4D additive mask as given.
 FOUR_D_MASK_ATTENTION = ("sdpa", "eager")
@@ -52,10 +55,12 @@ def takes_4d_mask(model) -> bool:
 
 def shared_head(rows) -> int:
     """How many tokens past what they hold every row's prompt shares with the
-    others', where all hold as many (0 otherwise): never a row's last prompt
-    token, whose logits it needs."""
+    others', where all hold as many and share one scope (0 otherwise): never
+    a row's last prompt token, whose logits it needs."""
     held = rows[0].prefilled
-    if len(rows) < 2 or any(row.prefilled != held for row in rows):
+    if len(rows) < 2 or any(
+        row.prefilled != held or not shares_with(rows[0], row) for row in rows[1:]
+    ):
         return 0
     limit = min(row.prompt_tokens for row in rows) - 1
     common = min(common_prefix(rows[0], row, limit) for row in rows[1:])

@@ -255,3 +255,27 @@ def test_alibi_positions_from_a_2d_mask_keep_prompts_side_by_side(tokenizer):
     assert not takes_4d_mask(model)
     stats, _ = _three_first_turns(model, tokenizer)
     assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
+
+
+@pytest.mark.parametrize("scopes", ["namespaces", "sharing off"])
+def test_rows_of_other_share_scopes_never_run_one_head(scopes, tokenizer):
+    """New conversations that begin alike but may not share prefixes (each
+    in its own namespace with ``isolate_namespaces``, as ``kvchat serve``
+    runs; or sharing off) prefill side by side: no row starts from another's
+    past or takes its head's keys. Each reply is plain generate's."""
+    model = model_for("llama")
+    if scopes == "namespaces":
+        manager = SessionManager(model, tokenizer, isolate_namespaces=True)
+        ids = [f"tenant{k}/s" for k in range(3)]
+    else:
+        manager = SessionManager(model, tokenizer, share_prefixes=False)
+        ids = [f"s{k}" for k in range(3)]
+    conversations = _conversations(3)
+    reports = together(
+        manager, [chat_call(manager, i, c, 6) for i, c in zip(ids, conversations, strict=True)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
+    manager.close()
