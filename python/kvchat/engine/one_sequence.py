@@ -18,6 +18,8 @@ them (``shared_head``), the rows run in a batch of one:
   the head before it; a tail token the past, the head and its own tail
   before it. Positions are each token's own.
 
+Only rows of one share scope (``prompts.share_scope``) run as one: a row's
+head and past would otherwise be another tenant's, as a copied prefix would.
 Rows that share no head stay side by side: one sequence would save their
 padding only to attend across every row's past (RESULTS §30).
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .prompts import LogitsShapeError, common_prefix
+from .prompts import LogitsShapeError, common_prefix, shares_with
 
 # The attention implementations that read a 4D additive mask as given.
 FOUR_D_MASK_ATTENTION = ("sdpa", "eager")
@@ -47,10 +49,15 @@ def takes_4d_mask(model) -> bool:
 
 def shared_head(rows) -> int:
     """How many tokens past what they hold every row's prompt shares with the
-    others', where all hold as many (0 otherwise): never a row's last prompt
-    token, whose logits it needs."""
+    others', where all hold as many and may share prefixes (one share scope,
+    ``prompts.share_scope``; 0 otherwise): never a row's last prompt token,
+    whose logits it needs."""
     held = rows[0].prefilled
     if len(rows) < 2 or any(row.prefilled != held for row in rows):
+        return 0
+    # A row's head and past would be another's: across tenants that is a
+    # prefix shared (and its time would tell what the other sent).
+    if not all(shares_with(rows[0], row) for row in rows[1:]):
         return 0
     limit = min(row.prompt_tokens for row in rows) - 1
     common = min(common_prefix(rows[0], row, limit) for row in rows[1:])

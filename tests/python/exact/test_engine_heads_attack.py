@@ -1,0 +1,50 @@
+"""Attacks on prompts that begin alike prefilled as one sequence
+(engine/one_sequence.py), in float64 against plain ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import model_for, reference_turn
+from kvchat import SessionManager
+from kvchat.tiny import tiny_tokenizer
+from test_engine import chat_call, together
+from test_engine_heads import _conversations, _head
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize(
+    "options, sessions, shared",
+    [
+        (dict(isolate_namespaces=True), ["a/x", "b/x", "c/x"], False),
+        (dict(share_prefixes=False), ["x", "y", "z"], False),
+        (dict(isolate_namespaces=True), ["a/x", "a/y", "a/z"], True),
+    ],
+    ids=["other-namespaces", "sharing-off", "one-namespace"],
+)
+def test_a_head_runs_once_only_for_rows_that_may_share_a_prefix(
+    options, sessions, shared, tokenizer
+):
+    """New conversations of different tenants (API keys: namespaces, with
+    ``isolate_namespaces``), or any with ``share_prefixes=False``, that start
+    together with one system prompt never run it once for all: one row's
+    head (and past) would be another tenant's, and its first token's time
+    would tell it what another tenant sent. They prefill side by side, each
+    its own tokens; rows of one namespace still run the head once. Every
+    reply is plain generate's."""
+    model = model_for("llama")
+    manager = SessionManager(model, tokenizer, **options)
+    conversations = _conversations(3)
+    reports = together(
+        manager, [chat_call(manager, s, c, 5) for s, c in zip(sessions, conversations, strict=True)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 5)[2], k
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 3, stats
+    expected = 2 * _head(tokenizer, conversations) if shared else 0
+    assert stats.head_tokens_run_once == expected, stats
+    manager.close()
