@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from families import tiny_from_config
 from helpers import model_for, reference_turn
 from kvchat import SessionManager
+from kvchat.engine.one_sequence import takes_4d_mask
 from kvchat.tiny import tiny_tokenizer
 from test_engine import chat_call, together
 from test_engine_heads import _conversations, _head
@@ -47,4 +50,24 @@ def test_a_head_runs_once_only_for_rows_that_may_share_a_prefix(
     assert stats.prompts_prefilled_together == 3, stats
     expected = 2 * _head(tokenizer, conversations) if shared else 0
     assert stats.head_tokens_run_once == expected, stats
+    manager.close()
+
+
+def test_alibi_attention_keeps_prompts_side_by_side(tokenizer):
+    """Falcon with ALiBi (falcon-rw) builds its position biases from a 2D
+    padding mask, and raised on the 4D one (every turn of a group failed):
+    its new conversations that begin alike prefill side by side, each reply
+    plain generate's."""
+    fields = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True, bias=True)
+    model = tiny_from_config("falcon", torch.float64, fields, tokenizer)
+    assert not takes_4d_mask(model)
+    manager = SessionManager(model, tokenizer)
+    conversations = _conversations(3)
+    reports = together(
+        manager, [chat_call(manager, f"s{k}", c, 5) for k, c in enumerate(conversations)]
+    )
+    for k, report in enumerate(reports):
+        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 5)[2], k
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
     manager.close()
