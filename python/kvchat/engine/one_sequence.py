@@ -26,8 +26,9 @@ padding only to attend across every row's past (RESULTS §30).
 The mask goes to the model as a 4D additive one, which transformers passes
 to the attention unchanged: only the attention implementations that take it
 ("sdpa", "eager") prefill this way (``takes_4d_mask``); the others
-(FlashAttention's, flex), and ALiBi (whose biases Falcon builds from the
-2D mask), keep ``prefill_together``'s 2D padding mask.
+(FlashAttention's, flex), ALiBi (whose biases Falcon builds from the 2D
+mask) and GPT-Neo's local layers (a window of indices, where a tail's index
+is not its position), keep ``prefill_together``'s 2D padding mask.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def takes_4d_mask(model) -> bool:
     config = model.config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    if getattr(config, "alibi", False):  # Falcon's biases follow a 2D mask's positions
+    # Attention that places keys by their index, not their position: ALiBi's
+    # biases (Falcon builds them from a 2D mask), GPT-Neo's local layers (a
+    # window of indices, masked on top of the mask given).
+    if getattr(config, "alibi", False) or "local" in getattr(config, "attention_layers", ()):
         return False
     return getattr(config, "_attn_implementation", None) in FOUR_D_MASK_ATTENTION
 

@@ -71,3 +71,52 @@ def test_alibi_attention_keeps_prompts_side_by_side(tokenizer):
     stats = manager.stats()
     assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
     manager.close()
+
+
+class FirstScores:
+    """A logits processor that keeps the first scores it is given."""
+
+    def __init__(self):
+        self.first = None
+
+    def __call__(self, input_ids, scores):
+        if self.first is None:
+            self.first = scores.clone()
+        return scores
+
+
+def test_local_attention_by_index_keeps_prompts_side_by_side(tokenizer):
+    """GPT-Neo's local layers mask keys past a window of indices themselves,
+    on top of the mask given: in one sequence a tail's index is past the
+    other rows' tails, not its position, so its first layer hid the head
+    from a tail's first tokens, and every later key and logit moved. Its
+    prompts prefill side by side: each row's first scores are
+    plain generate's, and its reply."""
+    fields = dict(
+        hidden_size=64,
+        num_heads=4,
+        num_layers=2,
+        attention_types=[[["local", "global"], 1]],
+        window_size=4,
+        max_position_embeddings=1024,
+    )
+    model = tiny_from_config("gpt_neo", torch.float64, fields, tokenizer)
+    assert not takes_4d_mask(model)
+    manager = SessionManager(model, tokenizer)
+    conversations = _conversations(3)
+    seen = [FirstScores() for _ in conversations]
+    reports = together(
+        manager,
+        [
+            chat_call(manager, f"s{k}", c, 5, logits_processor=[seen[k]])
+            for k, c in enumerate(conversations)
+        ],
+    )
+    for k, report in enumerate(reports):
+        plain = FirstScores()
+        expected = reference_turn(model, tokenizer, conversations[k], 5, logits_processor=[plain])
+        assert report.output_ids == expected[2], k
+        torch.testing.assert_close(seen[k].first, plain.first, rtol=0, atol=1e-6)
+    stats = manager.stats()
+    assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
+    manager.close()
