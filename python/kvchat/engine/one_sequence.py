@@ -27,9 +27,9 @@ reuses its head's keys, nor runs faster because another sent the same.
 The mask goes to the model as a 4D additive one, which transformers passes
 to the attention unchanged: only the attention implementations that take it
 ("sdpa", "eager") prefill this way (``takes_4d_mask``); the others
-(FlashAttention's, flex) keep ``prefill_together``'s 2D padding mask. So
-does ALiBi (Falcon's ``alibi``), whose biases come from a 2D mask's
-positions, not from ``position_ids``.
+(FlashAttention's, flex), ALiBi (whose biases Falcon builds from the 2D
+mask) and GPT-Neo's local layers (a window of indices, where a tail's index
+is not its position), keep ``prefill_together``'s 2D padding mask.
 """
 
 from __future__ import annotations
@@ -44,11 +44,15 @@ FOUR_D_MASK_ATTENTION = ("sdpa", "eager")
 
 def takes_4d_mask(model) -> bool:
     """Whether ``model``'s attention takes a 4D additive mask as given, and
-    its positions come from ``position_ids`` (not ALiBi's from a 2D mask)."""
+    places keys by ``position_ids`` (not ALiBi's biases from a 2D mask, nor
+    GPT-Neo's local window of indices)."""
     config = model.config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    if getattr(config, "alibi", False) is True:
+    # Attention that places keys by their index, not their position: ALiBi's
+    # biases (Falcon builds them from a 2D mask), GPT-Neo's local layers (a
+    # window of indices, masked on top of the mask given).
+    if getattr(config, "alibi", False) or "local" in getattr(config, "attention_layers", ()):
         return False
     return getattr(config, "_attn_implementation", None) in FOUR_D_MASK_ATTENTION
 

@@ -17,7 +17,7 @@ from kvchat.tiny import tiny_model, tiny_tokenizer
 from test_engine import chat_call, together, wait_for
 from test_engine_prompts import LONG_SYSTEM, reply_and_next
 from test_engine_prompts_attack import FailOnce
-from transformers import AttentionInterface, FalconConfig, FalconForCausalLM
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -233,49 +233,3 @@ def test_only_attention_that_takes_a_4d_mask_runs_prompts_as_one(tokenizer):
     stats, _ = _three_first_turns(model, tokenizer)
     assert stats.prompts_prefilled_together == 3 and stats.prefill_chunks == 1, stats
     assert stats.head_tokens_run_once == 0, stats
-
-
-def test_alibi_positions_from_a_2d_mask_keep_prompts_side_by_side(tokenizer):
-    """Falcon with ALiBi builds its biases from a 2D mask (a 4D one makes
-    its forward raise): three first turns that begin alike prefill side by
-    side, each reply plain generate's, no head run once."""
-    torch.manual_seed(0)
-    config = FalconConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        alibi=True,
-        new_decoder_architecture=False,
-        multi_query=False,
-        parallel_attn=False,
-        bias=True,
-    )
-    model = FalconForCausalLM(config).to(torch.float64).eval()
-    assert not takes_4d_mask(model)
-    stats, _ = _three_first_turns(model, tokenizer)
-    assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
-
-
-@pytest.mark.parametrize("scopes", ["namespaces", "sharing off"])
-def test_rows_of_other_share_scopes_never_run_one_head(scopes, tokenizer):
-    """New conversations that begin alike but may not share prefixes (each
-    in its own namespace with ``isolate_namespaces``, as ``kvchat serve``
-    runs; or sharing off) prefill side by side: no row starts from another's
-    past or takes its head's keys. Each reply is plain generate's."""
-    model = model_for("llama")
-    if scopes == "namespaces":
-        manager = SessionManager(model, tokenizer, isolate_namespaces=True)
-        ids = [f"tenant{k}/s" for k in range(3)]
-    else:
-        manager = SessionManager(model, tokenizer, share_prefixes=False)
-        ids = [f"s{k}" for k in range(3)]
-    conversations = _conversations(3)
-    reports = together(
-        manager, [chat_call(manager, i, c, 6) for i, c in zip(ids, conversations, strict=True)]
-    )
-    for k, report in enumerate(reports):
-        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 6)[2], k
-    stats = manager.stats()
-    assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
-    manager.close()
