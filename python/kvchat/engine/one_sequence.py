@@ -19,7 +19,7 @@ them (``shared_head``), the rows run in a batch of one:
   before it. Positions are each token's own.
 
 Rows that share no head stay side by side: one sequence would save their
-padding only to attend across every row's past (RESULTS §30). So do rows of
+padding only to attend across every row's past (``_Loop._as_one``). So do rows of
 different share scopes (``prompts.shares_with``: sharing off, or another
 namespace): one tenant's prompt never starts from another's past, nor
 reuses its head's keys, nor runs faster because another sent the same.
