@@ -52,11 +52,17 @@ def _round(manager, histories, reply_tokens) -> list[float]:
     def turn(i):
         barrier.wait()
         started, first, pieces = time.perf_counter(), None, []
-        stream = manager.stream_chat(f"c{i}", histories[i], max_new_tokens=reply_tokens)
+        # Every reply is reply_tokens long in both modes (no early end of
+        # turn), so the modes' later turns carry as many tokens.
+        stream = manager.stream_chat(
+            f"c{i}", histories[i], max_new_tokens=reply_tokens, min_new_tokens=reply_tokens
+        )
         for piece in stream:
-            if first is None:
+            if first is None and piece:
                 first = time.perf_counter()
             pieces.append(piece)
+        if first is None:
+            raise RuntimeError(f"conversation {i}'s reply streamed no text")
         ttft[i] = (first - started) * 1e3
         histories[i].append({"role": "assistant", "content": "".join(pieces)})
 
