@@ -11,7 +11,7 @@ from kvchat import SessionManager
 from kvchat.engine.one_sequence import takes_4d_mask
 from kvchat.tiny import tiny_tokenizer
 from test_engine import chat_call, together
-from test_engine_heads import _conversations, _head
+from test_engine_heads import _conversations, _head, _three_first_turns
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +61,8 @@ def test_alibi_attention_keeps_prompts_side_by_side(tokenizer):
     fields = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True, bias=True)
     model = tiny_from_config("falcon", torch.float64, fields, tokenizer)
     assert not takes_4d_mask(model)
-    manager = SessionManager(model, tokenizer)
-    conversations = _conversations(3)
-    reports = together(
-        manager, [chat_call(manager, f"s{k}", c, 5) for k, c in enumerate(conversations)]
-    )
-    for k, report in enumerate(reports):
-        assert report.output_ids == reference_turn(model, tokenizer, conversations[k], 5)[2], k
-    stats = manager.stats()
+    stats, _ = _three_first_turns(model, tokenizer)
     assert stats.prompts_prefilled_together == 3 and stats.head_tokens_run_once == 0, stats
-    manager.close()
 
 
 class FirstScores:
