@@ -46,7 +46,7 @@ import torch
 
 from .. import daemon_threads  # first: its hook, which waits for our threads, runs after ours
 from ..compiled import ordinary_token
-from . import packed
+from . import grouped_keys, packed
 from .batch import DecodeBatch, unsupported_layer
 from .one_sequence import prefill_as_one, sequence_tokens, shared_head, takes_4d_mask
 from .prompts import (
@@ -109,6 +109,8 @@ class _Loop:
     def __init__(self, model, bridge, max_batch: int, max_step_tokens: int, min_shared_tokens: int):
         self.model = model
         self.packs = False  # whether this thread's forwards take packed weights (packed.py)
+        # Whether its masked prefills keep grouped keys grouped (grouped_keys.py).
+        self.grouped = grouped_keys.install()
         self.release_weights: Callable[[], None] = lambda: None  # PackedWeights.release
         self.check_weights: Callable[[], None] = lambda: None  # PackedWeights.verify
         self.bridge = bridge
@@ -183,6 +185,7 @@ class _Loop:
         try:
             _graph_trees_for_this_thread(self.model)
             packed.on_this_thread(self.packs)
+            grouped_keys.on_this_thread(self.grouped)
             with torch.no_grad():
                 self._serve()
         except BaseException as error:  # a fault here must never leave a caller waiting
