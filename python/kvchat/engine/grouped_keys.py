@@ -61,7 +61,10 @@ def install() -> bool:
         if current is None:
             logger.debug("kvchat: transformers has no use_gqa_in_sdpa; keys repeat under masks")
             return False
-        if current is not _use_gqa_in_sdpa:
+        # Wrap transformers' answer once, or again where it was put back; not
+        # whatever replaced ours since: a user's wrapper that calls ours would
+        # then call itself without end.
+        if _original is None or current is _original:
             _original = current
             sdpa_attention.use_gqa_in_sdpa = _use_gqa_in_sdpa
     return True

@@ -73,3 +73,38 @@ def test_prompts_over_pasts_prefill_without_repeating_keys(family, tokenizer, mo
         assert not sdpa_attention.use_gqa_in_sdpa(mask[:, :, :1], keys, keys)  # a decode step
     finally:
         grouped_keys.on_this_thread(False)
+
+
+def test_a_users_wrapper_installed_between_managers_is_called_once(tokenizer, monkeypatch):
+    """A user wraps ``use_gqa_in_sdpa`` after a first manager put the engine's
+    answer in front of transformers' (as a profiler or a test does), then
+    makes a second manager: the question is answered (no wrapper calling
+    itself without end), the user's wrapper still sees every question, and
+    the second manager's turn is plain generate's with keys kept grouped."""
+    model = model_for("llama")
+    SessionManager(model, tokenizer).close()  # the engine's answer installed
+    engines = sdpa_attention.use_gqa_in_sdpa
+    asked = []
+
+    def users(attention_mask, key, value, *args, **kwargs):
+        asked.append(threading.current_thread().name)
+        return engines(attention_mask, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", users)
+    manager = SessionManager(model, tokenizer)
+    messages = own_system(0)
+    counts = RepeatCount(monkeypatch)
+    reply = manager.chat("a", messages, max_new_tokens=6, settle=False)
+    second = reply_and_next(tokenizer, messages, reference_turn(model, tokenizer, messages, 6)[2])
+    calls_before = dict(counts.calls)
+    assert (
+        manager.chat("a", second, max_new_tokens=6, settle=False)
+        == reference_turn(model, tokenizer, second, 6)[0]
+    )
+    manager.close()
+    assert reply == reference_turn(model, tokenizer, messages, 6)[0]
+    assert "kvchat-engine" in asked
+    assert counts.calls.get("kvchat-engine", 0) == calls_before.get("kvchat-engine", 0)
+    keys = torch.zeros(1, 2, 5, 8, dtype=torch.float64)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    assert not sdpa_attention.use_gqa_in_sdpa(mask, keys, keys)  # off the engine's thread
