@@ -35,17 +35,20 @@ def on_this_thread(grouped: bool) -> None:
     _thread.grouped = grouped
 
 
-def _use_gqa_in_sdpa(attention_mask, key, value, *args, **kwargs):
+def _use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
+    # transformers 5.0 asks with (mask, key), later ones with (mask, key,
+    # value): the call goes on to transformers' own as it came.
+    value = args[0] if args else kwargs.get("value")
     if (
         attention_mask is not None
         and attention_mask.dim() == 4
         and attention_mask.shape[-2] > 1  # not a decode step
         and key.device.type == "cpu"
-        and key.shape[-1] == value.shape[-1]
+        and (value is None or key.shape[-1] == value.shape[-1])
         and getattr(_thread, "grouped", False)
     ):
         return True
-    return _original(attention_mask, key, value, *args, **kwargs)
+    return _original(attention_mask, key, *args, **kwargs)
 
 
 def install() -> bool:

@@ -108,3 +108,29 @@ def test_a_users_wrapper_installed_between_managers_is_called_once(tokenizer, mo
     keys = torch.zeros(1, 2, 5, 8, dtype=torch.float64)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     assert not sdpa_attention.use_gqa_in_sdpa(mask, keys, keys)  # off the engine's thread
+
+
+def test_transformers_5_0s_question_of_two_arguments_is_answered(monkeypatch):
+    """transformers 5.0 (which kvchat accepts) asks ``use_gqa_in_sdpa(mask,
+    key)``, with no value: the engine's answer takes that call on every
+    thread, passes it to transformers' own as it came, and on the engine's
+    thread keeps grouped keys grouped under a mask of several query rows."""
+    received = []
+
+    def transformers_5_0(attention_mask, key):
+        received.append((attention_mask, key))
+        return attention_mask is None
+
+    monkeypatch.setattr(grouped_keys, "_original", transformers_5_0)
+    keys = torch.zeros(1, 2, 5, 8, dtype=torch.float64)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    answer = grouped_keys._use_gqa_in_sdpa
+    assert not answer(mask, keys) and answer(None, keys)  # off the engine's thread
+    assert len(received) == 2 and received[0][0] is mask and received[0][1] is keys
+    grouped_keys.on_this_thread(True)
+    try:
+        assert answer(mask, keys)
+        assert not answer(mask[:, :, :1], keys)  # a decode step: transformers decides
+    finally:
+        grouped_keys.on_this_thread(False)
+    assert len(received) == 3
