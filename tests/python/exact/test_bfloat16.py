@@ -117,3 +117,42 @@ def test_half_precision_promises_hold_for_rows_decoding_together(family, dtype, 
     if family == "llama":  # full attention: prompts share forwards and prefixes too
         assert stats.prompts_prefilled_together > 0 and stats.prefix_tokens_copied > 0, stats
     assert checked >= 3, f"only {checked} later turns had a clear first token"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_half_precision_promises_hold_for_prompts_run_as_one_sequence(family, dtype, tokenizer):
+    """The same promises where new conversations start together with one short
+    system prompt, so their first turns prefill as one sequence, its head once
+    (engine/one_sequence.py), and their later turns side by side over caches
+    of different lengths."""
+    import threading
+
+    model = tiny_model(family, dtype=dtype, seed=0).to(DEVICE)
+    manager = SessionManager(model, tokenizer)
+    system = {"role": "system", "content": "Be brief."}
+    sessions = [[system] for _ in range(3)]
+    checked = 0
+    for turn in range(4):
+        expected, reports = {}, {}
+        for k, messages in enumerate(sessions):
+            messages.append(user_message(3 * k + turn))
+            expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
+
+        def run(k, reports=reports):
+            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
+            reports[k] = manager.last_turn(f"s{k}")
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        with manager._engine.hold():
+            for thread in threads:
+                thread.start()
+            while manager.stats().queued < 3 and len(reports) < 3:
+                threading.Event().wait(0.002)
+        for thread in threads:
+            thread.join()
+        checked += check_low_precision_replies(reports.items(), expected, turn, sessions, tokenizer)
+    stats = manager.stats()
+    assert stats.head_tokens_run_once > 0 and stats.prompts_prefilled_together >= 9, stats
+    assert checked >= 3, f"only {checked} later turns had a clear first token"
+    manager.close()
