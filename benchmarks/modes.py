@@ -40,6 +40,7 @@ class Measured:
     held_bytes: int  # cache storage the mode keeps between turns, all sessions
     peak_bytes: int  # held before the call plus the most the call added
     settle_ms: float = 0.0  # kvchat: time settling took after the turn, off its path
+    compiles: int = 0  # kvchat: frames torch.compile compiled during the turn
 
 
 def _cache_tensors(cache: DynamicCache):
@@ -171,10 +172,12 @@ class Kvchat(Mode):
 
     def turn(self, session, messages, prompt, generate_kwargs, reference=None):
         held = self.held_bytes()
+        compiled = self.manager.stats().compiles
         with PeakMemory(self.model.device) as peak:
             self.manager.chat(session, messages, **generate_kwargs)
             _sync(self.model.device)
         t = self.manager.last_turn(session)
+        compiles = self.manager.stats().compiles - compiled
         return Measured(
             t.prefill_ms,
             _decode_tps(t.generated_tokens, t.prefill_ms, t.total_ms),
@@ -184,6 +187,7 @@ class Kvchat(Mode):
             self.held_bytes(),
             held + peak.extra_bytes,
             self.settled(),
+            compiles,
         )
 
     def sent_back(self, session, history) -> None:

@@ -229,6 +229,7 @@ def _replay(args, model, tokenizer, suppress, repeat: int, steps) -> list[dict]:
                         peak_mib=round(m.peak_bytes / 2**20, 2),
                         same_tokens=same,
                         settle_ms=round(m.settle_ms, 3),
+                        compiles=m.compiles,
                     )
                 )
             reply = tokenizer.decode(reference, skip_special_tokens=True)
@@ -299,6 +300,10 @@ def summarize(rows: list[dict], turns: int) -> dict:
             same_tokens_all=all(r["same_tokens"] for r in mine),
             # kvchat: prefill time settling spent between turns, off their path
             settle_ms_mean=sum(r.get("settle_ms", 0.0) for r in mine) / len(mine),
+            # kvchat, compiled: what torch.compile compiled on turn 1 and after
+            # (the promise: nothing after a shape has been seen)
+            compiles_turn_1=sum(r.get("compiles", 0) for r in mine if r["turn"] == 1),
+            compiles_later_turns=sum(r.get("compiles", 0) for r in mine if r["turn"] > 1),
         )
     if "kvchat" in out:
         k = out["kvchat"]["ttft_last_turn_ms"]
@@ -379,6 +384,11 @@ def format_table(result: dict) -> str:
             + ", ".join(f"{v:.2f}" for v in pairs["each"])
             + f" (same tokens: {'yes' if pairs['same_tokens'] else 'NO'})"
         )
+    for m in modes:  # what a compiled kvchat mode compiled, and when
+        first = summary[m].get("compiles_turn_1", 0)
+        later = summary[m].get("compiles_later_turns", 0)
+        if first or later:
+            lines.append(f"{m}: torch.compile compiled {first} frames on turn 1, {later} after")
     return "\n".join(lines)
 
 

