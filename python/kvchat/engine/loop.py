@@ -46,7 +46,7 @@ import torch
 
 from .. import daemon_threads  # first: its hook, which waits for our threads, runs after ours
 from ..compiled import ordinary_token
-from . import grouped_keys, packed
+from . import graph_trees, grouped_keys, packed
 from .batch import DecodeBatch, unsupported_layer
 from .one_sequence import prefill_as_one, sequence_tokens, shared_head, takes_4d_mask
 from .prompts import (
@@ -183,7 +183,7 @@ class _Loop:
     # ------------------------------------------------------------ the thread
     def work(self) -> None:
         try:
-            _graph_trees_for_this_thread(self.model)
+            graph_trees.set_up_engine_thread()
             packed.on_this_thread(self.packs)
             grouped_keys.on_this_thread(self.grouped)
             with torch.no_grad():
@@ -193,6 +193,8 @@ class _Loop:
             with self.cond:
                 self._fail_all(error)
                 self.thread = None
+        finally:
+            graph_trees.before_engine_thread_ends()
 
     def _serve(self) -> None:
         while True:
@@ -598,31 +600,6 @@ class _WarmRow:
         self.slot, self.joined_length = None, 0
 
 
-def _graph_trees_for_this_thread(model) -> None:
-    """torch.compile's CUDA graph trees keep their managers in thread-local
-    state that only the importing thread (and autograd's) gets; a compiled
-    decode on the engine's thread would fail an assertion without it."""
-    device = getattr(model, "device", None)
-    if not isinstance(device, torch.device) or device.type != "cuda":
-        return
-    try:
-        from torch._inductor import cudagraph_trees
-    except ImportError:  # a torch without inductor compiles nothing
-        return
-    local = getattr(cudagraph_trees, "local", None)
-    if local is None or hasattr(local, "tree_manager_containers"):
-        return
-    initialize = getattr(cudagraph_trees, "_initialize_tls", None)
-    if initialize is not None:
-        initialize(local)
-        return
-    # Older torch (2.11) sets them up inline at import, for its thread only.
-    local.tree_manager_containers = {}
-    local.tree_manager_locks = collections.defaultdict(threading.Lock)
-    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
-    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
-
-
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -658,6 +635,8 @@ class Engine:
         for a model the manager compiles; ``compiled``: the manager's
         ``CompiledDecode`` (compiled.py), whose config compiles the batch's
         steps while it is enabled."""
+        if getattr(getattr(model, "device", None), "type", None) == "cuda":
+            graph_trees.import_here()  # on this thread, not the engine's (graph_trees.py)
         self._loop = _Loop(model, bridge, max_batch, max_step_tokens, min_shared_tokens)
         requested = compiled is not None and compiled.requested
         self._packed = packed.PackedWeights(model, pack_weights, requested)

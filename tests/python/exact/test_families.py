@@ -232,7 +232,7 @@ def test_mamba2_processors_see_the_whole_prompt(tokenizer):
     messages = [LONGER_SYSTEM]
     for turn in range(3):
         messages.append(user_message(turn))
-        prompt = render_prompt(tokenizer, messages).unsqueeze(0)
+        prompt = render_prompt(tokenizer, messages).unsqueeze(0).to(model.device)
         output = manager.generate(prompt, "s", do_sample=False, **penalties)
         assert torch.equal(output, model.generate(prompt, do_sample=False, **penalties)), turn
         reply = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
