@@ -130,10 +130,10 @@ class CompiledDecode:
         """The decode batch's step (engine/batch.py, a static batch of
         ``shape``, rows by columns): ``model(**kwargs)`` compiled with the
         manager's config, what it compiled counted as a turn's is. One
-        ``torch.compile`` for every shape, in at most four graphs: one row and
-        several rows compile apart (dynamo specializes sizes of 1), each at
-        its first column count and once more at a second, with the columns
-        (and several rows) as dynamic sizes; no later shape compiles again."""
+        ``torch.compile`` for every shape, in two graphs: one row and several
+        rows compile apart (dynamo specializes sizes of 1), the columns (and
+        several rows) dynamic sizes from the first compile (the batch marks
+        them: ``DecodeBatch._mark_static``); no later shape compiles again."""
         if self._batch_forward is None:
             forward = _own_forward()
             self._batch_forward = torch.compile(forward, **self.config_for({}).to_dict())
@@ -243,8 +243,8 @@ class CompiledDecode:
     def _warm_up_batch(self, engine, capacities: list[int], pool) -> list[int]:
         """``warm_up`` for a manager whose turns decode in the engine's batch:
         its step for one row and for two, in each of ``capacities`` columns
-        and in two at least (the next bucket up), so that the rows
-        and the columns both become dynamic sizes: no later shape compiles."""
+        and in two at least (the next bucket up, which compiles nothing but
+        on a GPU records its CUDA graphs): no later shape compiles."""
         if len(capacities) == 1:
             capacities = [capacities[0], bucket(capacities[0] + 1)]
         done = []

@@ -420,10 +420,10 @@ class SessionManager(SessionAdmin):
         buckets of ``lengths``: the positions the caller's turns will need,
         prompt plus ``max_new_tokens`` (a bucket's own size names it; see
         docs/compiled-decode.md). The decode batch's step compiles for one
-        row and for two in each bucket's columns (every larger row count is
-        then a dynamic size), and in the next bucket up when only one is named, so that
-        rows and columns are dynamic sizes: a later batched turn compiles
-        nothing, in any bucket. Runs on the engine's thread, between other
+        row and for two in each bucket's columns (rows past one and columns
+        are dynamic sizes from the first compile), and in the next bucket up
+        when only one is named (on a GPU its CUDA graphs are recorded): a later
+        batched turn compiles nothing, in any bucket. Runs on the engine's thread, between other
         work, and returns the buckets it decoded in (``warm_up(200)``:
         ``[256, 512]``). Needs ``compile=True`` (or a ``CompileConfig``):
         ValueError otherwise; on a model whose decode cannot compile it logs

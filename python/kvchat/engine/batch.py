@@ -148,6 +148,14 @@ def _batched_class(cls: type, static: bool) -> type:
     return _CLASSES[cls, static]
 
 
+def _rows_of(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``buffer``: the buffer itself when that is
+    all of them, so that a static batch's layers hold the very tensor marked
+    static (a view is another tensor to torch.compile: CUDA graphs were
+    skipped for "mutated inputs" where a conv state was updated in place)."""
+    return buffer if rows == buffer.shape[0] else buffer[:rows]
+
+
 def unsupported_layer(cache) -> str | None:
     """Why a conversation with this cache cannot join a decode batch, or None."""
     for index, layer in enumerate(cache.layers):
@@ -313,9 +321,18 @@ class DecodeBatch:
 
     def _mark_static(self) -> None:
         """A static batch's tensors keep their addresses from step to step:
-        said to torch.compile, so CUDA graphs replay on them without copies."""
-        for buffer, _ in self._buffers():
+        said to torch.compile, so CUDA graphs replay on them without copies.
+        Their columns, and their rows where there are several, are dynamic
+        sizes from the first compile: a later bucket or row count compiles
+        nothing (dynamo would otherwise compile once more, on seeing a size
+        change: a conversation's second turn in the next bucket did). One
+        row stays apart, as dynamo specializes sizes of 1."""
+        for buffer, column_dim in self._buffers():
             torch._dynamo.mark_static_address(buffer)
+            if column_dim is not None:
+                torch._dynamo.maybe_mark_dynamic(buffer, column_dim)
+            if self._row_capacity > 1:
+                torch._dynamo.maybe_mark_dynamic(buffer, 0)
         torch._dynamo.mark_static_address(self._geo.hi_t)
 
     def _buffers_of(self, cache):
@@ -393,7 +410,7 @@ class DecodeBatch:
         batch's forward runs every row)."""
         rows = self._row_capacity if self.static else self._geo.rows
         for index, kind, i, buffer in self._recurrent:
-            getattr(self._cache.layers[index], f"{kind}_states")[i] = buffer[:rows]
+            getattr(self._cache.layers[index], f"{kind}_states")[i] = _rows_of(buffer, rows)
 
     def shape(self, template, rows: int, columns: int, length: int) -> None:
         """An empty batch's buffers, made for ``rows`` rows of ``length``
@@ -535,7 +552,7 @@ class DecodeBatch:
             states = getattr(self._cache.layers[index], f"{kind}_states")
             if states[i].data_ptr() != buffer.data_ptr():
                 buffer[:linked].copy_(states[i])
-                states[i] = buffer[:linked]
+                states[i] = _rows_of(buffer, linked)
         return outputs.logits[:rows, -1].to(copy=True, dtype=torch.float32)
 
     def _static_forward(self, model, kwargs: dict):

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from helpers import model_for, reference_ids, reference_turn
+from helpers import SYSTEM, exact_turn, model_for, reference_ids, reference_turn, user_message
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_tokenizer
@@ -101,18 +101,70 @@ def test_rows_join_and_leave_a_compiled_batch(family, tokenizer):
 
 def test_no_shape_compiles_twice(tokenizer, caplog):
     """Rounds of 1, 2, 3, 4, 1, 2 and 4 conversations at once: the batch
-    step compiles at most four graphs in all (one row; several rows, then
-    with dynamic sizes; one row again in other columns), none for a shape
-    it ran before, and the rounds after the first four compile nothing."""
+    step compiles two graphs in all (one row; several rows, whose count and
+    columns are dynamic sizes from that first compile), none for a shape it
+    ran before, and the rounds after the first two compile nothing. Before
+    kvchat marked those sizes dynamic, dynamo compiled up to four."""
     model, manager, backend = _counting_manager("llama", tokenizer)
     after = []
     with caplog.at_level("INFO", logger="kvchat"):
         for round_, n in enumerate((1, 2, 3, 4, 1, 2, 4)):
             decode_rounds(manager, model, tokenizer, n, rounds=1, prefix=f"r{round_}-")
             after.append(backend.graphs)
-    assert after[-1] <= 4, after
-    assert after[3:] == [after[3]] * 4, after
+    assert after == [1, 2, 2, 2, 2, 2, 2], after
     assert "compiled the decode again" not in caplog.text
+    manager.close()
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_a_later_turn_in_the_next_bucket_compiles_nothing(family, tokenizer):
+    """One conversation whose second turn needs the next bucket of columns,
+    with no warm_up: the first compile already took the columns as a dynamic
+    size, so the second turn compiles nothing (on an H200 the LFM2-shaped
+    hybrid's turn 2 compiled once more, as dynamo saw the size change).
+    Both turns are plain generate's."""
+    model, manager, backend = _counting_manager(family, tokenizer)
+    columns = []
+    original = manager._compiled.batch_forward
+
+    def batch_forward(model_, kwargs, shape):
+        columns.append(shape[1])
+        return original(model_, kwargs, shape)
+
+    manager._compiled.batch_forward = batch_forward
+    messages = [SYSTEM, user_message(0)]
+    reply, _ = exact_turn(manager, "s", messages, model, tokenizer, 8)
+    first = backend.graphs
+    long_question = " ".join(user_message(k)["content"] for k in range(1, 40))
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": long_question},
+    ]
+    exact_turn(manager, "s", messages, model, tokenizer, 8)
+    assert len(set(columns)) == 2, sorted(set(columns))  # the second turn's bucket is new
+    assert first >= 1 and backend.graphs == first, (first, backend.graphs)
+    manager.close()
+
+
+def test_a_compiled_hybrid_step_updates_the_states_marked_static(tokenizer):
+    """LFM2's conv states, updated in place by each step, are the batch's
+    buffers marked static themselves, not views of them: on an H200
+    inductor skipped CUDA graphs for the hybrid's compiled step ("mutated
+    inputs"), as a view of a marked buffer is another, unmarked, input."""
+    model, manager, backend = _counting_manager("lfm2", tokenizer)
+    batch = manager._engine._loop.batch
+    seen = []
+    original = manager._compiled.batch_forward
+
+    def batch_forward(model_, kwargs, shape):
+        for index, kind, i, buffer in batch._recurrent:
+            state = getattr(batch._cache.layers[index], f"{kind}_states")[i]
+            seen.append(state is buffer and hasattr(state, "_dynamo_static_input_type"))
+        return original(model_, kwargs, shape)
+
+    manager._compiled.batch_forward = batch_forward
+    decode_rounds(manager, model, tokenizer, 2, rounds=1)
+    assert seen and all(seen), seen
     manager.close()
 
 
