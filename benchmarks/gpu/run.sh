@@ -102,7 +102,7 @@ if [ "$what" = lease ]; then
   # compiled tests, in parallel, in the time left. At most 8 files come back.
   budget=${LEASE_S:-560}
   left() { echo $(( budget - (SECONDS - started) )); }
-  timeout 170 python3 benchmarks/concurrent_decode.py --model smollm2-135m --device cuda \
+  timeout 220 python3 benchmarks/concurrent_decode.py --model smollm2-135m --device cuda \
     --dtype bfloat16 --compile --conversations 1 8 --reply-tokens 64 --out "$out" \
     >"$out/concurrent-decode-compiled.txt" 2>&1 || echo "concurrent_decode: exit $?"
   tail -6 "$out/concurrent-decode-compiled.txt"
