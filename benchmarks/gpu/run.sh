@@ -74,6 +74,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # (RESULTS section 10 has the CPU run), and Mamba2 (section 11).
   python3 benchmarks/hybrid.py --turns 10 --device cuda --dtype bfloat16 --out "$out" \
     2>&1 | tee "$out/hybrid.txt" | tail -30
+  # Where the hybrid's reused turn waits (RESULTS section 32: 2.84x the limit on an H200).
+  python3 benchmarks/turn_profile.py --model lfm2-350m --device cuda --dtype bfloat16 \
+    2>&1 | tee "$out/turn-profile.txt" | tail -25
   # The same with kvchat's decode compiled (issue 28's hybrid targets).
   python3 benchmarks/hybrid.py --turns 10 --device cuda --dtype bfloat16 --compile \
     --out "$out/compiled" 2>&1 | tee "$out/hybrid-compiled.txt" | tail -30
