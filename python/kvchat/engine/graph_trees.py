@@ -1,33 +1,39 @@
 """torch.compile's CUDA graph trees on kvchat's threads.
 
-inductor keeps its CUDA graph trees' managers per thread: in a
-``threading.local`` (``cudagraph_trees.local``), which the module fills for
-the thread that imports it, and in torch's C++ thread-local state
-(``torch._C._stash_obj_in_tls``), so that autograd's threads see them too.
-A compiled forward on any other thread fails an assertion (torch 2.11) or
-fills them there (later torch).
+With CUDA graphs (kvchat's compiled decode on a GPU), inductor keeps its
+graph trees' state per thread: two objects (the tree managers, one per
+device, and their locks) in a ``threading.local``
+(``cudagraph_trees.local``), and the same two in torch's C++ thread-local
+state (``torch._C._stash_obj_in_tls``, "the stash"), which autograd's
+threads inherit. The module fills both for the thread that imports it. On
+any other thread a compiled forward fails an assertion (torch 2.11), or
+torch fills both there at its first ``get_obj`` (torch 2.13). kvchat
+compiles and captures on the engine's thread, not the one that made the
+manager.
 
-In torch 2.11 (not 2.13) the stash is unsafe on a thread that ends: it
-hands C++ a pointer without a reference of its own (``SafePyObject`` steals
-one), and the thread's C++ state drops that reference when the thread ends,
-so the two objects lose a reference they never had and are freed while
-still in use. On CUDA that showed as segmentation faults in the garbage
-collector and "bad argument to internal function" errors, tests after
-tests, once engine threads had come and gone. torch stashes on the
-importing thread, and on any later thread its own ``get_obj`` meets first.
-``_stash_steals`` asks the torch at hand which it does.
+In torch 2.11 (not 2.13) the stash takes no reference of its own (its
+``SafePyObject`` steals the caller's), yet the thread's C++ state drops
+one when the thread ends: once a thread that stashed has ended, the two
+objects are a reference short and are freed while still in use. On an
+H200 that showed as segmentation faults in the garbage collector and "bad
+argument to internal function" errors, tests after tests, once engine
+threads had come and gone. ``_stash_steals`` asks the torch at hand
+whether its stash does that (once, with a probe).
 
-So, for a model on CUDA:
+What kvchat does:
 
-- ``import_here`` (on the thread that makes the engine, which outlives it
-  in every ordinary program): imports the module there, before the
-  engine's thread could, and gives the stash the references it took;
-- ``set_up_engine_thread`` (first thing on the engine's thread): fills the
-  thread-local attributes only, so torch never stashes there. The engine
-  runs no backward, so no autograd thread needs the stash;
-- ``before_engine_thread_ends`` (last thing there): should torch have
-  stashed on it all the same (the module first imported there, by a
-  compile), owns the references that stash took before the thread ends.
+- ``import_here``, from ``Engine()`` for a model on CUDA, on the caller's
+  thread: imports the module there (so that thread, usually where the
+  user's own compiled ``generate`` runs, has its state), and where the
+  stash steals, adds the references it should have taken. That thread may
+  end without harm: ``kvchat serve`` builds its manager on one that does;
+- ``set_up_engine_thread``, first thing on every engine thread: once the
+  module is imported, gives the thread its own two objects in the
+  ``threading.local`` only, so torch never stashes there. The engine runs
+  no backward, so no autograd thread needs the stash;
+- ``before_engine_thread_ends``, last thing there: should torch have
+  stashed on the thread all the same (the module first imported there, by
+  a compile), adds the references that stash should have taken.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ _NAMES = ("tree_manager_containers", "tree_manager_locks")
 
 def import_here() -> None:
     """Imports inductor's CUDA graph trees on this thread if no thread has
-    yet, and owns the references its import-time stash took (a small,
-    deliberate leak: they live as long as the process)."""
+    yet, and where the stash steals, adds the references its import-time
+    stash should have taken (a small, deliberate leak: the two objects live
+    as long as the process)."""
     if _MODULE in sys.modules:
         return
     try:
@@ -73,8 +80,9 @@ def set_up_engine_thread() -> None:
 
 
 def before_engine_thread_ends() -> None:
-    """Owns the references of what torch stashed on this thread, which its
-    C++ state drops as the thread ends (the module's docstring)."""
+    """Where the stash steals, adds a reference to what torch stashed on
+    this thread, as its C++ state drops one when the thread ends (the
+    module's docstring)."""
     import torch
 
     if not _stash_steals():
