@@ -23,7 +23,7 @@ import pytest
 # Each script prints the references left, at the end, on what the ended
 # thread was given: 2 is sys.getrefcount's own and the script's.
 _PRELUDE = """
-import ctypes, sys, threading, time, torch
+import ctypes, os, sys, threading, time, torch
 from kvchat.engine import graph_trees
 kept = {}
 native = torch._C._stash_obj_in_tls
@@ -42,7 +42,13 @@ def in_a_thread(body):
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
-    time.sleep(0.5)  # the thread's C++ state ends just after join returns
+    # join returns before the thread's C++ state ends (where the stash drops
+    # its reference): wait until the OS thread is gone, a sleep elsewhere.
+    task = f"/proc/self/task/{thread.native_id}"
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.5)
+    while os.path.exists(task):
+        time.sleep(0.01)
 """
 
 
@@ -55,7 +61,6 @@ def _run(script: str, emulate: bool) -> str:
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip()
@@ -111,14 +116,13 @@ def test_a_stash_on_the_engine_thread_is_owned_before_it_ends(emulate):
     when the thread ends. Without it the object lost one it never had."""
     out = _run(
         """
-        def body(balance):
+        def body():
             obj = {"a": 1}
             torch._C._stash_obj_in_tls("tree_manager_containers", obj)  # as torch's import does
-            kept[balance] = obj
-            if balance:
-                graph_trees.before_engine_thread_ends()
-        in_a_thread(lambda: body(True))
-        print(sys.getrefcount(kept[True]))
+            kept["containers"] = obj
+            graph_trees.before_engine_thread_ends()
+        in_a_thread(body)
+        print(sys.getrefcount(kept["containers"]))
         """,
         emulate,
     )
