@@ -190,9 +190,10 @@ class CompiledDecode:
         on the engine's thread; the capacities it decoded in. Nothing (and
         []) if the model cannot compile.
 
-        Where turns decode in the engine's batch: its step, for every row
-        count in each capacity's columns, and in the next bucket up when one
-        capacity is named (``_warm_up_batch``). Where they cannot (a
+        Where turns decode in the engine's batch: its step, for one row and
+        for two (the graph of every larger row count) in each capacity's
+        columns, and in the next bucket up when one capacity is named
+        (``_warm_up_batch``). Where they cannot (a
         length-dependent rope: each turn alone): short generates in a pooled
         cache of each capacity, as a turn does (a pooled cache up to twice as
         large serves a smaller one, as it does for a turn). A sliding-window
