@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/run.sh [tests|engine|bench|all|lease]
 # (lease: issue 48's GPU checks sized to one 15-minute lease; see that section)
 # The machine has no network: wheels it lacks (transformers 5.23) travel in .whl/
-# (see benchmarks/gpu/README.md). kvchat is built against the torch found there.
+# (RESULTS.md section 7). kvchat is built against the torch found there.
 # Logs and result files go to $OUT (the device tool's folder) or benchmarks/out/gpu.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -102,7 +102,12 @@ if [ "$what" = lease ]; then
   # (build included): the compiled batched decode at 1 and 8 conversations,
   # the LFM2-shaped hybrid compiled (turns 2+ against the limit, and what each
   # turn compiled), then the CUDA tests with the engine, settling and the
-  # compiled tests, in parallel, in the time left. At most 8 files come back.
+  # compiled tests, in parallel, in the time left (60 s at least, so a slow
+  # build can take the whole past LEASE_S: the device's 600 s a call then cuts
+  # test-gpu.log, which still comes back). The device returns at most 8 files
+  # from $OUT; this leaves 7 there: versions.txt, concurrent-decode-compiled.txt
+  # and its JSON, hybrid-compiled.txt, hybrid-cuda.json,
+  # multiturn-lfm2-350m-cuda.csv and test-gpu.log.
   budget=${LEASE_S:-560}
   left() { echo $(( budget - (SECONDS - started) )); }
   timeout 220 python3 benchmarks/concurrent_decode.py --model smollm2-135m --device cuda \
