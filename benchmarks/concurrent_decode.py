@@ -13,8 +13,13 @@ mean rows per decode step; ratios against N=1 in the same run.
     python benchmarks/concurrent_decode.py --device cuda --dtype bfloat16 --compile
 
 With ``--compile`` each manager decodes compiled (``SessionManager(compile=True)``)
-and ``warm_up`` compiles its buckets before the measured turns; the table says
-how long that took and what the measured turns compiled (the promise: nothing).
+and ``warm_up`` compiles its buckets before the measured turns. The table's
+``warm-up s`` (the JSON rows' ``warm_up_s``) is that warm-up and one short turn
+(without ``--compile``, the turn alone), outside the measurement; ``compiles``
+(``compiles_measured``) counts the frames torch.compile compiled during the
+measured turns (the promise: none); ``compiled_turns`` is the manager's count,
+the short turn's included. The JSON goes to
+``--out/concurrent-decode-<model>-<device>[-compiled].json``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ whose layers cannot crop (conv, DeltaNet, Mamba2): the first turn against
 plain generate, the later turns against the limit (one forward over only the
 new tokens), and the last turn against the baseline. Each model's CSV and JSON
 go to --out as multiturn.py writes them, plus hybrid-<device>.json and a plot.
+With --compile, a line per model gives what torch.compile compiled in kvchat's
+turns: "kvchat's compiles: turn 1 N, turns 2+ M" (the JSON's "compiles",
+[N, M]; the promise: M is 0).
 """
 
 from __future__ import annotations

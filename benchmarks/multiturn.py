@@ -4,7 +4,10 @@
 
 Every turn of every session runs through each mode on the same conversation,
 one mode after the other, so the ratios come from one run on one machine.
-Writes CSV, JSON and a PNG plot to --out.
+Writes CSV, JSON and a PNG plot to --out. A kvchat mode's CSV rows count in
+``compiles`` the frames torch.compile compiled during that turn; the JSON
+summary sums them as ``compiles_turn_1`` and ``compiles_later_turns``, and the
+table prints them for a mode that compiled.
 """
 
 from __future__ import annotations
