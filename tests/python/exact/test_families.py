@@ -112,12 +112,15 @@ def test_dsa_sparse_selection_runs_as_plain_generate_exactly(variant, tokenizer,
     probe ran on attention-only models, kvchat reused these prompts and its
     reply differed from plain generate's (1 turn in 6 of a short replay).
     On CUDA (an H200, torch 2.11) the split forward selected as the whole one
-    did: the probe accepted both variants and four reused turns were each
-    plain generate's; there the promise checked is that exactness."""
+    did: the probe accepted both variants, and each of four turns (three
+    reusing the cache) was plain generate's; there the promise checked is
+    that exactness."""
     model = _dsa(variant, tokenizer)
     if DEVICE.type != "cpu":
         manager = SessionManager(model, tokenizer)
-        _, reports = exact_turns(manager, "s", [LONGER_SYSTEM], model, tokenizer, 4, 0, 8)
+        _, reports = exact_turns(
+            manager, "s", [LONGER_SYSTEM], model, tokenizer, 4, max_new_tokens=8
+        )
     else:
         reports = _refused_by_the_probe_and_exact(model, tokenizer, caplog)
     for report in reports:
