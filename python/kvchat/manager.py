@@ -419,13 +419,14 @@ class SessionManager(SessionAdmin):
         """Compiles the decode now, off any turn's path, for the capacity
         buckets of ``lengths``: the positions the caller's turns will need,
         prompt plus ``max_new_tokens`` (a bucket's own size names it; see
-        docs/compiled-decode.md). The decode batch's step compiles for one
-        row and for two in each bucket's columns (rows past one and columns
-        are dynamic sizes from the first compile), and in the next bucket up
-        when only one is named (on a GPU its CUDA graphs are recorded): a later
-        batched turn compiles nothing, in any bucket. Runs on the engine's thread, between other
-        work, and returns the buckets it decoded in (``warm_up(200)``:
-        ``[256, 512]``). Needs ``compile=True`` (or a ``CompileConfig``):
+        docs/compiled-decode.md). The decode batch's step runs for one row
+        and for two in each bucket's columns, and in the next bucket up when
+        only one is named: two graphs, as rows past one and columns are
+        dynamic sizes from the first compile (the other buckets compile
+        nothing; on a GPU their CUDA graphs are recorded). A later batched
+        turn compiles nothing, in any bucket. Runs on the engine's thread,
+        between other work, and returns the buckets it decoded in
+        (``warm_up(200)``: ``[256, 512]``). Needs ``compile=True`` (or a ``CompileConfig``):
         ValueError otherwise; on a model whose decode cannot compile it logs
         a warning and returns []."""
         capacities = self._compiled.check_warm_up(lengths, self._max_context)
