@@ -678,11 +678,13 @@ class Engine:
         return self._model_problem
 
     def warm_up_batch(self, compiled, columns: int, tokens: int, steps: int) -> list[int]:
-        """Compiles the batch step (``compiled``'s) for one row and for two
-        (or one alone, for a batch of at most one) in ``columns`` columns, on
-        the engine's thread; the row counts warmed. One row is a graph of
-        its own (dynamo specializes sizes of 1); after two, the rows are a
-        dynamic size, so 4, 8 or 16 rows compile nothing, and warming them
+        """Runs the batch step (``compiled``'s) for one row and for two (or
+        one alone, for a batch of at most one) in ``columns`` columns, on
+        the engine's thread, compiling what has not compiled yet; the row
+        counts warmed. One row is a graph of its own (dynamo specializes
+        sizes of 1); from two on, the rows are a dynamic size (the batch
+        marks them, and the columns: ``DecodeBatch._mark_static``), so 4, 8
+        or 16 rows, or other columns, compile nothing, and warming more rows
         would only allocate their buffers (16 rows in 4096 columns of
         SmolLM2 in float32: 3 GB)."""
         counts = [1, 2] if self._loop.max_batch > 1 else [1]
