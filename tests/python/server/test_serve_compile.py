@@ -28,7 +28,7 @@ def _metric(server, name: str) -> float:
 def test_warmed_up_turns_compile_nothing_and_stay_exact(compiled_server, tokenizer):
     server, model = compiled_server, reference_model("lfm2")
     warmed = _metric(server, "kvchat_compiles_total")
-    # The warm-up's own: the batch step's rows and columns become dynamic sizes.
+    # The warm-up's own: the two-row graph recompiles the one-row graph's function.
     recompiled = _metric(server, "kvchat_recompiles_total")
     assert warmed >= 1 and _metric(server, "kvchat_compile_seconds_total") > 0
     client = client_for(server)
