@@ -33,13 +33,17 @@ python3 -c "import torch, transformers, kvchat; print('torch', torch.__version__
 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # The exactness suite on CUDA, float64 as on the CPU.
-  KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+  # The exactness suite on CUDA, float64 as on the CPU, with the engine's tests
+  # (batched rows, settling, prompts run as one sequence) and the compiled ones,
+  # in parallel (the image has pytest-xdist; one after another they take ~20 min).
+  KVCHAT_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" -rf \
     tests/python/exact/test_exactness.py tests/python/exact/test_hybrid.py \
     tests/python/exact/test_sharing.py tests/python/api/test_persistence.py \
     tests/python/exact/test_generate_args.py tests/python/exact/test_returned_cache.py \
     tests/python/exact/test_bfloat16.py tests/python/exact/test_families.py \
     tests/python/exact/test_compiled_decode.py tests/python/exact/test_compiled_batch.py \
+    tests/python/exact/test_engine.py tests/python/exact/test_settling.py \
+    tests/python/exact/test_engine_heads.py tests/python/unit/test_graph_trees.py \
     2>&1 | tee "$out/test-gpu.log" | tail -25
 fi
 
