@@ -77,11 +77,14 @@ def before_engine_thread_ends() -> None:
     C++ state drops as the thread ends (the module's docstring)."""
     import torch
 
-    if not _stash_steals():
+    stashed = [name for name in _NAMES if torch._C._is_key_in_tls(name)]
+    # Asked only then: the probe would leave an object of its own here, which
+    # the thread's end frees under the GIL (at the interpreter's exit that
+    # aborted the process now and then).
+    if not stashed or not _stash_steals():
         return
-    for name in _NAMES:
-        if torch._C._is_key_in_tls(name):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(torch._C._get_obj_in_tls(name)))
+    for name in stashed:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(torch._C._get_obj_in_tls(name)))
 
 
 @functools.cache

@@ -123,3 +123,32 @@ def test_a_stash_on_the_engine_thread_is_owned_before_it_ends(emulate):
         emulate,
     )
     assert out == "2", out
+
+
+@STASHES
+def test_an_engine_thread_that_compiled_nothing_leaves_nothing_in_torchs_thread_state(emulate):
+    """A CPU manager's engine thread, its turn done and the manager closed:
+    nothing was stashed on it, so torch's C++ state has no Python object to
+    free when the thread ends. Freeing one there takes the GIL; at the
+    interpreter's exit (a script that never closes its manager, whose engine
+    thread the exit ends) that aborted the process now and then ("terminate
+    called without an active exception"). It stashed a probe
+    (``_stash_steals``) there before."""
+    out = _run(
+        """
+        from kvchat import SessionManager
+        from kvchat.tiny import tiny_model, tiny_tokenizer
+        stashed_on = []
+        stash = torch._C._stash_obj_in_tls
+        def recording(key, obj):
+            stashed_on.append(threading.current_thread().name)
+            stash(key, obj)
+        torch._C._stash_obj_in_tls = recording
+        manager = SessionManager(tiny_model("llama"), tiny_tokenizer(), settle=False)
+        manager.chat("a", [{"role": "user", "content": "Hello"}], max_new_tokens=2)
+        manager.close()
+        print(stashed_on)
+        """,
+        emulate,
+    )
+    assert out == "[]", out
