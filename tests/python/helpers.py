@@ -230,3 +230,20 @@ def check_low_precision_replies(reports, expected, turn, sessions, tokenizer) ->
         reply = tokenizer.decode(ids, skip_special_tokens=True)
         sessions[k].append({"role": "assistant", "content": reply})
     return checked
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module; its sibling modules (machine,
+    workload, peers) import by bare name, as when it runs as a script."""
+    import importlib.util
+    import sys
+
+    folder = ROOT / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module

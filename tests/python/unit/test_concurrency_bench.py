@@ -3,28 +3,13 @@ prints against each server's own one-conversation figures. No server, no model."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from helpers import ROOT
-
-BENCHMARKS = ROOT / "benchmarks"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # Its sibling modules (peers, serve, machine) import by bare name, as when run as a script.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_concurrency", BENCHMARKS / "concurrency.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("concurrency")
 
 
 def test_percentile_interpolates_between_ranks_as_numpy_does(bench):

@@ -5,29 +5,16 @@ inductor's minutes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import torch
-from helpers import ROOT
+from helpers import load_benchmark
 from transformers import CompileConfig
-
-BENCHMARKS = ROOT / "benchmarks"
 
 
 def _load():
-    # Its sibling modules (machine, workload) import by bare name, as when run as a script.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_concurrent_decode", BENCHMARKS / "concurrent_decode.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("concurrent_decode")
 
 
 def test_a_compiled_row_counts_only_the_measured_turns(tmp_path, monkeypatch):
