@@ -34,6 +34,7 @@ from helpers import (
 from kvchat import SessionManager
 from kvchat.prompting import render_prompt
 from kvchat.tiny import tiny_model
+from test_engine import together
 
 pytestmark = pytest.mark.slow
 
@@ -87,30 +88,16 @@ def test_half_precision_promises_hold_for_rows_decoding_together(family, dtype, 
     """The same promises with three conversations decoding in one batch (the
     engine): a first turn is plain generate's reply, and every later turn's
     first token is plain generate's where its best token leads clearly."""
-    import threading
-
     model = _build(family, dtype, tokenizer)
     manager = SessionManager(model, tokenizer)
     sessions = [[LONG_SYSTEM] + [user_message(10 * k + j) for j in range(k)] for k in range(3)]
     checked = 0
     for turn in range(3):
-        expected, reports = {}, {}
+        expected = {}
         for k, messages in enumerate(sessions):
             messages.append(user_message(turn))
             expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
-
-        def run(k, reports=reports):
-            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
-            reports[k] = manager.last_turn(f"s{k}")
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
-        with manager._engine.hold():
-            for thread in threads:
-                thread.start()
-            while manager.stats().queued < 3 and len(reports) < 3:
-                threading.Event().wait(0.002)
-        for thread in threads:
-            thread.join()
+        reports = _turns_together(manager, sessions)
         checked += check_low_precision_replies(reports.items(), expected, turn, sessions, tokenizer)
     stats = manager.stats()
     assert stats.max_batch_rows == 3
@@ -126,33 +113,35 @@ def test_half_precision_promises_hold_for_prompts_run_as_one_sequence(family, dt
     system prompt, so their first turns prefill as one sequence, its head once
     (engine/one_sequence.py), and their later turns side by side over caches
     of different lengths."""
-    import threading
-
     model = tiny_model(family, dtype=dtype, seed=0).to(DEVICE)
     manager = SessionManager(model, tokenizer)
     system = {"role": "system", "content": "Be brief."}
     sessions = [[system] for _ in range(3)]
     checked = 0
     for turn in range(4):
-        expected, reports = {}, {}
+        expected = {}
         for k, messages in enumerate(sessions):
             messages.append(user_message(3 * k + turn))
             expected[k] = plain_with_margin(model, render_prompt(tokenizer, messages))
-
-        def run(k, reports=reports):
-            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
-            reports[k] = manager.last_turn(f"s{k}")
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
-        with manager._engine.hold():
-            for thread in threads:
-                thread.start()
-            while manager.stats().queued < 3 and len(reports) < 3:
-                threading.Event().wait(0.002)
-        for thread in threads:
-            thread.join()
+        reports = _turns_together(manager, sessions)
         checked += check_low_precision_replies(reports.items(), expected, turn, sessions, tokenizer)
     stats = manager.stats()
     assert stats.head_tokens_run_once > 0 and stats.prompts_prefilled_together >= 9, stats
     assert checked >= 3, f"only {checked} later turns had a clear first token"
     manager.close()
+
+
+def _turns_together(manager, sessions) -> dict:
+    """One turn of each session, their rows starting together (test_engine's
+    ``together``, which re-raises a turn's error: a thread of its own here
+    once lost one, and the test then checked only the turns that ended);
+    each session's report by index."""
+
+    def call(k):
+        def turn():
+            manager.chat(f"s{k}", sessions[k], max_new_tokens=MAX_NEW)
+            return manager.last_turn(f"s{k}")
+
+        return turn
+
+    return dict(enumerate(together(manager, [call(k) for k in range(len(sessions))])))
